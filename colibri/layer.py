@@ -1,0 +1,396 @@
+"""A framework-agnostic Mixture-of-Experts layer: gate → route → dispatch → experts → combine.
+
+::
+
+    hidden [T, H] ──gate [E, H]──► logits [T, E] ──route──► ids [T, k], weights [T, k]
+          │                                                    │
+          └──gather──► rows [N, H] in expert order ◄──dispatch─┘
+                           │ per active expert e: y = down @ (act(gate @ x) * (up @ x))
+                           ▼
+               expert outputs [N, H] ──combine(weights)──► out [T, H]  (+ shared expert)
+
+Expert weights come from an *expert weights provider*: anything with
+``load(layer, expert_ids)`` returning a context manager that yields a mapping
+``expert id -> object with .gate [I, H], .up [I, H], .down [H, I]`` (torch ``nn.Linear``'s
+``[out, in]`` convention). ``colibri.Pager`` is one (weights paged from a file under a
+memory budget); ``InMemoryExperts`` is another (stacked arrays).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any, NamedTuple, Protocol
+
+import numpy as np
+
+from colibri._host import import_host, to_caller
+from colibri.dispatch import DispatchPlan, combine, dispatch, gather
+
+__all__ = ["ExpertFFN", "ExpertWeights", "InMemoryExperts", "MoELayer", "activation_function"]
+
+
+class ExpertFFN(NamedTuple):
+    """One gated FFN expert: ``y = down @ (act(gate @ x) * (up @ x))``.
+
+    gate, up : [I, H]; down : [H, I]; numpy arrays (float32, float64, float16 or bfloat16).
+    """
+
+    gate: Any
+    up: Any
+    down: Any
+
+
+class ExpertWeights(Protocol):
+    """What ``MoELayer`` needs from a weight store (``colibri.Pager`` satisfies it)."""
+
+    def load(
+        self, layer: int, expert_ids: Sequence[int]
+    ) -> contextlib.AbstractContextManager[Mapping[int, Any]]:
+        """Make ``expert_ids`` of ``layer`` resident (pinned) for the ``with`` block."""
+        ...
+
+
+class InMemoryExperts:
+    """Expert weights held in memory as stacked arrays.
+
+    Parameters
+    ----------
+    gate, up : [E, I, H] or [L, E, I, H]
+    down : [E, H, I] or [L, E, H, I]
+        One layer (3-D, layer index 0) or ``L`` layers (4-D). Any array convertible with
+        ``np.asarray`` (torch CPU tensors are viewed without a copy).
+    """
+
+    def __init__(self, gate: Any, up: Any, down: Any) -> None:
+        arrays = [_host_array(a, name) for a, name in ((gate, "gate"), (up, "up"), (down, "down"))]
+        if arrays[0].ndim == 3:
+            arrays = [a[None] for a in arrays]
+        g, u, d = arrays
+        if g.ndim != 4 or u.shape != g.shape or d.shape != g.shape[:2] + g.shape[3:1:-1]:
+            raise ValueError(
+                "InMemoryExperts(): expected gate and up [E, I, H] and down [E, H, I] (or with "
+                f"a leading layer axis); got gate {g.shape}, up {u.shape}, down {d.shape}"
+            )
+        self.gate, self.up, self.down = g, u, d
+        self.num_layers, self.num_experts, self.intermediate_size, self.hidden_size = g.shape
+
+    @contextlib.contextmanager
+    def load(self, layer: int, expert_ids: Sequence[int]) -> Iterator[Mapping[int, ExpertFFN]]:
+        """Yield ``{e: ExpertFFN}`` for the requested experts (views, no copies)."""
+        if not 0 <= layer < self.num_layers:
+            raise IndexError(f"layer {layer} out of range: the store holds {self.num_layers}")
+        experts = {}
+        for e in expert_ids:
+            e = int(e)
+            if not 0 <= e < self.num_experts:
+                raise IndexError(
+                    f"expert {e} out of range: layer {layer} has {self.num_experts} experts"
+                )
+            experts[e] = ExpertFFN(self.gate[layer, e], self.up[layer, e], self.down[layer, e])
+        yield experts
+
+
+def _gelu_tanh(x: np.ndarray) -> np.ndarray:
+    return 0.5 * x * (1.0 + np.tanh(np.sqrt(2.0 / np.pi) * (x + 0.044715 * x**3)))
+
+
+def _erf(x: np.ndarray) -> np.ndarray:
+    try:
+        from scipy.special import erf
+    except ImportError:  # Abramowitz & Stegun 7.1.26 (|error| < 1.5e-7), numpy only
+        t = 1.0 / (1.0 + 0.3275911 * np.abs(x))
+        poly = t * (
+            0.254829592
+            + t * (-0.284496736 + t * (1.421413741 + t * (-1.453152027 + t * 1.061405429)))
+        )
+        return np.sign(x) * (1.0 - poly * np.exp(-x * x))
+    return erf(x)
+
+
+def _silu(x: np.ndarray) -> np.ndarray:
+    # x * sigmoid(x) without overflow warnings for large negative x
+    return x * (0.5 * (1.0 + np.tanh(0.5 * x)))
+
+
+_ACTIVATIONS: dict[str, Callable[[np.ndarray], np.ndarray]] = {
+    "silu": _silu,
+    "swiglu": _silu,
+    "gelu": lambda x: 0.5 * x * (1.0 + _erf(x / np.sqrt(2.0)).astype(x.dtype)),
+    "gelu_tanh": _gelu_tanh,
+    "gelu_pytorch_tanh": _gelu_tanh,
+    "geglu": _gelu_tanh,
+    "relu": lambda x: np.maximum(x, 0),
+}
+
+
+def activation_function(activation: str | Callable) -> Callable[[np.ndarray], np.ndarray]:
+    """The gate activation: "silu" (SwiGLU), "gelu" (exact, GeGLU), "gelu_tanh", "relu",
+    or a callable on a float numpy array."""
+    if callable(activation):
+        return activation
+    try:
+        return _ACTIVATIONS[activation]
+    except KeyError:
+        raise ValueError(
+            f"unknown activation {activation!r}; choose one of "
+            f"{sorted(_ACTIVATIONS)} or pass a callable"
+        ) from None
+
+
+def _host_array(a: Any, what: str) -> np.ndarray:
+    arr, name = import_host(a)
+    if name == "bfloat16":
+        return _bf16_to_float32(arr)
+    if name not in ("float32", "float64", "float16"):
+        raise ValueError(
+            f"{what} weights must be float32, float64, float16 or bfloat16 (got {name})"
+        )
+    return arr
+
+
+def _bf16_to_float32(bits: np.ndarray) -> np.ndarray:
+    return (bits.astype(np.uint32) << 16).view(np.float32)
+
+
+def _float32_to_bf16(x: np.ndarray) -> np.ndarray:
+    """Round float32 to bfloat16 (nearest even), returned as uint16 bits."""
+    bits = np.ascontiguousarray(x, np.float32).view(np.uint32)
+    rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
+    nan = np.isnan(x)
+    if nan.any():
+        rounded[nan] = ((bits[nan] >> 16) | 0x40).astype(np.uint16)
+    return rounded
+
+
+def _as_compute(w: Any, dtype: np.dtype) -> np.ndarray:
+    """A weight matrix in the compute dtype (no copy when it already is)."""
+    arr = np.asarray(w)
+    if arr.dtype == dtype:
+        return arr
+    if arr.dtype.name == "bfloat16":
+        return _bf16_to_float32(arr.view(np.uint16)).astype(dtype, copy=False)
+    if arr.dtype.kind != "f":
+        raise ValueError(
+            f"expert weights must be floating point (got {arr.dtype}); "
+            "bfloat16 stored as raw uint16 needs an explicit view"
+        )
+    return arr.astype(dtype)
+
+
+def gated_ffn(x: np.ndarray, expert: Any, act: Callable, dtype: np.dtype) -> np.ndarray:
+    """``down @ (act(gate @ x) * (up @ x))`` for rows ``x [n, H]``: three BLAS GEMMs."""
+    g = x @ _as_compute(expert.gate, dtype).T
+    u = x @ _as_compute(expert.up, dtype).T
+    h = act(g)
+    h *= u
+    return h @ _as_compute(expert.down, dtype).T
+
+
+Router = Callable[[np.ndarray], tuple[Any, Any]]
+
+
+class MoELayer:
+    """A sparse MoE block: gate → colibri routing → dispatch → gated-FFN experts → combine.
+
+    Parameters
+    ----------
+    gate_weight : [E, H]
+        Router weight (``logits = hidden @ gate_weight.T + gate_bias``).
+    experts : ExpertWeights or None
+        Weight provider (``colibri.Pager``, ``InMemoryExperts``); may be None when
+        ``expert_fn`` carries its own weights.
+    top_k : int
+    layer : int
+        Layer index passed to ``experts.load``.
+    gate_bias : [E] or None
+    activation : str or callable
+        "silu" (SwiGLU, default), "gelu" (GeGLU, exact), "gelu_tanh" (GeGLU, tanh), "relu".
+    router : colibri.Context, callable or None
+        ``logits [T, E] -> (ids [T, k], weights [T, k])``; a Context is used through its
+        ``route``. None: ``colibri.init(E, top_k, **route_options)``.
+    expert_fn : callable or None
+        ``expert_fn(expert_id, x, weights) -> y``: run one expert in your framework. ``x``
+        is ``[n, H]`` in the input's framework (float32, or float64 for float64 input),
+        ``weights`` the provider's entry (None without a provider); ``y`` is ``[n, H]``.
+        Default: numpy (BLAS), three GEMMs per active expert.
+    shared_expert : ExpertFFN or None
+        An always-on expert added to every token.
+    shared_expert_gate : [1, H] or [H] or None
+        Scales the shared expert by ``sigmoid(hidden @ shared_expert_gate.T)`` (Qwen2-MoE).
+    num_threads : int or None
+        Threads for dispatch/gather/combine.
+    **route_options
+        Passed to ``colibri.init`` when ``router`` is None (scoring, normalize, ...).
+    """
+
+    def __init__(
+        self,
+        gate_weight: Any,
+        experts: ExpertWeights | None,
+        top_k: int,
+        *,
+        layer: int = 0,
+        gate_bias: Any = None,
+        activation: str | Callable = "silu",
+        router: Any = None,
+        expert_fn: Callable | None = None,
+        shared_expert: ExpertFFN | None = None,
+        shared_expert_gate: Any = None,
+        num_threads: int | None = None,
+        **route_options: Any,
+    ) -> None:
+        self.gate_weight = np.ascontiguousarray(_host_array(gate_weight, "gate"), np.float32)
+        if self.gate_weight.ndim != 2:
+            raise ValueError(
+                f"MoELayer(): gate_weight must be [E, H] (got {self.gate_weight.shape})"
+            )
+        self.num_experts, self.hidden_size = self.gate_weight.shape
+        if not isinstance(top_k, (int, np.integer)) or not 1 <= top_k <= self.num_experts:
+            raise ValueError(
+                f"MoELayer(): top_k must be in [1, {self.num_experts}] (got {top_k!r})"
+            )
+        self.top_k = int(top_k)
+        if experts is None and expert_fn is None:
+            raise ValueError("MoELayer(): give experts (a Pager or InMemoryExperts) or expert_fn")
+        self.experts = experts
+        self.layer = int(layer)
+        self.gate_bias = None
+        if gate_bias is not None:
+            self.gate_bias = np.asarray(_host_array(gate_bias, "gate_bias"), np.float32)
+            if self.gate_bias.shape != (self.num_experts,):
+                raise ValueError(
+                    f"MoELayer(): gate_bias must be [{self.num_experts}] "
+                    f"(got {self.gate_bias.shape})"
+                )
+        self.activation = activation_function(activation)
+        self.expert_fn = expert_fn
+        self.shared_expert = shared_expert
+        self.shared_expert_gate = None
+        if shared_expert_gate is not None:
+            sg = np.asarray(_host_array(shared_expert_gate, "shared_expert_gate"), np.float32)
+            self.shared_expert_gate = sg.reshape(1, -1)
+            if self.shared_expert_gate.shape[1] != self.hidden_size:
+                raise ValueError(
+                    f"MoELayer(): shared_expert_gate must be [1, {self.hidden_size}]"
+                    f" (got {sg.shape})"
+                )
+        self.num_threads = num_threads
+        self._route = self._make_router(router, route_options)
+
+    def _make_router(self, router: Any, options: dict) -> Router:
+        if router is not None:
+            if options:
+                raise ValueError(
+                    f"MoELayer(): routing options {sorted(options)} conflict with "
+                    "an explicit router; set them on the router instead"
+                )
+            return router.route if hasattr(router, "route") else router
+        import colibri
+
+        if not hasattr(colibri, "init"):
+            raise ImportError(
+                "MoELayer(): colibri's routing core is not available in this "
+                "build; pass router=callable(logits) -> (ids, weights)"
+            )
+        return colibri.init(self.num_experts, self.top_k, **options).route
+
+    def router_logits(self, hidden: np.ndarray) -> np.ndarray:
+        """[T, E] float32 gate logits for float32 ``hidden [T, H]``."""
+        logits = hidden @ self.gate_weight.T
+        if self.gate_bias is not None:
+            logits += self.gate_bias
+        return logits
+
+    def route(self, hidden: Any) -> tuple[np.ndarray, np.ndarray]:
+        """ids [T, k] and weights [T, k] float32 (numpy) for ``hidden [T, H]``."""
+        x, _ = self._input(hidden)
+        return self._route_rows(x.astype(np.float32, copy=False))
+
+    def _route_rows(self, x32: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        ids, weights = self._route(self.router_logits(x32))
+        ids, ids_name = import_host(ids)
+        weights, _ = import_host(weights)
+        return ids, np.asarray(weights, np.float32)
+
+    def _input(self, hidden: Any) -> tuple[np.ndarray, str]:
+        arr, name = import_host(hidden)
+        if name not in ("float32", "float64", "float16", "bfloat16"):
+            raise ValueError(
+                f"MoELayer: hidden states must be float32, float64, float16 or "
+                f"bfloat16 (got {name})"
+            )
+        if arr.ndim != 2 or arr.shape[1] != self.hidden_size:
+            raise ValueError(
+                f"MoELayer: hidden states must be [T, {self.hidden_size}] "
+                f"(got {tuple(arr.shape)}); flatten batch and sequence first"
+            )
+        return arr, name
+
+    def __call__(self, hidden: Any) -> Any:
+        return self.forward(hidden)
+
+    def forward(self, hidden: Any) -> Any:
+        """The block's output for ``hidden [T, H]``, same dtype and framework as the input.
+
+        float16/bfloat16 inputs are computed in float32 and rounded once at the end.
+        """
+        arr, name = self._input(hidden)
+        compute = np.float64 if name == "float64" else np.float32
+        x = np.ascontiguousarray(
+            _bf16_to_float32(arr) if name == "bfloat16" else arr.astype(compute, copy=False)
+        )
+        x32 = x if compute == np.float32 else x.astype(np.float32)
+        ids, weights = self._route_rows(x32)
+        plan = dispatch(ids, self.num_experts, num_threads=self.num_threads)
+        rows = gather(x, plan, num_threads=self.num_threads)
+        expert_out = np.empty_like(rows)
+        self._run_experts(plan, rows, expert_out, hidden, compute)
+        if self.shared_expert is None:
+            out = combine(expert_out, plan, weights, dtype=name, num_threads=self.num_threads)
+            return to_caller(out, hidden, name)
+        out = combine(expert_out, plan, weights, num_threads=self.num_threads)
+        shared = gated_ffn(x, self.shared_expert, self.activation, compute)
+        if self.shared_expert_gate is not None:
+            shared *= 1.0 / (1.0 + np.exp(-(x32 @ self.shared_expert_gate.T)))
+        out += shared
+        return to_caller(_cast(out, name), hidden, name)
+
+    def _run_experts(
+        self,
+        plan: DispatchPlan,
+        rows: np.ndarray,
+        expert_out: np.ndarray,
+        like: Any,
+        compute: np.dtype,
+    ) -> None:
+        active = [int(e) for e in plan.active_experts]
+        loaded = (
+            self.experts.load(self.layer, active)
+            if self.experts is not None
+            else contextlib.nullcontext({})
+        )
+        with loaded as weights:
+            for e in active:
+                sl = plan.expert_rows(e)
+                if self.expert_fn is None:
+                    expert_out[sl] = gated_ffn(rows[sl], weights[e], self.activation, compute)
+                else:
+                    y = self.expert_fn(
+                        e,
+                        to_caller(rows[sl], like),
+                        weights[e] if self.experts is not None else None,
+                    )
+                    y, _ = import_host(y)
+                    if y.shape != (sl.stop - sl.start, self.hidden_size):
+                        raise ValueError(
+                            f"expert_fn({e}) returned shape {tuple(y.shape)}; "
+                            f"expected [{sl.stop - sl.start}, {self.hidden_size}]"
+                        )
+                    expert_out[sl] = y
+
+
+def _cast(x: np.ndarray, name: str) -> np.ndarray:
+    if name == "bfloat16":
+        return _float32_to_bf16(x)
+    return x.astype(name, copy=False)
