@@ -352,7 +352,7 @@ class MoELayer:
         out = combine(expert_out, plan, weights, num_threads=self.num_threads)
         shared = gated_ffn(x, self.shared_expert, self.activation, compute)
         if self.shared_expert_gate is not None:
-            shared *= 1.0 / (1.0 + np.exp(-(x32 @ self.shared_expert_gate.T)))
+            shared *= 1.0 / (1.0 + np.exp(-(x @ self.shared_expert_gate.T)))
         out += shared
         return to_caller(_cast(out, name), hidden, name)
 
