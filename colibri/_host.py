@@ -13,6 +13,15 @@ from typing import Any
 import numpy as np
 
 FLOAT_DTYPES = ("float32", "float64", "float16", "bfloat16")
+# dtype.name is slow (microseconds) in numpy 2; the common ones by lookup.
+_DTYPE_NAMES = {np.dtype(t): np.dtype(t).name for t in
+                (np.float32, np.float64, np.float16, np.int32, np.int64, np.uint16)}
+
+
+def dtype_name(dtype: np.dtype) -> str:
+    """``dtype.name``, fast for the usual dtypes."""
+    name = _DTYPE_NAMES.get(dtype)
+    return name if name is not None else dtype.name
 
 
 def _torch_module(obj: Any):
@@ -71,7 +80,7 @@ def import_host(obj: Any, *, writable: bool = False) -> tuple[np.ndarray, str]:
         arr = np.from_dlpack(obj)
     else:
         arr = np.asarray(obj)
-    name = arr.dtype.name
+    name = dtype_name(arr.dtype)
     if name == "bfloat16":  # ml_dtypes' numpy bfloat16
         arr = arr.view(np.uint16)
     return _check_writable(arr, writable), name
@@ -83,22 +92,22 @@ def _check_writable(arr: np.ndarray, writable: bool) -> np.ndarray:
     return arr
 
 
-def to_caller(arr: np.ndarray, like: Any, dtype_name: str | None = None) -> Any:
+def to_caller(arr: np.ndarray, like: Any, name: str | None = None) -> Any:
     """Return ``arr`` in ``like``'s framework (zero-copy for numpy and torch).
 
-    ``dtype_name="bfloat16"`` marks a uint16 array holding bfloat16 values.
+    ``name="bfloat16"`` marks a uint16 array holding bfloat16 values.
     """
     torch = _torch_module(like)
     if torch is not None:
-        if dtype_name == "bfloat16":
+        if name == "bfloat16":
             return torch.from_numpy(arr.view(np.int16)).view(torch.bfloat16)
         return torch.from_numpy(arr)
     if _jax_array(like):
         import jax.numpy as jnp
 
-        if dtype_name == "bfloat16":
+        if name == "bfloat16":
             return jnp.asarray(arr.view(np.uint16)).view(jnp.bfloat16)
         return jnp.asarray(arr)
-    if dtype_name == "bfloat16" and isinstance(like, np.ndarray) and like.dtype.name == "bfloat16":
+    if name == "bfloat16" and isinstance(like, np.ndarray) and like.dtype.name == "bfloat16":
         return arr.view(like.dtype)
     return arr

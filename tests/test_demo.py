@@ -9,7 +9,7 @@ import pytest
 import colibri
 from colibri import demo
 
-pytestmark = pytest.mark.skipif(
+needs_core = pytest.mark.skipif(
     not all(hasattr(colibri, name) for name in ("Pager", "init")),
     reason="needs colibri.Pager and colibri.init (pager and routing core)",
 )
@@ -45,6 +45,7 @@ def test_parse_size():
         demo.parse_size("lots")
 
 
+@needs_core
 def test_demo_runs_and_caches_the_file(tmp_path, capsys):
     assert demo.run(demo_args(tmp_path)) == 0
     out = capsys.readouterr().out
@@ -59,6 +60,7 @@ def test_demo_runs_and_caches_the_file(tmp_path, capsys):
     assert files[0].stat().st_mtime_ns == mtime  # cached, not rewritten
 
 
+@needs_core
 def test_demo_partition(tmp_path, capsys):
     if not hasattr(colibri, "Partition"):
         pytest.skip("needs colibri.Partition")
@@ -66,6 +68,7 @@ def test_demo_partition(tmp_path, capsys):
     assert "partition into 2 groups" in capsys.readouterr().out
 
 
+@needs_core
 def test_paged_layer_matches_in_memory(tmp_path):
     """The demo file through a small-budget Pager gives the same outputs as in memory."""
     inter = demo.demo_shape(2 << 20, 2, 64)
