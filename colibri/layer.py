@@ -19,6 +19,7 @@ memory budget); ``InMemoryExperts`` is another (stacked arrays).
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, NamedTuple, Protocol
 
@@ -139,6 +140,10 @@ def activation_function(activation: str | Callable) -> Callable[[np.ndarray], np
 
 
 def _host_array(a: Any, what: str) -> np.ndarray:
+    """Weights as numpy (float32 for bfloat16); torch parameters are read without a copy."""
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(a, torch.Tensor):
+        a = a.detach()  # weights are constants here: no autograd through the layer
     arr, name = import_host(a)
     if name == "bfloat16":
         return _bf16_to_float32(arr)
