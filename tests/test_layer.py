@@ -247,9 +247,7 @@ def test_matches_transformers_mixtral_block():
     x = torch.randn(2, 9, H)
     with torch.no_grad():
         ref = block(x)
-    layer = MoELayer(
-        block.gate.weight, _torch_experts_to_colibri(block.experts), K, router=numpy_router(K)
-    )
+    layer = MoELayer(block.gate.weight, _torch_experts_to_colibri(block.experts), K)
     out = layer(x.reshape(-1, H)).reshape(x.shape)
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
 
@@ -278,7 +276,7 @@ def test_matches_transformers_qwen2_moe_block():
         block.gate.weight,
         _torch_experts_to_colibri(block.experts),
         K,
-        router=numpy_router(K, normalize=False),
+        normalize=False,  # Qwen2-MoE's norm_topk_prob=False, through colibri.init
         shared_expert=ExpertFFN(
             se.gate_proj.weight.detach().numpy(),
             se.up_proj.weight.detach().numpy(),
@@ -288,6 +286,26 @@ def test_matches_transformers_qwen2_moe_block():
     )
     out = layer(x.reshape(-1, H)).reshape(x.shape)
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
+
+
+def test_default_router_is_colibri_routing():
+    w = make_weights(11)
+    x = torch.randn(29, H, generator=torch.Generator().manual_seed(12)).numpy()
+    experts = InMemoryExperts(w["gate"], w["up"], w["down"])
+    default = MoELayer(w["router"], experts, K)
+    np.testing.assert_allclose(default(x), make_layer(w)(x), rtol=1e-6, atol=1e-6)
+    ids, weights = default.route(x)
+    ref_ids, ref_w = numpy_router(K)(x @ w["router"].numpy().T)
+    np.testing.assert_array_equal(ids, ref_ids)
+    np.testing.assert_allclose(weights, ref_w, rtol=1e-6)
+    # a Context as router, and per-expert scales after renormalisation (Gemma4)
+    scale = np.linspace(0.5, 2.0, E).astype(np.float32)
+    ctx = colibri.init(E, K, expert_scale=scale)
+    scaled = MoELayer(w["router"], experts, K, router=ctx)
+    ids, weights = scaled.route(x)
+    np.testing.assert_allclose(weights, ref_w * scale[ref_ids], rtol=1e-6)
+    with pytest.raises(ValueError, match="conflict with an explicit router"):
+        MoELayer(w["router"], experts, K, router=ctx, normalize=False)
 
 
 def test_exported():
