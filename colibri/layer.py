@@ -12,8 +12,10 @@
 Expert weights come from an *expert weights provider*: anything with
 ``load(layer, expert_ids)`` returning a context manager that yields a mapping
 ``expert id -> object with .gate [I, H], .up [I, H], .down [H, I]`` (torch ``nn.Linear``'s
-``[out, in]`` convention). ``colibri.Pager`` is one (weights paged from a file under a
-memory budget); ``InMemoryExperts`` is another (stacked arrays).
+``[out, in]`` convention), the experts pinned until the block exits. An optional integer
+attribute ``capacity`` (experts it can hold at once) makes the layer load a step's experts
+in chunks of that size. ``colibri.Pager`` is one provider (weights paged from a file under
+a memory budget); ``InMemoryExperts`` is another (stacked arrays).
 """
 
 from __future__ import annotations
@@ -370,29 +372,40 @@ class MoELayer:
         compute: np.dtype,
     ) -> None:
         active = [int(e) for e in plan.active_experts]
-        loaded = (
-            self.experts.load(self.layer, active)
-            if self.experts is not None
-            else contextlib.nullcontext({})
-        )
-        with loaded as weights:
+        if self.experts is None:
             for e in active:
-                sl = plan.expert_rows(e)
-                if self.expert_fn is None:
-                    expert_out[sl] = gated_ffn(rows[sl], weights[e], self.activation, compute)
-                else:
-                    y = self.expert_fn(
-                        e,
-                        to_caller(rows[sl], like),
-                        weights[e] if self.experts is not None else None,
-                    )
-                    y, _ = import_host(y)
-                    if y.shape != (sl.stop - sl.start, self.hidden_size):
-                        raise ValueError(
-                            f"expert_fn({e}) returned shape {tuple(y.shape)}; "
-                            f"expected [{sl.stop - sl.start}, {self.hidden_size}]"
-                        )
-                    expert_out[sl] = y
+                self._run_expert(e, None, plan, rows, expert_out, like, compute)
+            return
+        # A provider with a fixed number of slots (Pager.capacity) gets the step's experts
+        # in chunks it can hold; each chunk stays pinned while it runs.
+        chunk = getattr(self.experts, "capacity", None) or len(active) or 1
+        for lo in range(0, len(active), chunk):
+            group = active[lo : lo + chunk]
+            with self.experts.load(self.layer, group) as weights:
+                for e in group:
+                    self._run_expert(e, weights[e], plan, rows, expert_out, like, compute)
+
+    def _run_expert(
+        self,
+        e: int,
+        weights: Any,
+        plan: DispatchPlan,
+        rows: np.ndarray,
+        expert_out: np.ndarray,
+        like: Any,
+        compute: np.dtype,
+    ) -> None:
+        sl = plan.expert_rows(e)
+        if self.expert_fn is None:
+            expert_out[sl] = gated_ffn(rows[sl], weights, self.activation, compute)
+            return
+        y, _ = import_host(self.expert_fn(e, to_caller(rows[sl], like), weights))
+        if y.shape != (sl.stop - sl.start, self.hidden_size):
+            raise ValueError(
+                f"expert_fn({e}) returned shape {tuple(y.shape)}; "
+                f"expected [{sl.stop - sl.start}, {self.hidden_size}]"
+            )
+        expert_out[sl] = y
 
 
 def _cast(x: np.ndarray, name: str) -> np.ndarray:

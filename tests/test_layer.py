@@ -180,6 +180,22 @@ def test_provider_protocol_loads_only_active_experts():
     )
 
 
+def test_provider_capacity_loads_in_chunks():
+    """A provider holding few experts at once (Pager.capacity) gets the step in chunks."""
+    w = make_weights(10)
+    provider = RecordingProvider(w)
+    provider.capacity = 3
+    x = torch.randn(40, H, generator=torch.Generator().manual_seed(2)).numpy()
+    out = MoELayer(w["router"], provider, K, router=numpy_router(K))(x)
+    assert [len(ids) for _, ids in provider.requests] == [3, 3, 2]  # all 8 experts active
+    assert sorted(e for _, ids in provider.requests for e in ids) == list(range(E))
+    w16 = {k: torch.from_numpy(v.astype(np.float32)) for k, v in provider.w.items()}
+    w16["router"] = w["router"]
+    np.testing.assert_allclose(
+        out, reference(torch.from_numpy(x), w16).numpy(), rtol=1e-4, atol=1e-4
+    )
+
+
 def test_multi_layer_in_memory_store_and_empty_batch():
     w0, w1 = make_weights(8), make_weights(9)
     experts = InMemoryExperts(*(torch.stack([w0[n], w1[n]]) for n in ("gate", "up", "down")))
