@@ -293,14 +293,9 @@ class MoELayer:
                     "an explicit router; set them on the router instead"
                 )
             return router.route if hasattr(router, "route") else router
-        import colibri
+        from colibri.routing import init
 
-        if not hasattr(colibri, "init"):
-            raise ImportError(
-                "MoELayer(): colibri's routing core is not available in this "
-                "build; pass router=callable(logits) -> (ids, weights)"
-            )
-        return colibri.init(self.num_experts, self.top_k, **options).route
+        return init(self.num_experts, self.top_k, **options).route
 
     def router_logits(self, hidden: np.ndarray) -> np.ndarray:
         """[T, E] float32 gate logits for float32 ``hidden [T, H]``."""
@@ -311,12 +306,12 @@ class MoELayer:
 
     def route(self, hidden: Any) -> tuple[np.ndarray, np.ndarray]:
         """ids [T, k] and weights [T, k] float32 (numpy) for ``hidden [T, H]``."""
-        x, _ = self._input(hidden)
+        x = _compute_input(*self._input(hidden))
         return self._route_rows(x.astype(np.float32, copy=False))
 
     def _route_rows(self, x32: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         ids, weights = self._route(self.router_logits(x32))
-        ids, ids_name = import_host(ids)
+        ids, _ = import_host(ids)
         weights, _ = import_host(weights)
         return ids, np.asarray(weights, np.float32)
 
@@ -343,10 +338,8 @@ class MoELayer:
         float16/bfloat16 inputs are computed in float32 and rounded once at the end.
         """
         arr, name = self._input(hidden)
-        compute = np.float64 if name == "float64" else np.float32
-        x = np.ascontiguousarray(
-            _bf16_to_float32(arr) if name == "bfloat16" else arr.astype(compute, copy=False)
-        )
+        x = _compute_input(arr, name)
+        compute = x.dtype
         x32 = x if compute == np.float32 else x.astype(np.float32)
         ids, weights = self._route_rows(x32)
         plan = dispatch(ids, self.num_experts, num_threads=self.num_threads)
@@ -359,7 +352,7 @@ class MoELayer:
         out = combine(expert_out, plan, weights, num_threads=self.num_threads)
         shared = gated_ffn(x, self.shared_expert, self.activation, compute)
         if self.shared_expert_gate is not None:
-            shared *= 1.0 / (1.0 + np.exp(-(x @ self.shared_expert_gate.T)))
+            shared *= 0.5 * (1.0 + np.tanh(0.5 * (x @ self.shared_expert_gate.T)))  # sigmoid
         out += shared
         return to_caller(_cast(out, name), hidden, name)
 
@@ -406,6 +399,13 @@ class MoELayer:
                 f"expected [{sl.stop - sl.start}, {self.hidden_size}]"
             )
         expert_out[sl] = y
+
+
+def _compute_input(arr: np.ndarray, name: str) -> np.ndarray:
+    """Hidden states in the compute dtype: float64 stays, everything else float32."""
+    if name == "bfloat16":
+        return _bf16_to_float32(arr)
+    return np.ascontiguousarray(arr, np.float64 if name == "float64" else np.float32)
 
 
 def _cast(x: np.ndarray, name: str) -> np.ndarray:

@@ -111,6 +111,10 @@ def test_torch_dtypes(dtype, tol):
     layer = make_layer(w, "silu", shared=True, shared_gate=True)
     out = layer(x)
     assert isinstance(out, torch.Tensor) and out.dtype == dtype and out.shape == x.shape
+    ids, weights = layer.route(x)
+    np.testing.assert_array_equal(
+        ids, numpy_router(K)(x.double().numpy() @ w["router"].double().numpy().T)[0]
+    )
     ref = reference(x, w, shared=True, shared_gate=True)
     torch.testing.assert_close(out.double(), ref, rtol=tol, atol=tol)
 
