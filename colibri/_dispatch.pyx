@@ -16,7 +16,6 @@ from colibri._openmp cimport colibri_max_threads
 
 cdef extern from "colibri/half.h" nogil:
     float colibri_bf16_to_float(uint16_t h)
-    float colibri_half_to_float(uint16_t h)
 
 cdef extern from *:
     """
@@ -61,9 +60,35 @@ cdef extern from *:
         ax -= 0x38000000u; /* exponent bias 127 -> 15 */
         return (uint16_t)(sign | (ax >> 13));
     }
+    /* IEEE half -> float32, exact for every input, branch-light so loops vectorize:
+       rebias the exponent; inf/NaN get the rest of the bias; zero/subnormals are
+       renormalised by an (exact) float subtraction. */
+    static inline float colibri_half_to_float_fast(uint16_t h)
+    {
+        const uint32_t exp_mask = 0x7c00u << 13;
+        uint32_t o = ((uint32_t)h & 0x7fffu) << 13;
+        uint32_t exp = o & exp_mask;
+        float f;
+        o += (uint32_t)(127 - 15) << 23;
+        if (exp == exp_mask) {
+            o += (uint32_t)(128 - 16) << 23;
+        } else if (exp == 0) {
+            const uint32_t magic_bits = 113u << 23;
+            float magic;
+            o += 1u << 23;
+            memcpy(&f, &o, sizeof f);
+            memcpy(&magic, &magic_bits, sizeof magic);
+            f -= magic;
+            memcpy(&o, &f, sizeof o);
+        }
+        o |= ((uint32_t)h & 0x8000u) << 16;
+        memcpy(&f, &o, sizeof f);
+        return f;
+    }
     """
     uint16_t colibri_float_to_bf16(float f) noexcept nogil
     uint16_t colibri_float_to_half(float f) noexcept nogil
+    float colibri_half_to_float_fast(uint16_t h) noexcept nogil
 
 # How 16-bit storage is read and written (uint16_t carries both half formats).
 KIND_PLAIN = 0
@@ -299,7 +324,7 @@ cdef inline float _load(const src_t[:, ::1] a, Py_ssize_t i, Py_ssize_t j, int k
     if src_t is uint16_t:
         if kind == 2:
             return colibri_bf16_to_float(a[i, j])
-        return colibri_half_to_float(a[i, j])
+        return colibri_half_to_float_fast(a[i, j])
     else:
         return <float>a[i, j]
 
@@ -314,3 +339,22 @@ cdef inline void _store(dst_t[:, ::1] a, Py_ssize_t i, Py_ssize_t j, double v, i
         a[i, j] = <float>v
     else:
         a[i, j] = v
+
+
+def to_float32(
+    const src_t[:, ::1] src,          # IN  [R, C]
+    int src_kind,
+    int num_threads,
+    float[:, ::1] dst,                # OUT [R, C]
+):
+    """Convert float16/bfloat16 (uint16 storage, told apart by ``src_kind``) or float64 rows
+    to float32."""
+    cdef Py_ssize_t R = src.shape[0]
+    cdef Py_ssize_t C = src.shape[1]
+    cdef Py_ssize_t i, j
+    cdef int threads = _threads_for(R * C * 4, num_threads)
+    if R == 0 or C == 0:
+        return
+    for i in prange(R, nogil=True, num_threads=threads, schedule="static"):
+        for j in range(C):
+            dst[i, j] = _load(src, i, j, src_kind)

@@ -243,3 +243,21 @@ def test_float_to_half_and_bfloat16_rounding_is_exact():
 def test_exports():
     assert colibri.dispatch is dispatch and colibri.gather is gather and colibri.combine is combine
     assert colibri.DispatchPlan is type(dispatch(np.zeros((1, 1), np.int32), 1))
+
+
+def test_half_and_bfloat16_to_float32_exhaustive():
+    """Every 16-bit pattern converts to the float32 it denotes (NaN payloads too)."""
+    from colibri import _dispatch
+
+    bits = np.arange(65536, dtype=np.uint32).astype(np.uint16).reshape(256, 256)
+    out = np.empty(bits.shape, np.float32)
+    _dispatch.to_float32(bits, 1, 2, out)
+    np.testing.assert_array_equal(
+        out.view(np.uint32), bits.view(np.float16).astype(np.float32).view(np.uint32)
+    )
+    _dispatch.to_float32(bits, 2, 2, out)
+    np.testing.assert_array_equal(out.view(np.uint32), bits.astype(np.uint32) << 16)
+    plan = dispatch(np.zeros((65536, 1), np.int32), 1)
+    rows = gather(bits.reshape(-1, 1).view(np.float16), plan, dtype="float32")
+    expected = bits.view(np.float16).astype(np.float32).reshape(-1, 1)
+    np.testing.assert_array_equal(rows.view(np.uint32), expected.view(np.uint32))

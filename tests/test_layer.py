@@ -328,5 +328,24 @@ def test_default_router_is_colibri_routing():
         MoELayer(w["router"], experts, K, router=ctx, normalize=False)
 
 
+@pytest.mark.parametrize("rows", [1, 3, 70])
+@pytest.mark.parametrize("storage", ["float16", "bfloat16", "float32", "float64"])
+def test_linear_converts_weight_blocks_exactly(rows, storage):
+    from colibri.layer import linear
+
+    r = np.random.default_rng(rows)
+    w32 = r.standard_normal((300, 1000)).astype(np.float32)  # several conversion blocks
+    if storage == "bfloat16":
+        ml_dtypes = pytest.importorskip("ml_dtypes")
+        w = w32.astype(ml_dtypes.bfloat16)
+    else:
+        w = w32.astype(storage)
+    x = r.standard_normal((rows, 1000)).astype(np.float32)
+    expected = x.astype(np.float64) @ w.astype(np.float64).T
+    np.testing.assert_allclose(linear(x, w, np.dtype(np.float32)), expected, rtol=1e-4, atol=1e-3)
+    with pytest.raises(ValueError, match="does not match"):
+        linear(x[:, :10], w, np.dtype(np.float32))
+
+
 def test_exported():
     assert colibri.MoELayer is MoELayer and colibri.InMemoryExperts is InMemoryExperts
