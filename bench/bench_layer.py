@@ -9,8 +9,9 @@ float32) at several batch sizes, for:
 - ``transformers``      transformers' eager ``MixtralSparseMoeBlock`` (torch, CPU) with the
                         same weights.
 
-Each (implementation, batch size) runs in its own subprocess so peak RSS is its own.
-Ratios are against ``transformers`` measured in the same run.
+Each (implementation, batch size) runs in its own subprocess so peak RSS is its own;
+tokens/s come from the median step time. Ratios are against ``transformers`` measured in
+the same run.
 
     python bench/bench_layer.py                      # H=1024, I=512, 4 layers
     python bench/bench_layer.py --hidden 2048 --inter 1408 --threads 2
@@ -157,10 +158,13 @@ def worker(args) -> None:
     tokens = rng.standard_normal((args.warmup + args.steps, B, args.hidden), np.float32)
     for i in range(args.warmup):
         step(tokens[i])
-    start = time.perf_counter()
+    times = []
     for i in range(args.warmup, args.warmup + args.steps):
+        start = time.perf_counter()
         step(tokens[i])
-    elapsed = time.perf_counter() - start
+        times.append(time.perf_counter() - start)
+    # median step: robust to other processes stealing the CPU for a moment
+    elapsed = float(np.median(times)) * args.steps
     close()
     peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     print(json.dumps({"tokens_per_s": B * args.steps / elapsed, "peak_rss": peak_kib * 1024}))
