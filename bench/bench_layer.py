@@ -166,8 +166,21 @@ def worker(args) -> None:
     # median step: robust to other processes stealing the CPU for a moment
     elapsed = float(np.median(times)) * args.steps
     close()
-    peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    print(json.dumps({"tokens_per_s": B * args.steps / elapsed, "peak_rss": peak_kib * 1024}))
+    print(json.dumps({"tokens_per_s": B * args.steps / elapsed, "peak_rss": peak_rss()}))
+
+
+def peak_rss() -> int:
+    """This process's peak RSS in bytes: VmHWM on Linux (ru_maxrss would include the parent's
+    peak: it survives fork and exec)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    scale = 1 if sys.platform == "darwin" else 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale
 
 
 def main() -> int:
