@@ -132,7 +132,7 @@ def build(args, impl: str, path: str):
         close = lambda: None  # noqa: E731
     layers = [
         colibri.MoELayer(
-            weights(args, layer)[0],
+            router_weight(args, layer),
             store,
             args.top_k,
             layer=layer,
