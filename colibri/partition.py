@@ -153,7 +153,7 @@ class Partition:
         (the balanced-packing idea of DeepSeek's EPLB). When the bound cannot be met the total
         excess load is minimised first.
 
-        Algorithm. Two starts, each improved by local search; the better result is kept:
+        Algorithm. Three starts, each improved by local search; the best result is kept:
 
         1. *Seeded growth*: the busiest expert seeds the first group, each next seed is the
            expert least co-activated with the seeds so far; then, repeatedly, the unassigned
@@ -161,8 +161,13 @@ class Partition:
            joins it.
         2. *Spectral order*: experts sorted by the Fiedler vector of the normalised
            co-activation graph, cut into consecutive groups.
+        3. *Merge and pack*: average-linkage agglomeration of experts into clusters no larger
+           than a group, then the clusters packed whole into the groups (largest first, a
+           bounded exact search, splitting a cluster only when no packing is found). This start
+           keeps small clusters intact, which single swaps cannot repair once split.
 
-        Local search applies the best move until none improves ``(excess load, -inside
+        With a load bound, the best unbounded result is also repaired as a fourth start. Local
+        search applies the best move until none improves ``(excess load, -inside
         mass)``: swapping two experts of different groups, or moving one from a group of size
         ``s + 1`` to one of size ``s``. Gains are computed for all pairs at once from the
         ``[E, num_groups]`` matrix of each expert's co-activation with each group, in exact
@@ -337,7 +342,11 @@ def _learn_groups(stats: UsageStats, sizes: list[int], tolerance: float | None) 
     if m == 1:
         return np.zeros(e, np.int64)
     unbounded = np.full(m, _UNBOUNDED, np.int64)
-    starts = [_seeded_growth(affinity, load, sizes, caps), _spectral_cut(affinity, sizes)]
+    starts = [
+        _seeded_growth(affinity, load, sizes, caps),
+        _spectral_cut(affinity, sizes),
+        _merge_and_pack(affinity, sizes),
+    ]
     if tolerance is not None and total:
         # Also repair the best grouping found without the load bound: it keeps whole clusters
         # together and moves only what the bound forces out.
@@ -399,6 +408,112 @@ def _seeded_growth(affinity, load, sizes, caps) -> np.ndarray:
         # ties: the lighter group, then the lower expert id, then the lower group index
         pick = np.lexsort((open_groups[cols], free[rows], group_load[open_groups[cols]]))[0]
         place(int(free[rows[pick]]), int(open_groups[cols[pick]]))
+    return assignment
+
+
+def _merge_and_pack(affinity, sizes, node_limit: int = 4000) -> np.ndarray:
+    e, m = affinity.shape[0], len(sizes)
+    largest = max(sizes)
+    # Average-linkage agglomeration under the group-size cap.
+    link = affinity.copy()
+    size = np.ones(e, np.int64)
+    alive = np.ones(e, bool)
+    members = [[x] for x in range(e)]
+    others = np.arange(e)
+    # score[a, b] (a < b): average linkage of two live clusters that may merge, else -1.
+    score = np.where(np.triu(link > 0, 1), link.astype(np.float64), -1.0)
+    if largest < 2:
+        score[:] = -1.0
+    while True:
+        best = int(np.argmax(score))
+        i, j = divmod(best, e)
+        if score[i, j] <= 0:
+            break
+        link[i, :] += link[j, :]
+        link[:, i] += link[:, j]
+        link[i, i] = 0
+        link[j, :] = 0
+        link[:, j] = 0
+        alive[j] = False
+        size[i] += size[j]
+        members[i] += members[j]
+        score[j, :] = -1.0
+        score[:, j] = -1.0
+        ok = alive & (others != i) & (link[i] > 0) & (size + size[i] <= largest)
+        row = np.where(ok, link[i] / (size * size[i]), -1.0)
+        score[i, i + 1 :] = row[i + 1 :]
+        score[:i, i] = row[:i]
+    clusters = sorted((sorted(members[i]) for i in np.flatnonzero(alive)), key=lambda c: -len(c))
+    # Pack the clusters whole into the groups: depth-first, groups tried by co-activation with
+    # the cluster, then best fit; bounded by node_limit.
+    label = np.empty(e, np.int64)
+    for index, cluster in enumerate(clusters):
+        label[cluster] = index
+    onehot = np.zeros((e, len(clusters)), np.int64)
+    onehot[np.arange(e), label] = 1
+    between = onehot.T @ affinity @ onehot  # co-activation between clusters
+    to_group = np.zeros((len(clusters), m), np.int64)
+    rooms = list(sizes)
+    placed = [-1] * len(clusters)
+    nodes = 0
+
+    def place(index: int) -> bool:
+        nonlocal nodes
+        if index == len(clusters):
+            return True
+        cluster = clusters[index]
+        tried_empty = set()
+        order = sorted(range(m), key=lambda g: (-to_group[index, g], rooms[g], g))
+        for g in order:
+            if rooms[g] < len(cluster):
+                continue
+            if rooms[g] == sizes[g]:  # empty groups of one size are interchangeable
+                if sizes[g] in tried_empty:
+                    continue
+                tried_empty.add(sizes[g])
+            nodes += 1
+            if nodes > node_limit:
+                return False
+            rooms[g] -= len(cluster)
+            placed[index] = g
+            to_group[:, g] += between[:, index]
+            if place(index + 1):
+                return True
+            to_group[:, g] -= between[:, index]
+            rooms[g] += len(cluster)
+            placed[index] = -1
+        return False
+
+    assignment = np.full(e, -1, np.int64)
+    if place(0):
+        for cluster, g in zip(clusters, placed, strict=True):
+            assignment[cluster] = g
+        return assignment
+    # No whole packing found: place clusters greedily, splitting those that fit nowhere.
+    rooms = list(sizes)
+    expert_to_group = np.zeros((e, m), np.int64)
+    for cluster in clusters:
+        fits = [g for g in range(m) if rooms[g] >= len(cluster)]
+        if fits:
+            g = max(fits, key=lambda g: (expert_to_group[cluster, g].sum(), rooms[g], -g))
+            targets = [g] * len(cluster)
+        else:
+            targets = []
+            for x in cluster:
+                g = max(
+                    (g for g in range(m) if rooms[g] > 0),
+                    key=lambda g: (expert_to_group[x, g], rooms[g], -g),
+                )
+                targets.append(g)
+                rooms[g] -= 1
+                expert_to_group[:, g] += affinity[:, x]
+            for x, g in zip(cluster, targets, strict=True):
+                assignment[x] = g
+            continue
+        rooms[g] -= len(cluster)
+        for x in cluster:
+            assignment[x] = g
+            expert_to_group[:, g] += affinity[:, x]
     return assignment
 
 
