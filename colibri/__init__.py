@@ -1,7 +1,9 @@
 """colibri: Mixture-of-Experts routing and expert paging for machines too small for the model."""
 
 from colibri._core import max_threads, openmp_enabled
+from colibri.partition import Partition
+from colibri.stats import UsageStats
 
 __version__ = "0.1.0"
 
-__all__ = ["__version__", "max_threads", "openmp_enabled"]
+__all__ = ["Partition", "UsageStats", "__version__", "max_threads", "openmp_enabled"]

@@ -334,3 +334,61 @@ def test_evaluate_rejects_bad_input():
         evaluate(p, np.zeros((4, 8), np.float32), 2, topk_groups=3)
     with pytest.raises(TypeError, match="partition="):
         evaluate(p, np.zeros((4, 8), np.float32), 2, partition=p)
+
+
+# -- command line --------------------------------------------------------------------------------
+
+
+def run_cli(argv):
+    import argparse
+
+    from colibri import _partition_cli
+
+    parser = argparse.ArgumentParser(prog="colibri partition")
+    _partition_cli.add_arguments(parser)
+    return _partition_cli.run(parser.parse_args(argv))
+
+
+def test_cli_learns_and_saves(tmp_path, capsys):
+    clusters, stats = planted_stats([7, 7, 6, 6], 3000, 2, 11)
+    first, second = tmp_path / "a.npz", tmp_path / "b.json"
+    UsageStats.from_ids(np.zeros((0, 2), np.int32), 26).save(first)
+    stats.save(second)
+    out = tmp_path / "groups.json"
+    assert run_cli([str(first), str(second), "--groups", "4", "--out", str(out)]) == 0
+    assert sorted(Partition.load(out).groups) == sorted(tuple(c) for c in clusters)
+    text = capsys.readouterr().out
+    assert "3000 tokens, 26 experts, 2 statistics file(s)" in text and "wrote" in text
+    assert run_cli([str(second), "--groups", "4", "--out", str(out)]) == 1
+    assert "--overwrite" in capsys.readouterr().err
+    assert run_cli([str(second), "--groups", "3", "--out", str(out), "--overwrite"]) == 0
+    assert Partition.load(out).num_groups == 3
+
+
+def test_cli_reports_bad_input(tmp_path, capsys):
+    bad = tmp_path / "s.json"
+    bad.write_text("{}")
+    assert run_cli([str(bad), "--groups", "2"]) == 1
+    assert "s.json" in capsys.readouterr().err
+    good = tmp_path / "t.json"
+    UsageStats.empty(4).save(good)
+    assert run_cli([str(good), "--groups", "9"]) == 1
+    assert run_cli([str(good), "--groups", "2", "--workload", "iid"]) == 1
+    assert "--top-k" in capsys.readouterr().err
+    logits = tmp_path / "l.npy"
+    np.save(logits, np.zeros((3, 5), np.float32))
+    assert run_cli([str(good), "--groups", "2", "--top-k", "1", "--logits", str(logits)]) == 1
+    assert "E = 4" in capsys.readouterr().err
+
+
+@needs_router
+def test_cli_evaluates(tmp_path, capsys):
+    _, stats = planted_stats([7, 7, 6, 6], 3000, 2, 11)
+    path = tmp_path / "s.npz"
+    stats.save(path)
+    logits = tmp_path / "l.npy"
+    np.save(logits, np.random.default_rng(0).standard_normal((200, 26)).astype(np.float32))
+    argv = [str(path), "--groups", "4", "--top-k", "2", "--logits", str(logits)]
+    assert run_cli(argv) == 0
+    text = capsys.readouterr().out
+    assert text.count("recall of exact top-k") == 2
