@@ -772,7 +772,8 @@ def evaluate(
 
     Both routings run through colibri's router (``colibri.route``): exact top-k, and top-k
     inside each token's best ``topk_groups`` groups of ``partition``, with the same routing
-    ``options`` (``scoring``, ``correction_bias``, ``group_score``, ...).
+    ``options`` (``scoring``, ``correction_bias``, ...; ``group_score`` only applies to the
+    partitioned routing).
 
     Parameters
     ----------
@@ -808,9 +809,10 @@ def evaluate(
             f"evaluate(): topk_groups ({topk_groups}) exceeds the partition's "
             f"{partition.num_groups} groups"
         )
+    group_options = {"group_score": options.pop("group_score")} if "group_score" in options else {}
     exact_ids, _ = colibri.route(array, top_k, **options)
     partitioned_ids, _ = colibri.route(
-        array, top_k, partition=partition, topk_groups=topk_groups, **options
+        array, top_k, partition=partition, topk_groups=topk_groups, **group_options, **options
     )
     return fidelity(
         partition,

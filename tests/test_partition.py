@@ -313,7 +313,7 @@ def test_evaluate_through_the_router_matches_reference(k, topk_groups):
     rng = np.random.default_rng(k)
     logits = rng.standard_normal((3000, 26)).astype(np.float32)
     p = Partition(np.array_split(rng.permutation(26), 4))
-    report = evaluate(p, logits, k, topk_groups=topk_groups)
+    report = evaluate(p, logits, k, topk_groups=topk_groups, group_score="max")
     expected = fidelity(
         p,
         logits,
