@@ -764,6 +764,7 @@ def evaluate(
     partition: Partition | Sequence[Sequence[int]],
     logits: object,
     top_k: int,
+    /,
     *,
     topk_groups: int = 1,
     **options: object,

@@ -334,6 +334,8 @@ def test_evaluate_rejects_bad_input():
         evaluate(p, np.zeros((4, 8), np.float32), 2, topk_groups=3)
     with pytest.raises(TypeError, match="partition="):
         evaluate(p, np.zeros((4, 8), np.float32), 2, partition=p)
+    with pytest.raises(TypeError, match="num_groups="):
+        evaluate(p, np.zeros((4, 8), np.float32), 2, num_groups=2)
 
 
 # -- command line --------------------------------------------------------------------------------

@@ -195,3 +195,24 @@ def test_corrupt_files_name_the_file(tmp_path):
     np.savez(npz, counts=np.array([1]), coactivation=np.array([[1]]), tokens=np.array(1))
     with pytest.raises(ValueError, match="not colibri usage statistics"):
         UsageStats.load(npz)
+
+
+def test_router_statistics_match_from_ids():
+    """ctx.stats, counted inside the router's parallel loop, equals counting its ids here."""
+    import colibri
+
+    rng = np.random.default_rng(4)
+    ctx = colibri.init(26, 3, collect_stats=True, routing_threads=2)
+    first = rng.standard_normal((5000, 26)).astype(np.float32)
+    second = rng.standard_normal(26).astype(np.float32)  # one token, the latency path
+    ids_first, _ = ctx.route(first)
+    ids_second, _ = ctx.route(second)
+    expected = UsageStats.from_ids(np.vstack([ids_first, ids_second[None, :]]), 26)
+    assert ctx.stats == expected
+    counts, co = reference_stats(np.asarray(ids_first[:300]), 26)
+    small = colibri.init(26, 3, collect_stats=True)
+    small.route(first[:300])
+    np.testing.assert_array_equal(small.stats.coactivation, co)
+    ctx.reset_stats()
+    assert ctx.stats == UsageStats.empty(26)
+    assert colibri.init(26, 3).stats is None
