@@ -153,7 +153,7 @@ class Partition:
         (the balanced-packing idea of DeepSeek's EPLB). When the bound cannot be met the total
         excess load is minimised first.
 
-        Algorithm. Three starts, each improved by local search; the best result is kept:
+        Algorithm. Three starts, each improved by local search without the load bound:
 
         1. *Seeded growth*: the busiest expert seeds the first group, each next seed is the
            expert least co-activated with the seeds so far; then, repeatedly, the unassigned
@@ -163,16 +163,19 @@ class Partition:
            co-activation graph, cut into consecutive groups.
         3. *Merge and pack*: average-linkage agglomeration of experts into clusters no larger
            than a group, then the clusters packed whole into the groups (largest first, a
-           bounded exact search, splitting a cluster only when no packing is found). This start
-           keeps small clusters intact, which single swaps cannot repair once split.
+           bounded depth-first search); while no packing is found, the latest (weakest) merge
+           is undone. This start keeps clusters intact where single swaps cannot reunite them.
 
-        With a load bound, the best unbounded result is also repaired as a fourth start. Local
-        search applies the best move until none improves ``(excess load, -inside
+        Local search applies the best move until none improves ``(excess load, -inside
         mass)``: swapping two experts of different groups, or moving one from a group of size
         ``s + 1`` to one of size ``s``. Gains are computed for all pairs at once from the
         ``[E, num_groups]`` matrix of each expert's co-activation with each group, in exact
         integer arithmetic; ties go to the lower expert id, so the result is deterministic.
-        Cost: ``O(E**2)`` per move, well under a second for ``E = 256``.
+        With a load bound, the best unbounded result is then repaired by the same search under
+        the bound (it moves only what the bound forces out), as is the load-aware growth
+        start, and the better is kept. Cost: ``O(E**2)`` per move; well under a second for
+        ``E = 256``. The spectral start uses LAPACK, so another platform may, on near-ties,
+        return a different partition of equal quality.
 
         Parameters
         ----------
@@ -347,18 +350,14 @@ def _learn_groups(stats: UsageStats, sizes: list[int], tolerance: float | None) 
         _spectral_cut(affinity, sizes),
         _merge_and_pack(affinity, sizes),
     ]
-    if tolerance is not None and total:
-        # Also repair the best grouping found without the load bound: it keeps whole clusters
-        # together and moves only what the bound forces out.
-        free = [_local_search(affinity, load, unbounded, start) for start in starts]
-        starts.append(min(free, key=lambda a: _score(affinity, load, unbounded, a)))
-    best_key, best = None, None
-    for start in starts:
-        assignment = _local_search(affinity, load, caps, start)
-        key = _score(affinity, load, caps, assignment)
-        if best_key is None or key < best_key:
-            best_key, best = key, assignment
-    return best
+    free = [_local_search(affinity, load, unbounded, start) for start in starts]
+    best = free[int(np.argmin([_score(affinity, load, unbounded, a)[1] for a in free]))]
+    if tolerance is None or total == 0:
+        return best
+    # Under a load bound: repair the best unbounded grouping (it keeps whole clusters together
+    # and moves only what the bound forces out), and search from the load-aware growth.
+    repaired = [_local_search(affinity, load, caps, start) for start in (best, starts[0])]
+    return min(repaired, key=lambda a: _score(affinity, load, caps, a))
 
 
 def _excess(loads: np.ndarray, caps: np.ndarray) -> np.ndarray:
@@ -411,9 +410,8 @@ def _seeded_growth(affinity, load, sizes, caps) -> np.ndarray:
     return assignment
 
 
-def _merge_and_pack(affinity, sizes, node_limit: int = 4000) -> np.ndarray:
-    e, m = affinity.shape[0], len(sizes)
-    largest = max(sizes)
+def _merge_and_pack(affinity, sizes, node_limit: int = 400) -> np.ndarray:
+    e, largest = affinity.shape[0], max(sizes)
     # Average-linkage agglomeration under the group-size cap.
     link = affinity.copy()
     size = np.ones(e, np.int64)
@@ -424,11 +422,13 @@ def _merge_and_pack(affinity, sizes, node_limit: int = 4000) -> np.ndarray:
     score = np.where(np.triu(link > 0, 1), link.astype(np.float64), -1.0)
     if largest < 2:
         score[:] = -1.0
+    history = []  # (kept, absorbed, kept's members before): undone weakest-last
     while True:
         best = int(np.argmax(score))
         i, j = divmod(best, e)
         if score[i, j] <= 0:
             break
+        history.append((i, j, len(members[i])))
         link[i, :] += link[j, :]
         link[:, i] += link[:, j]
         link[i, i] = 0
@@ -443,29 +443,48 @@ def _merge_and_pack(affinity, sizes, node_limit: int = 4000) -> np.ndarray:
         row = np.where(ok, link[i] / (size * size[i]), -1.0)
         score[i, i + 1 :] = row[i + 1 :]
         score[:i, i] = row[:i]
-    clusters = sorted((sorted(members[i]) for i in np.flatnonzero(alive)), key=lambda c: -len(c))
-    # Pack the clusters whole into the groups: depth-first, groups tried by co-activation with
-    # the cluster, then best fit; bounded by node_limit.
+    # Pack the clusters whole; while no packing is found, undo the latest (weakest) merge.
+    while True:
+        clusters = [members[i] for i in np.flatnonzero(alive)]
+        placed = _pack(affinity, sizes, clusters, node_limit)
+        if placed is not None:
+            assignment = np.empty(e, np.int64)
+            for cluster, g in zip(clusters, placed, strict=True):
+                assignment[cluster] = g
+            return assignment
+        i, j, keep = history.pop()
+        members[j] = members[i][keep:]
+        members[i] = members[i][:keep]
+        alive[j] = True
+
+
+def _pack(affinity, sizes, clusters, node_limit: int) -> list[int] | None:
+    """A group for each whole cluster, or None when none is found within ``node_limit`` steps.
+
+    Depth-first over the clusters, largest first; a cluster tries the groups it is most
+    co-activated with first, then the fullest that fits.
+    """
+    e, m = affinity.shape[0], len(sizes)
+    order = sorted(range(len(clusters)), key=lambda c: (-len(clusters[c]), min(clusters[c])))
     label = np.empty(e, np.int64)
-    for index, cluster in enumerate(clusters):
-        label[cluster] = index
+    for rank, index in enumerate(order):
+        label[clusters[index]] = rank
     onehot = np.zeros((e, len(clusters)), np.int64)
     onehot[np.arange(e), label] = 1
-    between = onehot.T @ affinity @ onehot  # co-activation between clusters
+    between = onehot.T @ affinity @ onehot  # co-activation between clusters, in packing order
+    lengths = [len(clusters[index]) for index in order]
     to_group = np.zeros((len(clusters), m), np.int64)
     rooms = list(sizes)
     placed = [-1] * len(clusters)
     nodes = 0
 
-    def place(index: int) -> bool:
+    def place(rank: int) -> bool:
         nonlocal nodes
-        if index == len(clusters):
+        if rank == len(lengths):
             return True
-        cluster = clusters[index]
         tried_empty = set()
-        order = sorted(range(m), key=lambda g: (-to_group[index, g], rooms[g], g))
-        for g in order:
-            if rooms[g] < len(cluster):
+        for g in sorted(range(m), key=lambda g: (-to_group[rank, g], rooms[g], g)):
+            if rooms[g] < lengths[rank]:
                 continue
             if rooms[g] == sizes[g]:  # empty groups of one size are interchangeable
                 if sizes[g] in tried_empty:
@@ -474,47 +493,16 @@ def _merge_and_pack(affinity, sizes, node_limit: int = 4000) -> np.ndarray:
             nodes += 1
             if nodes > node_limit:
                 return False
-            rooms[g] -= len(cluster)
-            placed[index] = g
-            to_group[:, g] += between[:, index]
-            if place(index + 1):
+            rooms[g] -= lengths[rank]
+            placed[order[rank]] = g
+            to_group[:, g] += between[:, rank]
+            if place(rank + 1):
                 return True
-            to_group[:, g] -= between[:, index]
-            rooms[g] += len(cluster)
-            placed[index] = -1
+            to_group[:, g] -= between[:, rank]
+            rooms[g] += lengths[rank]
         return False
 
-    assignment = np.full(e, -1, np.int64)
-    if place(0):
-        for cluster, g in zip(clusters, placed, strict=True):
-            assignment[cluster] = g
-        return assignment
-    # No whole packing found: place clusters greedily, splitting those that fit nowhere.
-    rooms = list(sizes)
-    expert_to_group = np.zeros((e, m), np.int64)
-    for cluster in clusters:
-        fits = [g for g in range(m) if rooms[g] >= len(cluster)]
-        if fits:
-            g = max(fits, key=lambda g: (expert_to_group[cluster, g].sum(), rooms[g], -g))
-            targets = [g] * len(cluster)
-        else:
-            targets = []
-            for x in cluster:
-                g = max(
-                    (g for g in range(m) if rooms[g] > 0),
-                    key=lambda g: (expert_to_group[x, g], rooms[g], -g),
-                )
-                targets.append(g)
-                rooms[g] -= 1
-                expert_to_group[:, g] += affinity[:, x]
-            for x, g in zip(cluster, targets, strict=True):
-                assignment[x] = g
-            continue
-        rooms[g] -= len(cluster)
-        for x in cluster:
-            assignment[x] = g
-            expert_to_group[:, g] += affinity[:, x]
-    return assignment
+    return placed if place(0) else None
 
 
 def _spectral_cut(affinity, sizes) -> np.ndarray:
