@@ -114,18 +114,22 @@ def learning_time(tokens: int) -> None:
     collect = time.perf_counter() - start
     print(f"\n### Learning a partition, E={e}, k={k}, {stats.tokens} routed tokens\n")
     print(f"(drawing, routing and counting those tokens took {collect:.1f} s)\n")
-    print("| groups | load_tolerance | from_usage time (best of 3) | co-activation kept |")
-    print("|---|---|---|---|")
+    print(
+        "| groups | load_tolerance | from_usage wall time (best of 3) | CPU time "
+        "| co-activation kept inside groups |"
+    )
+    print("|---|---|---|---|---|")
     pairs = (stats.coactivation.sum() - stats.counts.sum()) / 2
     for m in (8, 16, 32):
         for tolerance in (1.0, None):
-            best = np.inf
+            best, cpu = np.inf, np.inf
             for _ in range(3):
-                start = time.perf_counter()
+                start, start_cpu = time.perf_counter(), time.process_time()
                 partition = Partition.from_usage(stats, m, load_tolerance=tolerance)
                 best = min(best, time.perf_counter() - start)
+                cpu = min(cpu, time.process_time() - start_cpu)
             print(
-                f"| {m} | {tolerance} | {best * 1000:.0f} ms "
+                f"| {m} | {tolerance} | {best * 1000:.0f} ms | {cpu * 1000:.0f} ms "
                 f"| {partition.inside_mass(stats) / pairs:.3f} |"
             )
 
@@ -137,26 +141,46 @@ def stats_overhead(tokens: int, repeats: int) -> None:
     except (AttributeError, TypeError):
         print("(the router does not accept collect_stats yet: skipped)")
         return
-    print("| E | k | off (ms, best) | on (ms, best) | slowdown |")
-    print("|---|---|---|---|---|")
+    print("(off and on runs interleaved, best of each; the machine may be shared)\n")
+    print("| E | k | routing_threads | off (ms, best) | on (ms, best) | slowdown |")
+    print("|---|---|---|---|---|---|")
     for e, k in ((26, 2), (64, 8), (256, 8)):
         logits = Workload(e, seed=0).logits(tokens, seed=3)
-        times = {}
-        for collect in (False, True):
-            ctx = colibri.init(e, k, collect_stats=collect)
+        for threads in sorted({1, colibri.max_threads()}):
+            contexts = {
+                on: colibri.init(e, k, collect_stats=on, routing_threads=threads)
+                for on in (False, True)
+            }
             ids = np.empty((tokens, k), np.int32)
             weights = np.empty((tokens, k), np.float32)
-            ctx.route(logits, out=(ids, weights))  # warm up
-            best = np.inf
+            best = {False: np.inf, True: np.inf}
             for _ in range(repeats):
+                for on, ctx in contexts.items():
+                    start = time.perf_counter()
+                    ctx.route(logits, out=(ids, weights))
+                    best[on] = min(best[on], time.perf_counter() - start)
+            print(
+                f"| {e} | {k} | {threads} | {best[False] * 1e3:.2f} | {best[True] * 1e3:.2f} "
+                f"| {(best[True] / best[False] - 1) * 100:+.1f}% |"
+            )
+    print("\nSingle token (`[E]` logits, the latency path), best of 5 x 1000 calls:\n")
+    print("| E | k | off (us per call) | on (us per call) | slowdown |")
+    print("|---|---|---|---|---|")
+    for e, k in ((26, 2), (256, 8)):
+        one = Workload(e, seed=0).logits(1, seed=3)[0]
+        per_call = {}
+        for on in (False, True):
+            ctx = colibri.init(e, k, collect_stats=on)
+            best_time = np.inf
+            for _ in range(5):
                 start = time.perf_counter()
-                ctx.route(logits, out=(ids, weights))
-                best = min(best, time.perf_counter() - start)
-            times[collect] = best
-        ratio = times[True] / times[False] - 1
+                for _ in range(1000):
+                    ctx.route(one)
+                best_time = min(best_time, (time.perf_counter() - start) / 1000)
+            per_call[on] = best_time
         print(
-            f"| {e} | {k} | {times[False] * 1e3:.2f} | {times[True] * 1e3:.2f} "
-            f"| {ratio * 100:+.1f}% |"
+            f"| {e} | {k} | {per_call[False] * 1e6:.1f} | {per_call[True] * 1e6:.1f} "
+            f"| {per_call[True] / per_call[False]:.1f}x |"
         )
 
 
