@@ -66,6 +66,34 @@ def openmp_version():
     return COLIBRI_OPENMP_VERSION
 
 
+cdef extern from *:
+    """
+    #if defined(__clang__)
+    #define COLIBRI_COMPILER "clang " __clang_version__
+    #elif defined(__GNUC__)
+    #define COLIBRI_COMPILER "gcc " __VERSION__
+    #elif defined(_MSC_VER)
+    #define COLIBRI_STR2(x) #x
+    #define COLIBRI_STR(x) COLIBRI_STR2(x)
+    #define COLIBRI_COMPILER "msvc " COLIBRI_STR(_MSC_FULL_VER)
+    #else
+    #define COLIBRI_COMPILER "unknown"
+    #endif
+    #ifdef COLIBRI_SSE2
+    #define COLIBRI_SIMD "sse2"
+    #else
+    #define COLIBRI_SIMD "none (portable C)"
+    #endif
+    """
+    const char *COLIBRI_COMPILER
+    const char *COLIBRI_SIMD
+
+
+def build_info():
+    """How this extension was built: compiler and SIMD path."""
+    return {"compiler": COLIBRI_COMPILER.decode(), "simd": COLIBRI_SIMD.decode()}
+
+
 def max_threads():
     """OpenMP's default thread count (``OMP_NUM_THREADS`` or the core count); 1 without OpenMP."""
     return colibri_max_threads()
