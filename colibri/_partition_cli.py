@@ -5,7 +5,7 @@
     python -m colibri partition stats.npz --groups 4 --out groups.json
     python -m colibri partition layer*.npz --groups 8 --top-k 8 --topk-groups 2 \\
         --logits heldout.npy --out groups.json
-    python -m colibri partition stats.npz --groups 4 --top-k 2 --workload clustered
+    python -m colibri partition --workload clustered --experts 26 --top-k 2 --groups 4
 """
 
 from __future__ import annotations
@@ -38,7 +38,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "much of exact top-k routing they keep, and save them as JSON."
     )
     parser.add_argument(
-        "stats", nargs="+", help="UsageStats files (.npz/.json); several are merged (runs, layers)"
+        "stats",
+        nargs="*",
+        help="UsageStats files (.npz/.json); several are merged (runs, layers)",
     )
     parser.add_argument("--groups", type=int, required=True, help="number of groups")
     parser.add_argument(
@@ -55,10 +57,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     source.add_argument(
         "--workload",
         choices=["clustered", "iid"],
-        help="evaluate on logits from colibri.workload (for trying the tool)",
+        help="instead of statistics files: learn on routed tokens of colibri.workload's "
+        "generator and evaluate on a held-out draw (a try-out; needs --experts and --top-k)",
     )
-    parser.add_argument("--tokens", type=int, default=20_000, help="tokens for --workload")
-    parser.add_argument("--seed", type=int, default=0, help="seed for --workload")
+    parser.add_argument("--experts", type=int, help="experts E for --workload")
+    parser.add_argument("--tokens", type=int, default=20_000, help="tokens per --workload draw")
+    parser.add_argument("--seed", type=int, default=0, help="latent structure of --workload")
     parser.add_argument("--top-k", type=int, help="experts per token (needed to evaluate)")
     parser.add_argument("--topk-groups", type=int, default=1, help="groups per token (default 1)")
     parser.add_argument(
@@ -82,6 +86,7 @@ def _load_logits(path: str, num_experts: int) -> np.ndarray:
 
 def run(args: argparse.Namespace) -> int:
     """Run the subcommand; returns the exit status (0 on success, 1 on bad input)."""
+    import colibri
     from colibri.partition import Partition, evaluate
     from colibri.stats import UsageStats
     from colibri.workload import Workload
@@ -89,16 +94,32 @@ def run(args: argparse.Namespace) -> int:
     try:
         if args.out and not args.overwrite and os.path.lexists(args.out):
             raise FileExistsError(f"{args.out} already exists; pass --overwrite to replace it")
-        stats = UsageStats.sum(UsageStats.load(path) for path in args.stats)
+        if args.workload is not None:
+            if args.stats:
+                raise ValueError(
+                    "--workload learns from its own routed tokens; drop the statistics files "
+                    "or evaluate on saved --logits instead"
+                )
+            if args.experts is None or args.top_k is None:
+                raise ValueError("--workload needs --experts and --top-k")
+            workload = Workload(args.experts, args.workload, seed=args.seed)
+            ctx = colibri.init(args.experts, args.top_k, collect_stats=True, scoring=args.scoring)
+            ctx.route(workload.logits(args.tokens, seed=1))
+            stats, sources = ctx.stats, f"{args.workload} workload (seed {args.seed})"
+        elif args.stats:
+            stats = UsageStats.sum(UsageStats.load(path) for path in args.stats)
+            sources = f"{len(args.stats)} statistics file(s)"
+        else:
+            raise ValueError("give statistics files, or --workload to try the tool")
         e = stats.num_experts
         evaluating = args.logits is not None or args.workload is not None
         if evaluating and args.top_k is None:
-            raise ValueError("--top-k is needed to evaluate on --logits or --workload")
+            raise ValueError("--top-k is needed to evaluate on --logits")
         learned = Partition.from_usage(stats, args.groups, load_tolerance=args.load_tolerance)
         contiguous = Partition.contiguous(e, args.groups)
         pair_mass = max(int(stats.coactivation.sum() - stats.counts.sum()) // 2, 1)
         load = stats.counts.sum() or 1
-        print(f"{stats.tokens} tokens, {e} experts, {len(args.stats)} statistics file(s)")
+        print(f"{stats.tokens} tokens, {e} experts, from {sources}")
         for name, partition in (("learned", learned), ("contiguous", contiguous)):
             shares = " ".join(f"{stats.counts[list(g)].sum() / load:.3f}" for g in partition.groups)
             print(
@@ -110,8 +131,8 @@ def run(args: argparse.Namespace) -> int:
         if evaluating:
             if args.logits is not None:
                 logits = _load_logits(args.logits, e)
-            else:
-                logits = Workload(e, args.workload, seed=args.seed).logits(args.tokens, seed=1)
+            else:  # held out: another draw of the same latent structure
+                logits = workload.logits(args.tokens, seed=2)
             for name, partition in (("learned", learned), ("contiguous", contiguous)):
                 report = evaluate(
                     partition,

@@ -360,7 +360,7 @@ def test_cli_learns_and_saves(tmp_path, capsys):
     assert run_cli([str(first), str(second), "--groups", "4", "--out", str(out)]) == 0
     assert sorted(Partition.load(out).groups) == sorted(tuple(c) for c in clusters)
     text = capsys.readouterr().out
-    assert "3000 tokens, 26 experts, 2 statistics file(s)" in text and "wrote" in text
+    assert "3000 tokens, 26 experts, from 2 statistics file(s)" in text and "wrote" in text
     assert run_cli([str(second), "--groups", "4", "--out", str(out)]) == 1
     assert "--overwrite" in capsys.readouterr().err
     assert run_cli([str(second), "--groups", "3", "--out", str(out), "--overwrite"]) == 0
@@ -375,8 +375,12 @@ def test_cli_reports_bad_input(tmp_path, capsys):
     good = tmp_path / "t.json"
     UsageStats.empty(4).save(good)
     assert run_cli([str(good), "--groups", "9"]) == 1
-    assert run_cli([str(good), "--groups", "2", "--workload", "iid"]) == 1
+    assert run_cli([str(good), "--groups", "2", "--top-k", "1", "--workload", "iid"]) == 1
+    assert "drop the statistics files" in capsys.readouterr().err
+    assert run_cli(["--groups", "2", "--workload", "iid", "--experts", "8"]) == 1
     assert "--top-k" in capsys.readouterr().err
+    assert run_cli(["--groups", "2"]) == 1
+    assert "--workload" in capsys.readouterr().err
     logits = tmp_path / "l.npy"
     np.save(logits, np.zeros((3, 5), np.float32))
     assert run_cli([str(good), "--groups", "2", "--top-k", "1", "--logits", str(logits)]) == 1
@@ -394,3 +398,8 @@ def test_cli_evaluates(tmp_path, capsys):
     assert run_cli(argv) == 0
     text = capsys.readouterr().out
     assert text.count("recall of exact top-k") == 2
+    argv = ["--workload", "clustered", "--experts", "26", "--top-k", "2", "--groups", "4"]
+    assert run_cli([*argv, "--tokens", "3000", "--out", str(tmp_path / "g.json")]) == 0
+    text = capsys.readouterr().out
+    assert "3000 tokens, 26 experts, from clustered workload (seed 0)" in text
+    assert Partition.load(tmp_path / "g.json").num_experts == 26
