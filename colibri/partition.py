@@ -459,7 +459,7 @@ def _merge_and_pack(affinity, sizes, node_limit: int = 400) -> np.ndarray:
 
 
 def _pack(affinity, sizes, clusters, node_limit: int) -> list[int] | None:
-    """A group for each whole cluster, or None when none is found within ``node_limit`` steps.
+    """A group for each whole cluster, or None when none is found within the step budget.
 
     Depth-first over the clusters, largest first; a cluster tries the groups it is most
     co-activated with first, then the fullest that fits.
@@ -491,7 +491,7 @@ def _pack(affinity, sizes, clusters, node_limit: int) -> list[int] | None:
                     continue
                 tried_empty.add(sizes[g])
             nodes += 1
-            if nodes > node_limit:
+            if nodes > node_limit + len(lengths):  # a first descent always fits singletons
                 return False
             rooms[g] -= lengths[rank]
             placed[order[rank]] = g

@@ -6,7 +6,7 @@ import os
 
 import numpy as np
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import colibri
@@ -144,6 +144,38 @@ def test_from_usage_finds_clusters_smaller_than_groups():
     assert sorted(learned.sizes) == [6, 6, 7, 7]
 
 
+@settings(max_examples=25, deadline=None)
+@given(st.integers(2, 14), st.integers(1, 5), st.integers(1, 4), st.integers(0, 2**32 - 1))
+def test_from_usage_property(num_experts, num_groups, k, seed):
+    """Any statistics: a valid partition, sizes within one, deterministic, swap-optimal."""
+    num_groups = min(num_groups, num_experts)
+    k = min(k, num_experts)
+    rng = np.random.default_rng(seed)
+    popularity = rng.random(num_experts) ** 3 + 1e-3
+    ids = np.stack(
+        [
+            rng.choice(num_experts, size=k, replace=False, p=popularity / popularity.sum())
+            for _ in range(rng.integers(0, 60))
+        ]
+    ).reshape(-1, k)
+    stats = UsageStats.from_ids(ids, num_experts)
+    for tolerance in (None, 0.3):
+        p = Partition.from_usage(stats, num_groups, load_tolerance=tolerance)
+        assert p.num_experts == num_experts and p.num_groups == num_groups
+        assert max(p.sizes) - min(p.sizes) <= 1
+        assert p == Partition.from_usage(stats, num_groups, load_tolerance=tolerance)
+    free = Partition.from_usage(stats, num_groups, load_tolerance=None)
+    mass = free.inside_mass(stats)
+    groups = [list(g) for g in free.groups]
+    for a, b in itertools.combinations(range(num_groups), 2):  # no single swap gains
+        for x in groups[a]:
+            for y in groups[b]:
+                swapped = [list(g) for g in groups]
+                swapped[a][swapped[a].index(x)] = y
+                swapped[b][swapped[b].index(y)] = x
+                assert inside_mass_reference(swapped, stats) <= mass
+
+
 def brute_force_best(stats, sizes):
     e = stats.num_experts
     best = -1
@@ -209,6 +241,8 @@ def test_from_usage_edge_cases():
     empty = Partition.from_usage(UsageStats.empty(7), 3)
     assert sorted(empty.sizes) == [2, 2, 3]
     assert empty == Partition.from_usage(UsageStats.empty(7), 3)
+    many = Partition.from_usage(UsageStats.empty(450), 3)  # 450 lone experts to pack
+    assert many.sizes == (150, 150, 150)
     with pytest.raises(ValueError, match="must not exceed"):
         Partition.from_usage(stats, 6)
     with pytest.raises(TypeError, match="UsageStats"):
