@@ -628,7 +628,8 @@ class FidelityReport:
         ``sum_t sum_{e in P_t} s[t, e] / sum_t sum_{e in X_t} s[t, e]``, with ``X_t`` the
         exact top-k set, ``P_t`` the partitioned one and ``s`` the router's scores over all
         ``E`` experts before any renormalisation (the full softmax for ``scoring="softmax"``,
-        the sigmoid or sqrt-softplus otherwise; no correction bias). At most 1.
+        the sigmoid or sqrt-softplus otherwise; no correction bias). At most 1 unless a
+        ``correction_bias`` made the exact choice differ from the highest scores.
     exact_share : float
         Share of tokens whose partitioned choice is exactly the exact top-k set.
     spanning_share : float

@@ -437,3 +437,23 @@ def test_cli_evaluates(tmp_path, capsys):
     text = capsys.readouterr().out
     assert "3000 tokens, 26 experts, from clustered workload (seed 0)" in text
     assert Partition.load(tmp_path / "g.json").num_experts == 26
+
+
+def test_evaluate_passes_routing_options():
+    """sigmoid scoring with a selection bias: both routings choose by sigmoid(x) + bias."""
+    rng = np.random.default_rng(9)
+    logits = rng.standard_normal((2000, 16)).astype(np.float32)
+    bias = (rng.standard_normal(16) * 0.5).astype(np.float32)
+    p = Partition(np.array_split(rng.permutation(16), 4))
+    keys = (1 / (1 + np.exp(-logits.astype(np.float64)))).astype(np.float32) + bias
+    report = evaluate(p, logits, 3, topk_groups=2, scoring="sigmoid", correction_bias=bias)
+    expected = fidelity(
+        p,
+        logits,
+        reference_topk(keys, 3),
+        reference_partitioned_topk(keys, 3, p.groups, 2),
+        topk_groups=2,
+        scoring="sigmoid",
+    )
+    assert report.recall == pytest.approx(expected.recall, abs=2e-3)  # float32 near-ties
+    assert report.mass_kept == pytest.approx(expected.mass_kept, abs=2e-3)
