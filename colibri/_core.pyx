@@ -37,6 +37,7 @@ cdef extern from "colibri/route.h" nogil:
         int32_t group_score
         const int32_t *group_start
         const int32_t *group_members
+        int32_t groups_in_order
 
     size_t colibri_scratch_bytes(const colibri_router_t *r) noexcept
     const float *colibri_load_row(const char *row, int dtype, int64_t stride, int32_t E,
@@ -208,6 +209,7 @@ cdef class Router:
         self.r.group_score = GROUP_SCORES[group_score]
         self.r.group_start = NULL
         self.r.group_members = NULL
+        self.r.groups_in_order = 1
         if group_start is not None and len(group_start) > 2:
             iview = np.ascontiguousarray(group_start, dtype=np.int32)
             keep.append(iview)
@@ -217,6 +219,7 @@ cdef class Router:
             self.r.group_members = &iview[0]
             self.r.num_groups = len(group_start) - 1
             self.r.topk_groups = topk_groups
+            self.r.groups_in_order = bool(np.array_equal(group_members, np.arange(num_experts)))
         self._keep = keep
         self._scratch_bytes = colibri_scratch_bytes(&self.r)
         self.collect_stats = collect_stats

@@ -172,6 +172,20 @@ def test_infinities():
     assert ids.tolist() == [0, 2] and w.tolist() == [0.5, 0.5]
 
 
+def test_subnormal_scores_renormalise_exactly():
+    """Scores of 1e-44 are float32 subnormals with few bits; renormalising must not overflow
+    (1 / norm would) and must match float32 arithmetic on those scores."""
+    x = np.array([-100.0, -101.0, -150.0], np.float32)
+    with np.errstate(under="ignore"):
+        z = np.exp(x)
+        s32 = z / (np.float32(1) + z)  # float32 sigmoid: ~3.8e-44, 1.4e-44, 0
+    ids, w = colibri.init(3, 2, scoring="sigmoid").route(x)
+    assert ids.tolist() == [0, 1]
+    np.testing.assert_allclose(w, s32[:2] / s32[:2].sum(), rtol=1e-6)
+    ids, w = colibri.init(3, 3, scoring="sigmoid", norm_p=2.0).route(x)
+    np.testing.assert_allclose(w, s32 / np.sqrt((s32.astype(np.float64) ** 2).sum()), rtol=1e-6)
+
+
 def test_all_neg_inf_softmax_is_an_error():
     with pytest.raises(ValueError, match="row 1.*-inf"):
         colibri.init(3, 1).route(np.array([[0, 1, 2], [-np.inf] * 3], np.float32))
