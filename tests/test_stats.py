@@ -216,3 +216,27 @@ def test_router_statistics_match_from_ids():
     ctx.reset_stats()
     assert ctx.stats == UsageStats.empty(26)
     assert colibri.init(26, 3).stats is None
+
+
+def test_atomic_write_leaves_nothing_behind_on_failure(tmp_path):
+    from colibri._atomic_file import write_atomically
+
+    path = tmp_path / "out.bin"
+
+    def broken(file):
+        file.write(b"half")
+        raise RuntimeError("interrupted")
+
+    with pytest.raises(RuntimeError, match="interrupted"):
+        write_atomically(path, broken, overwrite=False)
+    assert os.listdir(tmp_path) == []  # neither the file nor a temporary
+
+    def racing(file):  # someone else creates the destination while we write
+        path.write_bytes(b"theirs")
+        file.write(b"ours")
+
+    with pytest.raises(FileExistsError, match="overwrite=True"):
+        write_atomically(path, racing, overwrite=False)
+    assert path.read_bytes() == b"theirs" and os.listdir(tmp_path) == ["out.bin"]
+    write_atomically(path, lambda f: f.write(b"ours"), overwrite=True)
+    assert path.read_bytes() == b"ours" and os.listdir(tmp_path) == ["out.bin"]
