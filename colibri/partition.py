@@ -18,7 +18,7 @@ import numpy as np
 from colibri._atomic_file import write_atomically
 from colibri.stats import UsageStats
 
-__all__ = ["FidelityReport", "Partition", "evaluate"]
+__all__ = ["FidelityReport", "Partition", "evaluate", "fidelity"]
 
 _FORMAT = "colibri.Partition"
 _VERSION = 1
@@ -184,8 +184,10 @@ class Partition:
         num_groups : int
             Number of groups, ``1 <= num_groups <= E``.
         load_tolerance : float or None
-            Allowed load above a group's fair share, as a fraction (default 0.25). ``None``
-            ignores load and only maximises the co-activation kept inside groups.
+            Allowed load above a group's fair share, as a fraction. The default 1.0 only stops
+            a group from carrying more than twice its share: a tighter bound splits clusters
+            of popular experts and costs fidelity when they are co-activated (measured in
+            ``bench/bench_partition.py``). ``None`` ignores load.
 
         Returns
         -------
