@@ -256,3 +256,25 @@ def test_config_object_and_overrides():
     assert colibri.init(config=cfg, scoring="sigmoid").config.scoring == "sigmoid"
     with pytest.raises(ValueError, match="contradicts"):
         colibri.init(8, 2, config=cfg)
+
+
+def test_usage_counts_match_the_routes_and_failed_calls_count_nothing():
+    rng = np.random.default_rng(4)
+    ctx = colibri.init(16, 3, collect_stats=True, routing_threads=2)
+    x = rng.standard_normal((5000, 16)).astype(np.float32)
+    ids, _ = ctx.route(x)
+    one, _ = ctx.route(x[0])
+    bad = x[:700].copy()
+    bad[650, 3] = np.nan
+    with pytest.raises(ValueError, match="row 650"):
+        ctx.route(bad)
+    counts, coactivation, tokens = ctx._usage_arrays()
+    all_ids = np.concatenate([ids, one[None]])
+    assert tokens == 5001
+    np.testing.assert_array_equal(counts, np.bincount(all_ids.ravel(), minlength=16))
+    pairs = np.zeros((16, 16), np.int64)
+    for row in all_ids:
+        pairs[np.ix_(row, row)] += 1
+    np.testing.assert_array_equal(coactivation, pairs)
+    ctx.reset_stats()
+    assert ctx._usage_arrays()[2] == 0
