@@ -152,12 +152,13 @@ def test_from_usage_property(num_experts, num_groups, k, seed):
     k = min(k, num_experts)
     rng = np.random.default_rng(seed)
     popularity = rng.random(num_experts) ** 3 + 1e-3
-    ids = np.stack(
+    ids = np.array(
         [
             rng.choice(num_experts, size=k, replace=False, p=popularity / popularity.sum())
             for _ in range(rng.integers(0, 60))
-        ]
-    ).reshape(-1, k)
+        ],
+        dtype=np.int64,
+    ).reshape(-1, k)  # zero tokens included
     stats = UsageStats.from_ids(ids, num_experts)
     for tolerance in (None, 0.3):
         p = Partition.from_usage(stats, num_groups, load_tolerance=tolerance)
