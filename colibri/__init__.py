@@ -11,6 +11,7 @@ from colibri._core import max_threads, openmp_enabled
 from colibri.config import Config
 from colibri.partition import Partition
 from colibri.routing import Context, init, route, route_from_dlpack
+from colibri.stats import UsageStats
 
 __version__ = "0.1.0"
 
@@ -30,6 +31,7 @@ __all__ = [
     "Config",
     "Context",
     "Partition",
+    "UsageStats",
     "__version__",
     "get_include",
     "init",
