@@ -66,7 +66,7 @@ class CachePolicy:
     def victim(self, evictable: Callable[[Key], bool]) -> Key | None:
         raise NotImplementedError
 
-    def keys(self) -> list[Key]:
+    def eviction_order(self) -> list[Key]:
         """Resident keys, the next victim first (used when switching policies)."""
         raise NotImplementedError
 
@@ -92,7 +92,7 @@ class FIFOPolicy(CachePolicy):
     def victim(self, evictable):
         return next((k for k in self._order if evictable(k)), None)
 
-    def keys(self):
+    def eviction_order(self):
         return list(self._order)
 
 
@@ -138,7 +138,7 @@ class _HeapPolicy(CachePolicy):
             heapq.heappush(self._heap, entry)
         return found
 
-    def keys(self):
+    def eviction_order(self):
         return sorted(self._score, key=self._score.__getitem__)
 
 

@@ -14,6 +14,7 @@ from colibri.formats._base import (
     FormatError,
     TensorRef,
     WeightSource,
+    file_size,
 )
 
 __all__ = ["ExpertLayout", "FormatError", "TensorRef", "WeightSource", "open_weights"]
@@ -39,6 +40,7 @@ def open_weights(path: str | os.PathLike | WeightSource) -> WeightSource:
     if isinstance(path, WeightSource):
         return path
     path = os.fspath(path)
+    file_size(path)  # FileNotFoundError naming the path
     if path.endswith(".index.json"):
         from colibri.formats.safetensors import open_sharded
 

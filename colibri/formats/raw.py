@@ -113,11 +113,21 @@ class RawWriter:
             self._offset += len(view)
         self._entries.append(entry)
 
-    def commit(self) -> str:
-        """Flush, then rename the data file and the manifest into place; returns the path."""
+    def commit(self, check=None) -> str:
+        """Flush, then rename the data file and the manifest into place; returns the path.
+
+        ``check(tmp_path, entries)``, when given, runs on the finished temporary file before
+        anything is renamed; if it raises, nothing is published and the temporary is removed.
+        """
         self._file.flush()
         os.fsync(self._file.fileno())
         self._file.close()
+        if check is not None:
+            try:
+                check(self._tmp, self._entries)
+            except BaseException:
+                self.abort()
+                raise
         manifest = {
             "format": FORMAT_NAME, "version": FORMAT_VERSION,
             "data": os.path.basename(self.path), "data_bytes": self._offset,
