@@ -96,7 +96,9 @@ class PagerStats(LayerStats):
 
 
 class _Slot:
-    __slots__ = ("error", "event", "index", "key", "nbytes", "pins", "prefetched", "state")
+    __slots__ = (
+        "error", "event", "index", "key", "nbytes", "pins", "prefetched", "reading", "state",
+    )  # fmt: skip
 
     def __init__(self, index: int) -> None:
         self.index = index
@@ -107,6 +109,7 @@ class _Slot:
         self.event: threading.Event | None = None
         self.error: BaseException | None = None
         self.prefetched = False
+        self.reading = False  # a read was started or queued: the slot will leave _LOADING
 
 
 class _Lease:
@@ -207,6 +210,7 @@ class _Cache:
 
     def __init__(self, num_slots: int, slot_bytes: int) -> None:
         self.lock = threading.RLock()
+        self.changed = threading.Condition(self.lock)  # a slot was read, failed or unpinned
         self.slot_bytes = slot_bytes
         self.pool = np.zeros(num_slots * slot_bytes, dtype=np.uint8)  # calloc: lazily committed
         self.slots = [_Slot(i) for i in range(num_slots)]
@@ -220,6 +224,7 @@ class _Cache:
         """Drop one pin; a failed slot goes back to the free list with its last pin."""
         with self.lock:
             slot.pins -= 1
+            self.changed.notify_all()
             if slot.pins == 0 and slot.state == _FAILED:
                 slot.state, slot.key = _EMPTY, None
                 self.free.append(slot.index)
@@ -457,7 +462,7 @@ class Pager:
         slot.key, slot.state, slot.pins, slot.error = key, _LOADING, 1, None
         slot.event = threading.Event()
         slot.nbytes = self.source.experts[key].nbytes
-        slot.prefetched = False
+        slot.prefetched = slot.reading = False
         cache.where[key] = slot
         cache.resident_bytes += slot.nbytes
         cache.peak_resident_bytes = max(cache.peak_resident_bytes, cache.resident_bytes)
@@ -493,6 +498,7 @@ class Pager:
             self._stats.read_seconds += elapsed
             self._layer(key[0]).bytes_read += slot.nbytes
             slot.event.set()
+            cache.changed.notify_all()
 
     def _fail(self, slot: _Slot, exc: BaseException) -> None:
         """A read into ``slot`` failed or was abandoned: forget the expert, wake waiters and
@@ -541,11 +547,10 @@ class Pager:
             if self.trace is not None:
                 self.trace.steps.append((int(layer), tuple(e for _, e in keys)))
             stats, per = self._stats, self._layer(int(layer))
-            for key in keys:
-                self._usage[key] = self._usage.get(key, 0) + 1
-                slot = cache.where.get(key)
-                if slot is None:
-                    continue
+            handled: set[Key] = set()
+
+            def hit(key: Key, slot: _Slot) -> None:
+                handled.add(key)
                 stats.hits += 1
                 per.hits += 1
                 self._policy.touch(key)
@@ -558,24 +563,42 @@ class Pager:
                 else:
                     stats.inflight_waits += 1
                     wait.append(slot)
+
             for key in keys:
-                if key in cache.where:
-                    continue
-                slot = self._take_slot(step)
-                if slot is None:
-                    for s in ready + wait:
-                        cache.unpin(s)
-                    for s in mine:
-                        self._fail(s, BudgetError("load() was abandoned"))
+                self._usage[key] = self._usage.get(key, 0) + 1
+                slot = cache.where.get(key)
+                if slot is not None:
+                    hit(key, slot)
+            for key in keys:
+                while key not in handled:
+                    slot = cache.where.get(key)
+                    if slot is not None:  # another thread loaded it while we waited
+                        hit(key, slot)
+                        break
+                    slot = self._take_slot(step)
+                    if slot is not None:
+                        self._assign(slot, key)
+                        stats.misses += 1
+                        per.misses += 1
+                        mine.append(slot)
+                        handled.add(key)
+                        break
+                    # Every slot is pinned. Reads in progress (or queued prefetches) will
+                    # free some; otherwise live views hold them all.
+                    if any(x.state == _LOADING and x.pins and x.reading for x in cache.slots):
+                        cache.changed.wait(1.0)
+                        continue
+                    for x in ready + wait:
+                        cache.unpin(x)
+                    for x in mine:
+                        self._fail(x, BudgetError("load() was abandoned"))
                     raise BudgetError(
                         f"load(): every one of the {self.capacity} slots is pinned by live "
                         "expert views; release ExpertBatch handles (or drop kept views) or "
                         "raise budget_bytes"
                     )
-                self._assign(slot, key)
-                stats.misses += 1
-                per.misses += 1
-                mine.append(slot)
+            for x in mine:  # read right after the lock is released
+                x.reading = True
         done: list[_Slot] = list(ready)
         error: BaseException | None = None
         for slot in mine:
@@ -649,7 +672,7 @@ class Pager:
                 if slot is None:
                     break
                 self._assign(slot, key)
-                slot.prefetched = True
+                slot.prefetched = slot.reading = True
                 self._jobs.put_nowait((slot, key))
                 self._stats.prefetched += 1
                 queued += 1
