@@ -291,7 +291,8 @@ class Pager:
     page_size_kb : int
         Unit of I/O alignment and of the budget (4, 32, 64, ... KiB; a power of two).
     policy : str or CachePolicy
-        ``"fifo"`` (default, the seed's), ``"lru"``, ``"lfu"``, ``"lrfu"``, ``"hot"``.
+        ``"fifo"`` (default, the seed's), ``"lru"``, ``"lfu"``, ``"lrfu"``, ``"nextuse"``,
+        ``"hot"`` (see :mod:`colibri.policies`).
     policy_options : dict, optional
         Passed to the policy (``half_life`` for lrfu; ``counts``, ``hot_fraction`` for hot).
     prefetch_queue : int
@@ -406,7 +407,7 @@ class Pager:
     def set_cache_policy(self, policy: str | CachePolicy, **options) -> None:
         """Switch the eviction policy now; resident experts stay, in the old eviction order.
 
-        ``policy`` is one of ``fifo``, ``lru``, ``lfu``, ``lrfu``, ``hot`` or a
+        ``policy`` is one of ``fifo``, ``lru``, ``lfu``, ``lrfu``, ``nextuse``, ``hot`` or a
         :class:`~colibri.policies.CachePolicy`; ``options`` go to its constructor.
         """
         new = make_policy(policy, self.capacity, **options)
@@ -564,6 +565,7 @@ class Pager:
                     stats.inflight_waits += 1
                     wait.append(slot)
 
+            self._policy.begin_step(int(layer), keys)
             for key in keys:
                 self._usage[key] = self._usage.get(key, 0) + 1
                 slot = cache.where.get(key)

@@ -12,8 +12,9 @@ it leaves; ``victim(evictable)`` names the key to evict among those for which
 
 Policies: ``fifo`` (the seed's default), ``lru``, ``lfu`` (frequencies kept across evictions,
 ties to the least recent), ``lrfu`` (exponentially decayed frequency: recency and frequency in
-one score), and ``hot`` (a hot set learned from saved usage counts stays pinned in part of the
-cache, the rest is LRU).
+one score), ``nextuse`` (an online estimate of Belady: evict the expert whose next use, predicted
+from its layer's step cycle and its recent per-step use rate, is furthest away) and ``hot`` (a
+hot set learned from saved usage counts stays pinned in part of the cache, the rest is LRU).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ __all__ = [
     "LFUPolicy",
     "LRFUPolicy",
     "LRUPolicy",
+    "NextUsePolicy",
     "ReplayResult",
     "Trace",
     "belady",
@@ -53,6 +55,9 @@ class CachePolicy:
 
     def __init__(self, capacity: int) -> None:
         self.capacity = int(capacity)
+
+    def begin_step(self, layer: int, keys: list[Key]) -> None:
+        """A step of ``layer`` needing ``keys`` starts (before its touches and inserts)."""
 
     def insert(self, key: Key) -> None:
         raise NotImplementedError
@@ -223,6 +228,82 @@ class HotSetPolicy(LRUPolicy):
         return cold if cold is not None else super().victim(evictable)
 
 
+class NextUsePolicy(CachePolicy):
+    """Online estimate of Belady's MIN: evict the expert expected to be needed furthest ahead.
+
+    A layer's steps recur (once per token during decoding), so the time to an expert's next
+    use is estimated as the time until its layer's next step, ``d``, plus whole periods while
+    it is not picked: ``E[next use] = d + period * (1 - p) / p``, where ``p`` is the expert's
+    share of its layer's recent steps (an exponential average over ``window`` steps of that
+    layer, kept across evictions) and ``period`` the layer's average step interval.
+
+    Parameters
+    ----------
+    capacity : int
+        Cache slots.
+    window : float
+        Memory of the per-layer use rate, in steps of that layer (default 32).
+    """
+
+    name = "nextuse"
+
+    def __init__(self, capacity: int, window: float = 32.0) -> None:
+        super().__init__(capacity)
+        if window < 1:
+            raise ValueError(f"window must be >= 1 (got {window!r})")
+        self.decay = 1.0 - 1.0 / float(window)
+        self._clock = 0
+        self._visits: dict[int, int] = {}  # layer -> steps seen
+        self._last_step: dict[int, int] = {}  # layer -> clock of its last step
+        self._period: dict[int, float] = {}  # layer -> mean interval between its steps
+        self._rate: dict[Key, tuple[float, int]] = {}  # key -> (rate, visit it was set at)
+        self._resident: dict[Key, None] = {}
+
+    def begin_step(self, layer: int, keys: list[Key]) -> None:
+        self._clock += 1
+        last = self._last_step.get(layer)
+        if last is not None:
+            gap = self._clock - last
+            old = self._period.get(layer)
+            self._period[layer] = gap if old is None else 0.9 * old + 0.1 * gap
+        self._last_step[layer] = self._clock
+        visit = self._visits[layer] = self._visits.get(layer, 0) + 1
+        for key in keys:
+            rate, at = self._rate.get(key, (0.0, visit))
+            self._rate[key] = (rate * self.decay ** (visit - at) + (1.0 - self.decay), visit)
+
+    def insert(self, key: Key) -> None:
+        self._resident[key] = None
+
+    def touch(self, key: Key) -> None:
+        pass
+
+    def remove(self, key: Key) -> None:
+        self._resident.pop(key, None)
+
+    def _expected_next_use(self, key: Key) -> float:
+        layer = key[0]
+        period = self._period.get(layer, 1.0)
+        d = self._last_step.get(layer, self._clock) + period - self._clock
+        rate, at = self._rate.get(key, (0.0, 0))
+        p = rate * self.decay ** (self._visits.get(layer, 0) - at)
+        if p <= 1e-12:
+            return math.inf
+        return max(d, 0.0) + period * (1.0 - p) / p
+
+    def victim(self, evictable):
+        best, best_t = None, -1.0
+        for key in self._resident:
+            if evictable(key):
+                t = self._expected_next_use(key)
+                if t > best_t:
+                    best, best_t = key, t
+        return best
+
+    def eviction_order(self):
+        return sorted(self._resident, key=self._expected_next_use, reverse=True)
+
+
 def _counts_mapping(counts) -> dict[Key, float]:
     if isinstance(counts, Mapping):
         return {(int(k[0]), int(k[1])): float(v) for k, v in counts.items()}
@@ -236,7 +317,7 @@ def _counts_mapping(counts) -> dict[Key, float]:
 
 
 POLICIES: dict[str, type[CachePolicy]] = {
-    p.name: p for p in (FIFOPolicy, LRUPolicy, LFUPolicy, LRFUPolicy, HotSetPolicy)
+    p.name: p for p in (FIFOPolicy, LRUPolicy, LFUPolicy, LRFUPolicy, NextUsePolicy, HotSetPolicy)
 }
 
 
@@ -333,8 +414,8 @@ def _check_capacity(trace: Trace, capacity: int) -> None:
 def replay(trace: Trace, capacity: int, policy: str | CachePolicy = "lru", **options):
     """Replay ``trace`` through ``policy`` exactly as a :class:`~colibri.Pager` would serve it.
 
-    Per step: hits are touched first (ascending id), then misses are inserted (ascending id),
-    each evicting the policy's victim among keys not used by the step.
+    Per step: ``begin_step``, then hits are touched (ascending id), then misses are inserted
+    (ascending id), each evicting the policy's victim among keys not used by the step.
     """
     _check_capacity(trace, capacity)
     pol = make_policy(policy, capacity, **options)
@@ -343,6 +424,7 @@ def replay(trace: Trace, capacity: int, policy: str | CachePolicy = "lru", **opt
     for layer, ids in trace.steps:
         keys = [(layer, e) for e in ids]
         step = set(keys)
+        pol.begin_step(layer, keys)
         for key in keys:
             if key in resident:
                 hits += 1

@@ -7,7 +7,7 @@ import subprocess
 import sys
 import textwrap
 import threading
-from functools import lru_cache
+from functools import cache
 
 import numpy as np
 import pytest
@@ -137,7 +137,7 @@ def test_hot_policy_from_saved_usage(weights):
 def brute_force_optimum(trace, capacity):
     steps = [[(lay, e) for e in ids] for lay, ids in trace.steps]
 
-    @lru_cache(maxsize=None)
+    @cache
     def best(i, resident):
         if i == len(steps):
             return 0
@@ -163,7 +163,7 @@ def test_belady_is_the_optimum():
         capacity = int(rng.integers(2, 5))
         optimum = belady(trace, capacity).hits
         assert optimum == brute_force_optimum(trace, capacity)
-        for policy in ("fifo", "lru", "lfu", "lrfu"):
+        for policy in ("fifo", "lru", "lfu", "lrfu", "nextuse"):
             assert replay(trace, capacity, policy).hits <= optimum
 
 
@@ -329,7 +329,9 @@ def test_threads_share_one_pager(weights):
             t.join()
         s = pager.stats
         assert not errors
-        assert s.hits + s.misses == sum(len(ids) for t in range(4) for _, ids in random_trace(150, 1, t))
+        assert s.hits + s.misses == sum(
+            len(ids) for t in range(4) for _, ids in random_trace(150, 1, t)
+        )
         assert s.resident_bytes <= s.pool_bytes and all(x.pins == 0 for x in pager._cache.slots)
 
 
