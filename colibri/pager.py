@@ -299,6 +299,10 @@ class Pager:
         Bound of the background prefetch queue (experts).
     record_trace : bool
         Record every load in :attr:`trace` (for :func:`colibri.policies.belady`).
+    populate : bool
+        Commit the whole pool now (one write per OS page), so that first reads into a slot
+        pay no zero-fill page faults. The process's RSS then starts at the pool size, which is
+        still within the budget. Default: the pool is committed as slots are first used.
 
     Examples
     --------
@@ -318,6 +322,7 @@ class Pager:
         policy_options: dict | None = None,
         prefetch_queue: int = 64,
         record_trace: bool = False,
+        populate: bool = False,
     ) -> None:
         if type(page_size_kb) is not int or page_size_kb < 4 or page_size_kb & (page_size_kb - 1):
             raise ValueError(
@@ -340,6 +345,8 @@ class Pager:
                 f"raise the budget to at least {slot_bytes}"
             )
         self._cache = _Cache(num_slots, slot_bytes)
+        if populate:
+            self._cache.pool[::4096] = 0
         self._reader = FileReader(self.source.files)
         self._plans: dict[Key, list] = {}
         self._policy = make_policy(policy, num_slots, **(policy_options or {}))

@@ -237,6 +237,9 @@ class NextUsePolicy(CachePolicy):
     share of its layer's recent steps (an exponential average over ``window`` steps of that
     layer, kept across evictions) and ``period`` the layer's average step interval.
 
+    Within a layer the order by ``p`` does not change between that layer's steps, so each
+    layer keeps a heap and a victim costs one heap look-up per layer, not a scan of the cache.
+
     Parameters
     ----------
     capacity : int
@@ -252,12 +255,30 @@ class NextUsePolicy(CachePolicy):
         if window < 1:
             raise ValueError(f"window must be >= 1 (got {window!r})")
         self.decay = 1.0 - 1.0 / float(window)
+        self._log_decay = math.log(self.decay) if window > 1 else -math.inf
         self._clock = 0
         self._visits: dict[int, int] = {}  # layer -> steps seen
         self._last_step: dict[int, int] = {}  # layer -> clock of its last step
         self._period: dict[int, float] = {}  # layer -> mean interval between its steps
         self._rate: dict[Key, tuple[float, int]] = {}  # key -> (rate, visit it was set at)
-        self._resident: dict[Key, None] = {}
+        # Resident keys per layer: time-invariant order key log(p) - visits * log(decay).
+        self._score: dict[Key, float] = {}
+        self._heaps: dict[int, list[tuple[float, Key]]] = {}
+
+    def _invariant(self, key: Key) -> float:
+        rate, at = self._rate.get(key, (0.0, 0))
+        if rate <= 0.0:
+            return -math.inf
+        return math.log(rate) - at * self._log_decay
+
+    def _push(self, key: Key) -> None:
+        score = self._invariant(key)
+        self._score[key] = score
+        heap = self._heaps.setdefault(key[0], [])
+        heapq.heappush(heap, (score, key))
+        if len(heap) > 64 and len(heap) > 4 * sum(1 for k in self._score if k[0] == key[0]):
+            heap[:] = [(v, k) for k, v in self._score.items() if k[0] == key[0]]
+            heapq.heapify(heap)
 
     def begin_step(self, layer: int, keys: list[Key]) -> None:
         self._clock += 1
@@ -271,37 +292,51 @@ class NextUsePolicy(CachePolicy):
         for key in keys:
             rate, at = self._rate.get(key, (0.0, visit))
             self._rate[key] = (rate * self.decay ** (visit - at) + (1.0 - self.decay), visit)
+            if key in self._score:
+                self._push(key)
 
     def insert(self, key: Key) -> None:
-        self._resident[key] = None
+        self._push(key)
 
     def touch(self, key: Key) -> None:
         pass
 
     def remove(self, key: Key) -> None:
-        self._resident.pop(key, None)
+        self._score.pop(key, None)
 
     def _expected_next_use(self, key: Key) -> float:
         layer = key[0]
         period = self._period.get(layer, 1.0)
         d = self._last_step.get(layer, self._clock) + period - self._clock
-        rate, at = self._rate.get(key, (0.0, 0))
-        p = rate * self.decay ** (self._visits.get(layer, 0) - at)
-        if p <= 1e-12:
+        score = self._score.get(key, self._invariant(key))
+        if score == -math.inf:
             return math.inf
-        return max(d, 0.0) + period * (1.0 - p) / p
+        p = math.exp(min(0.0, score + self._visits.get(layer, 0) * self._log_decay))
+        return max(d, 0.0) + period * (1.0 - p) / max(p, 1e-300)
 
     def victim(self, evictable):
         best, best_t = None, -1.0
-        for key in self._resident:
-            if evictable(key):
-                t = self._expected_next_use(key)
+        for heap in self._heaps.values():
+            skipped, found = [], None
+            while heap:
+                entry = heapq.heappop(heap)
+                score, key = entry
+                if self._score.get(key) != score:
+                    continue  # stale
+                skipped.append(entry)
+                if evictable(key):
+                    found = key
+                    break
+            for entry in skipped:
+                heapq.heappush(heap, entry)
+            if found is not None:
+                t = self._expected_next_use(found)
                 if t > best_t:
-                    best, best_t = key, t
+                    best, best_t = found, t
         return best
 
     def eviction_order(self):
-        return sorted(self._resident, key=self._expected_next_use, reverse=True)
+        return sorted(self._score, key=self._expected_next_use, reverse=True)
 
 
 def _counts_mapping(counts) -> dict[Key, float]:
