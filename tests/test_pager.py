@@ -376,3 +376,29 @@ def test_streaming_8x_the_budget_keeps_peak_rss_bounded(tmp_path):
     before, after, resident = map(int, out.stdout.split())
     assert resident <= budget
     assert after - before <= budget + (4 << 20), (before, after)
+
+
+hypothesis = pytest.importorskip("hypothesis")
+st = hypothesis.strategies
+
+
+@hypothesis.settings(max_examples=25, deadline=None)
+@hypothesis.given(
+    steps=st.lists(
+        st.tuples(st.integers(0, L - 1), st.lists(st.integers(0, E - 1), min_size=1, max_size=3)),
+        min_size=1,
+        max_size=40,
+    ),
+    capacity=st.integers(3, 8),
+    policy=st.sampled_from(sorted(set(POLICIES) - {"hot"})),
+)
+def test_property_pager_matches_replay_and_never_beats_belady(weights, steps, capacity, policy):
+    path, experts = weights
+    trace = Trace(steps)
+    with Pager(path, budget_bytes=capacity * SLOT, page_size_kb=4, policy=policy) as pager:
+        for layer, ids in trace:
+            with pager.load(layer, ids) as batch:
+                check(batch, experts, layer)
+            assert pager.stats.resident_bytes <= capacity * SLOT
+        hits = pager.stats.hits
+    assert hits == replay(trace, capacity, policy).hits <= belady(trace, capacity).hits
