@@ -1,8 +1,43 @@
-"""colibri: Mixture-of-Experts routing and expert paging for machines too small for the model."""
+"""colibri: Mixture-of-Experts routing and expert paging for machines too small for the model.
+
+>>> import colibri, numpy as np
+>>> ctx = colibri.init(26, 2)
+>>> ids, weights = ctx.route(np.random.default_rng(0).standard_normal((4, 26), np.float32))
+>>> ids.shape, weights.dtype
+((4, 2), dtype('float32'))
+"""
 
 from colibri._core import max_threads, openmp_enabled
+from colibri.config import Config
 from colibri.pager import BudgetError, Pager
+from colibri.partition import Partition
+from colibri.routing import Context, init, route, route_from_dlpack
 
 __version__ = "0.1.0"
 
-__all__ = ["BudgetError", "Pager", "__version__", "max_threads", "openmp_enabled"]
+
+def get_include() -> str:
+    """The directory holding colibri's C headers (``colibri/route.h``, ``dlpack.h``, ...)."""
+    import os
+
+    here = os.path.join(os.path.dirname(__file__), "include")
+    if os.path.isdir(here):
+        return here
+    # editable installs: the headers stay in the source tree
+    return os.path.join(os.path.dirname(os.path.dirname(__file__)), "include")
+
+
+__all__ = [
+    "BudgetError",
+    "Config",
+    "Context",
+    "Pager",
+    "Partition",
+    "__version__",
+    "get_include",
+    "init",
+    "max_threads",
+    "openmp_enabled",
+    "route",
+    "route_from_dlpack",
+]
