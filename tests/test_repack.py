@@ -121,3 +121,12 @@ def test_failed_verification_publishes_nothing(tmp_path, source, monkeypatch):
     assert not (tmp_path / "p.colibri").exists()
     assert not list(tmp_path.glob(".colibri-*"))
     assert open_weights(path).format == "safetensors"
+
+
+def test_accepts_colibri_partition(tmp_path, source):
+    import colibri
+
+    path, _ = source
+    part = colibri.Partition([[0, 1], [2, 3], [4], [5]])
+    out = repack(path, tmp_path / "p.colibri", part)
+    assert out.metadata["groups"]["0"] == [list(g) for g in part.groups]
