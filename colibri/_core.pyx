@@ -29,8 +29,10 @@ cdef extern from "colibri/route.h" nogil:
         int32_t scoring
         int32_t normalize
         float norm_p
+        float norm_eps
         float scale
         const float *bias
+        int32_t bias_on_logits
         const float *expert_scale
         int32_t num_groups
         int32_t topk_groups
@@ -189,7 +191,7 @@ cdef class Router:
     cdef size_t _scratch_bytes
 
     def _setup(self, *, int num_experts, int top_k, str scoring, bint normalize, float norm_p,
-               float scale, bias, expert_scale, group_start, group_members, int topk_groups,
+               float norm_eps, float scale, bias, str bias_on, expert_scale, group_start, group_members, int topk_groups,
                str group_score, int routing_threads, str ids_dtype, bint collect_stats):
         """Store a configuration already validated by :class:`colibri.Config`."""
         self.num_experts = num_experts
@@ -203,6 +205,8 @@ cdef class Router:
         self.r.scoring = SCORINGS[scoring]
         self.r.normalize = normalize
         self.r.norm_p = norm_p
+        self.r.norm_eps = norm_eps
+        self.r.bias_on_logits = bias_on == "logits"
         self.r.scale = scale
         self.r.bias = NULL
         self.r.expert_scale = NULL

@@ -12,7 +12,9 @@ ROUTE_OPTIONS = (
     "scoring",
     "normalize",
     "norm_p",
+    "normalize_eps",
     "correction_bias",
+    "bias_on",
     "scale",
     "expert_scale",
     "num_groups",
@@ -63,6 +65,9 @@ def routing_case(draw):
             rng.standard_normal(E) * draw(st.sampled_from([0.01, 1.0, 100.0]))
             - draw(st.sampled_from([0.0, 50.0]))
         ).astype(np.float32)
+        options["bias_on"] = draw(st.sampled_from(["scores", "logits"]))
+    if draw(st.booleans()):
+        options["normalize_eps"] = draw(st.sampled_from([1e-6, 1e-20, 0.1]))
     if draw(st.booleans()):
         options["expert_scale"] = rng.uniform(0.5, 2.0, E).astype(np.float32)
     grouping = draw(st.sampled_from(["none", "contiguous", "partition"]))

@@ -5,7 +5,7 @@
  *
  * Semantics (docs: README "Routing"):
  *   scores   = score(logits)              softmax | sigmoid | sqrt(softplus)
- *   keys     = scores + bias              (bias: selection only, may be NULL)
+ *   keys     = scores + bias              (bias: selection only, may be NULL; or logits + bias)
  *   groups   : keep the topk_groups best groups by max / top-2-sum of keys; experts of
  *              dropped groups are never chosen (never a 0.0 fill that a negative key loses to)
  *   ids      = top-k of keys over the kept experts, descending; equal keys -> lower id
@@ -47,8 +47,10 @@ typedef struct {
     int32_t scoring;
     int32_t normalize;
     float norm_p;               /* 1: divide by the sum; p: by the p-norm (DBRX) */
+    float norm_eps;             /* added to the norm before dividing (LFM2: 1e-6) */
     float scale;                /* multiplies the final weights */
     const float *bias;          /* [E] selection-only bias, or NULL */
+    int32_t bias_on_logits;     /* add the bias to the logits, not the scores (Kolibri) */
     const float *expert_scale;  /* [E] per-expert factor after renormalisation, or NULL */
     int32_t num_groups;         /* <= 1: no group limit */
     int32_t topk_groups;
@@ -415,8 +417,9 @@ static inline int colibri_route_row(const colibri_router_t *r, const float *x, v
         }
         key = scores;
         if (r->bias != NULL) {
+            const float *base = r->bias_on_logits ? x : scores;
             for (e = 0; e < E; e++)
-                keys[e] = scores[e] + r->bias[e];
+                keys[e] = base[e] + r->bias[e];
             key = keys;
         }
     }
@@ -504,14 +507,21 @@ static inline int colibri_route_row(const colibri_router_t *r, const float *x, v
             if (r->norm_p == 1.0f) {
                 for (j = 0; j < k; j++)
                     norm += weights[j];
+                norm += r->norm_eps;
                 for (j = 0; j < k; j++) /* divide: 1 / a subnormal sum would overflow */
                     weights[j] /= norm;
-            } else {
+            } else if (r->norm_eps == 0.0f) {
                 for (j = 0; j < k; j++)
                     norm += powf(weights[j] / largest, r->norm_p);
                 norm = powf(norm, 1.0f / r->norm_p);
                 for (j = 0; j < k; j++)
                     weights[j] = weights[j] / largest / norm;
+            } else {
+                for (j = 0; j < k; j++)
+                    norm += powf(weights[j] / largest, r->norm_p);
+                norm = largest * powf(norm, 1.0f / r->norm_p) + r->norm_eps;
+                for (j = 0; j < k; j++)
+                    weights[j] /= norm;
             }
         }
     }
