@@ -1,0 +1,340 @@
+"""colibri routing inside transformers models, checked against transformers' own routing.
+
+For every covered MoE family a tiny random model is built from a config (no
+download), run once on transformers' routing and once patched onto colibri: the
+routing decisions (ids and weights of every router call), the MoE block
+outputs, the logits and a greedy generation must agree; ``unpatch`` must restore
+the original computation bit for bit.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _hf_families import FAMILIES, build_model, randomise_routers  # noqa: E402
+
+from colibri.integrations.transformers import (  # noqa: E402
+    UnsupportedRouterError,
+    patch,
+    patched_routers,
+    unpatch,
+)
+
+BIAS = "<correction_bias tensor>"
+
+# model_type -> (router kind, colibri options patch() must derive from the config)
+EXPECTED: dict[str, tuple[str, dict]] = {
+    "mixtral": ("softmax_topk_renorm_fp32", {"normalize": True}),
+    "qwen2_moe": ("softmax_topk_norm_topk_prob", {"normalize": False}),
+    "qwen3_moe": ("softmax_topk_norm_topk_prob", {"normalize": True}),
+    "olmoe": ("softmax_topk_norm_topk_prob", {"normalize": False}),
+    "deepseek_v2": (
+        "softmax_group_max_scale",
+        {"normalize": False, "scale": 1.5, "num_groups": 4, "topk_groups": 2, "group_score": "max"},
+    ),
+    "deepseek_v3": (
+        "sigmoid_bias_group_top2_scale",
+        {"scoring": "sigmoid", "normalize": True, "scale": 2.5, "num_groups": 4,
+         "topk_groups": 2, "group_score": "top2_sum", "correction_bias": BIAS},
+    ),
+    "glm4_moe": (
+        "sigmoid_bias_group_top2_scale",
+        {"scoring": "sigmoid", "normalize": True, "scale": 1.8, "correction_bias": BIAS},
+    ),
+    "gpt_oss": ("topk_logits_softmax_bias", {"normalize": True}),
+    "llama4_text": ("topk_logits_sigmoid_dense", {"scoring": "sigmoid", "normalize": False}),
+    "dbrx": ("softmax_topk_pnorm", {"normalize": True, "norm_p": 2.0}),
+    "jamba": ("softmax_topk", {"normalize": False}),
+    "granitemoe": ("topk_logits_softmax", {"normalize": True}),
+    "gemma4_text": (
+        "softmax_topk_renorm_expert_scale",
+        {"normalize": True, "expert_scale": "<expert_scale tensor>"},
+    ),
+}  # fmt: skip
+
+DENSE_KINDS = {"topk_logits_sigmoid_dense"}  # Llama4: [T, E] scores, zero where not chosen
+EXPERTS_INPUT_KINDS = {"softmax_topk_pnorm"}  # DBRX: routing is a method of the FFN block
+
+
+def _decisions(kind: str, first, second) -> tuple:
+    """(ids in transformers' order [T, k] int64, weights [T, k] float32) of one router call."""
+    if kind in DENSE_KINDS:
+        dense = first.detach().float()
+        k = int(dense.ne(0).sum(-1).max())
+        weights, ids = dense.topk(k, dim=-1)
+        return ids, weights
+    return second.detach().long(), first.detach().float()
+
+
+def _run(model, records, input_ids):
+    """Routing decisions of every router call, every MoE block's output, and the logits."""
+    modules = dict(model.named_modules())
+    calls: list[tuple] = []
+    blocks: list = []
+    handles = []
+    for record in records:
+        module = modules[record.name]
+        kind = record.kind
+        if kind in EXPERTS_INPUT_KINDS:
+            handles.append(
+                module.experts.register_forward_pre_hook(
+                    lambda m, args, kind=kind: calls.append(_decisions(kind, args[2], args[1]))
+                )
+            )
+            block = module
+        else:
+            handles.append(
+                module.register_forward_hook(
+                    lambda m, args, out, kind=kind: calls.append(
+                        _decisions(kind, out[0], None)
+                        if kind in DENSE_KINDS
+                        else _decisions(kind, out[1], out[2])
+                    )
+                )
+            )
+            block = modules[record.name.rsplit(".", 1)[0]]
+        handles.append(
+            block.register_forward_hook(
+                lambda m, args, out: blocks.append(
+                    (out[0] if isinstance(out, tuple) else out).detach().clone()
+                )
+            )
+        )
+    try:
+        with torch.no_grad():
+            logits = model(input_ids).logits
+    finally:
+        for handle in handles:
+            handle.remove()
+    return calls, blocks, logits
+
+
+def _generate(model, input_ids):
+    with torch.no_grad():
+        return model.generate(
+            input_ids,
+            attention_mask=torch.ones_like(input_ids),
+            do_sample=False,
+            max_new_tokens=5,
+        )
+
+
+def _assert_same_routing(reference, colibri, ordered: bool) -> None:
+    assert len(reference) == len(colibri) > 0
+    for (ref_ids, ref_w), (ids, w) in zip(reference, colibri, strict=True):
+        assert ids.dtype == torch.int64
+        assert ids.shape == ref_ids.shape
+        ref_order, order = ref_ids.argsort(-1), ids.argsort(-1)
+        torch.testing.assert_close(ids.gather(1, order), ref_ids.gather(1, ref_order))
+        torch.testing.assert_close(
+            w.gather(1, order), ref_w.gather(1, ref_order), atol=1e-6, rtol=0
+        )
+        if ordered:  # transformers' topk is sorted: colibri's rows are in the same order
+            torch.testing.assert_close(ids, ref_ids)
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def family(request):
+    """(model_type, model with randomised routers, the routers patch() finds)."""
+    model_type = request.param
+    model = build_model(model_type)
+    records = patch(model)
+    unpatch(model)
+    randomise_routers(model, [r.name for r in records])
+    return model_type, model, records
+
+
+def test_patch_finds_every_moe_router(family):
+    model_type, model, records = family
+    kind, options = EXPECTED[model_type]
+    assert records, model_type
+    assert {r.kind for r in records} == {kind}
+    for record in records:
+        assert record.options == options
+        assert record.family in model_type
+    moe_blocks = {r.name.rsplit(".", 1)[0] for r in records}
+    assert len(moe_blocks) == len(records) == 2  # one MoE block per layer, two layers
+
+
+def test_routing_blocks_logits_and_generation_match_transformers(family):
+    model_type, model, records = family
+    _, ordered = FAMILIES[model_type]
+    input_ids = torch.randint(3, 96, (2, 9), generator=torch.Generator().manual_seed(5))
+
+    ref_calls, ref_blocks, ref_logits = _run(model, records, input_ids)
+    ref_tokens = _generate(model, input_ids)
+
+    patched = patch(model)
+    try:
+        assert [r.name for r in patched] == [r.name for r in records]
+        assert patched_routers(model) == patched
+        calls, blocks, logits = _run(model, records, input_ids)
+        tokens = _generate(model, input_ids)
+    finally:
+        assert unpatch(model) == len(records)
+
+    _assert_same_routing(ref_calls, calls, ordered)
+    assert len(blocks) == len(ref_blocks)
+    for block, ref_block in zip(blocks, ref_blocks, strict=True):
+        torch.testing.assert_close(block, ref_block, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(logits, ref_logits, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(tokens, ref_tokens, atol=0, rtol=0)
+
+    # unpatch gives back transformers' own computation, bit for bit
+    assert patched_routers(model) == []
+    again_calls, again_blocks, again_logits = _run(model, records, input_ids)
+    torch.testing.assert_close(again_logits, ref_logits, atol=0, rtol=0)
+
+
+# --------------------------------------------------------------------------------------
+# Tensors read at call time: biases and scales loaded or changed after patch().
+
+
+@pytest.mark.parametrize("model_type", ["deepseek_v3", "gemma4_text"])
+def test_changed_bias_or_scale_after_patch_is_followed(model_type):
+    model = build_model(model_type)
+    records = patch(model)
+    randomise_routers(model, [r.name for r in records], seed=7)  # in place, after patch
+    input_ids = torch.randint(3, 96, (1, 11), generator=torch.Generator().manual_seed(2))
+    calls, _, logits = _run(model, records, input_ids)
+    unpatch(model)
+    ref_calls, _, ref_logits = _run(model, records, input_ids)
+    _assert_same_routing(ref_calls, calls, ordered=False)
+    torch.testing.assert_close(logits, ref_logits, atol=1e-4, rtol=1e-4)
+
+
+def test_state_dict_is_untouched_by_patch():
+    model = build_model("mixtral")
+    keys = list(model.state_dict())
+    patch(model)
+    assert list(model.state_dict()) == keys
+    unpatch(model)
+
+
+def test_patch_twice_replaces_and_unpatch_is_idempotent():
+    model = build_model("qwen3_moe")
+    first = patch(model)
+    second = patch(model)
+    assert [r.name for r in second] == [r.name for r in first]
+    assert len(patched_routers(model)) == len(first)
+    assert unpatch(model) == len(first)
+    assert unpatch(model) == 0
+
+
+# --------------------------------------------------------------------------------------
+# Refusals: never route differently in silence.
+
+
+def test_unsupported_family_is_refused_by_name():
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(
+        "phimoe", vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+        num_experts_per_tok=2, max_position_embeddings=64,
+    )  # fmt: skip
+    model = AutoModelForCausalLM.from_config(config).eval()
+    with pytest.raises(UnsupportedRouterError, match=r"(?s)family phimoe.*sparsemixer"):
+        patch(model)
+    assert patched_routers(model) == []
+    with pytest.raises(ValueError, match="no MoE router"):
+        patch(model, skip_unsupported=True)
+
+
+def test_unsupported_config_option_is_refused_by_name():
+    model = build_model("deepseek_v2", topk_method="greedy")
+    records = patch(model)
+    assert "num_groups" not in records[0].options
+    unpatch(model)
+    for _, module in model.named_modules():
+        if type(module).__name__ == "DeepseekV2TopkRouter":
+            module.topk_method = "noaux_tc"
+    with pytest.raises(UnsupportedRouterError, match=r"(?s)deepseek_v2.*topk_method='noaux_tc'"):
+        patch(model)
+    assert patched_routers(model) == []  # all or nothing
+
+
+def test_changed_router_code_is_refused(monkeypatch):
+    from transformers.models.mixtral import modeling_mixtral
+
+    original = modeling_mixtral.MixtralTopKRouter.forward
+
+    def forward(self, hidden_states):  # a "future transformers" router: sigmoid scores
+        logits, _, _ = original(self, hidden_states)
+        weights, ids = torch.topk(logits.sigmoid(), self.top_k, dim=-1)
+        return logits, weights, ids
+
+    monkeypatch.setattr(modeling_mixtral.MixtralTopKRouter, "forward", forward)
+    model = build_model("mixtral")
+    with pytest.raises(UnsupportedRouterError, match=r"(?s)family mixtral.*not one colibri"):
+        patch(model)
+
+
+def test_model_without_moe_is_refused():
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(
+        "llama", vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=2,
+    )  # fmt: skip
+    with pytest.raises(ValueError, match="no MoE router"):
+        patch(AutoModelForCausalLM.from_config(config))
+
+
+# --------------------------------------------------------------------------------------
+# Documented differences (colibri.integrations.transformers.DIFFERENCES), shown exactly.
+
+
+def _route_one(model, record, logits_row: list[float]):
+    """Drive one router with a hidden state whose logits are ``logits_row``."""
+    module = dict(model.named_modules())[record.name]
+    weight = module.weight
+    hidden = torch.zeros(1, weight.shape[1])
+    hidden[0, 0] = 1.0
+    with torch.no_grad():
+        weight.zero_()
+        weight[:, 0] = torch.tensor(logits_row)
+        if getattr(module, "bias", None) is not None:
+            module.bias.zero_()
+        return module(hidden)
+
+
+def test_difference_topk_on_logits_softmax_underflow():
+    """gpt-oss selects on logits; colibri on softmax scores. Two logits whose
+    probabilities both underflow to 0 tie for colibri (lower id wins), but their
+    weight is 0 either way, so the block output is the same."""
+    model = build_model("gpt_oss")
+    record = patch(model)[0]
+    logits_row = [0.0, -200.0, -150.0, -300.0, -400.0, -500.0, -600.0, -700.0]
+    _, weights, ids = _route_one(model, record, logits_row)
+    unpatch(model)
+    _, ref_weights, ref_ids = _route_one(model, record, logits_row)
+    assert ref_ids.tolist() == [[0, 2]] and ids.tolist() == [[0, 1]]
+    torch.testing.assert_close(weights, ref_weights)  # [[1, 0]] both
+    assert weights.tolist() == [[1.0, 0.0]]
+
+
+def test_difference_llama4_sigmoid_saturation():
+    """Llama4 selects on logits; colibri on sigmoid scores. Logits 20 and 21 both
+    give sigmoid 1.0 in float32: transformers picks 21, colibri the lower id."""
+    model = build_model("llama4_text")
+    record = patch(model)[0]
+    logits_row = [20.0, 21.0, -1.0, 0.5]
+    scores, _ = _route_one(model, record, logits_row)
+    unpatch(model)
+    ref_scores, _ = _route_one(model, record, logits_row)
+    assert ref_scores.tolist() == [[0.0, 1.0, 0.0, 0.0]]
+    assert scores.tolist() == [[1.0, 0.0, 0.0, 0.0]]
+
+
+def test_differences_are_documented():
+    from colibri.integrations.transformers import DIFFERENCES
+
+    assert {"top-k on logits", "softmax over k", "low-precision routing math"} <= set(DIFFERENCES)
