@@ -158,12 +158,98 @@ FAMILIES: dict[str, tuple[dict, bool]] = {
     ),
 }
 
+_LINEAR_ATTENTION = dict(
+    layer_types=["linear_attention", "full_attention"],
+    linear_num_value_heads=2,
+    linear_num_key_heads=2,
+    linear_key_head_dim=8,
+    linear_value_head_dim=8,
+    linear_conv_kernel_dim=4,
+)
+
+# Further families (mostly sharing a router implementation with the ones above):
+# model_type -> (config overrides, transformers' top-k is sorted, router kind).
+MORE_FAMILIES: dict[str, tuple[dict, bool, str]] = {
+    "qwen3_next": (
+        dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=24,
+             shared_expert_intermediate_size=24, norm_topk_prob=True, **_LINEAR_ATTENTION),
+        True, "softmax_topk_norm_topk_prob",
+    ),
+    "qwen3_5_moe_text": (
+        dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=24,
+             shared_expert_intermediate_size=24, **_LINEAR_ATTENTION),
+        True, "softmax_topk_renorm",
+    ),
+    "flex_olmo": (
+        dict(num_experts=8, num_experts_per_tok=2, norm_topk_prob=True),
+        True, "softmax_topk_norm_topk_prob",
+    ),
+    "minimax": (
+        dict(num_local_experts=8, num_experts_per_tok=2), True, "softmax_topk_renorm_fp32"
+    ),
+    "hunyuan_v1_moe": (
+        dict(num_experts=8, num_local_experts=8, moe_topk=2), True, "softmax_topk_renorm_hunyuan"
+    ),
+    "ernie4_5_moe": (
+        dict(num_experts=8, num_experts_per_tok=2, moe_k=2, moe_intermediate_size=24,
+             moe_num_shared_experts=1),
+        True, "softmax_bias_renorm",
+    ),
+    "granitemoeshared": (
+        dict(num_local_experts=8, num_experts_per_tok=2), True, "topk_logits_softmax"
+    ),
+    "cohere2_moe": (
+        dict(num_experts=8, num_experts_per_tok=2, expert_selection_fn="sigmoid",
+             norm_topk_prob=False),
+        True, "topk_logits_softmax_or_sigmoid",
+    ),
+    "dots1": (
+        dict(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=24,
+             n_shared_experts=1, n_group=2, topk_group=1, norm_topk_prob=True,
+             routed_scaling_factor=2.0),
+        False, "sigmoid_bias_group_top2_scale",
+    ),
+    "exaone_moe": (
+        dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=24, n_group=2,
+             topk_group=1),
+        False, "sigmoid_bias_group_top2_scale",
+    ),
+    "deepseek_v32": (
+        dict(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=24,
+             n_shared_experts=1, first_k_dense_replace=0, n_group=2, topk_group=1,
+             q_lora_rank=24, **_MLA),
+        False, "sigmoid_bias_group_top2_scale",
+    ),
+    "glm4_moe_lite": (
+        dict(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=24,
+             n_shared_experts=1, first_k_dense_replace=0, q_lora_rank=24, **_MLA),
+        False, "sigmoid_bias_group_top2_scale",
+    ),
+    "minimax_m2": (
+        dict(num_local_experts=8, num_experts_per_tok=2), False, "sigmoid_block_bias_renorm"
+    ),
+    "hy_v3": (
+        dict(num_experts=8, num_local_experts=8, num_experts_per_tok=2, moe_intermediate_size=24),
+        False, "sigmoid_block_bias_renorm_scale",
+    ),
+    "afmoe": (
+        dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=24, route_scale=1.7,
+             num_dense_layers=0),
+        True, "sigmoid_block_bias_renorm_route_scale",
+    ),
+    "laguna": (
+        dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=24,
+             moe_router_logit_softcapping=3.0),
+        True, "softcap_sigmoid_bias_renorm",
+    ),
+}  # fmt: skip
+
 
 def build_model(model_type: str, **overrides) -> torch.nn.Module:
     """A tiny random ``AutoModelForCausalLM`` of ``model_type``, float32, eval mode."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    options, _ = FAMILIES[model_type]
+    options = FAMILIES[model_type][0] if model_type in FAMILIES else MORE_FAMILIES[model_type][0]
     if model_type == "dbrx":
         config = AutoConfig.for_model("dbrx", **{**options, **overrides})
         config.attn_config.rope_theta = 10000.0  # transformers 5.23 reads it, never sets it

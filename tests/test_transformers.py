@@ -18,7 +18,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _hf_families import FAMILIES, build_model, randomise_routers  # noqa: E402
+from _hf_families import FAMILIES, MORE_FAMILIES, build_model, randomise_routers  # noqa: E402
 
 from colibri.integrations.transformers import (  # noqa: E402
     UnsupportedRouterError,
@@ -163,9 +163,7 @@ def test_patch_finds_every_moe_router(family):
     assert len(moe_blocks) == len(records) == 2  # one MoE block per layer, two layers
 
 
-def test_routing_blocks_logits_and_generation_match_transformers(family):
-    model_type, model, records = family
-    _, ordered = FAMILIES[model_type]
+def _check_against_transformers(model, records, ordered: bool) -> None:
     input_ids = torch.randint(3, 96, (2, 9), generator=torch.Generator().manual_seed(5))
 
     ref_calls, ref_blocks, ref_logits = _run(model, records, input_ids)
@@ -189,8 +187,24 @@ def test_routing_blocks_logits_and_generation_match_transformers(family):
 
     # unpatch gives back transformers' own computation, bit for bit
     assert patched_routers(model) == []
-    again_calls, again_blocks, again_logits = _run(model, records, input_ids)
+    _, _, again_logits = _run(model, records, input_ids)
     torch.testing.assert_close(again_logits, ref_logits, atol=0, rtol=0)
+
+
+def test_routing_blocks_logits_and_generation_match_transformers(family):
+    model_type, model, records = family
+    _check_against_transformers(model, records, ordered=FAMILIES[model_type][1])
+
+
+@pytest.mark.parametrize("model_type", sorted(MORE_FAMILIES))
+def test_more_families_match_transformers(model_type):
+    _, ordered, kind = MORE_FAMILIES[model_type]
+    model = build_model(model_type)
+    records = patch(model)
+    unpatch(model)
+    assert records and {r.kind for r in records} == {kind}
+    randomise_routers(model, [r.name for r in records])
+    _check_against_transformers(model, records, ordered)
 
 
 # --------------------------------------------------------------------------------------
