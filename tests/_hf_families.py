@@ -267,7 +267,7 @@ def randomise_routers(model: torch.nn.Module, router_names: list[str], seed: int
     with torch.no_grad():
         for name in router_names:
             scopes = [modules[name]]
-            if "." in name:  # block-level biases (MiniMax-M2, AFMoE, HY-V3)
+            if name and "." in name:  # block-level biases (MiniMax-M2, AFMoE, HY-V3)
                 scopes.append(modules[name.rsplit(".", 1)[0]])
             for scope, recurse in zip(scopes, (True, False), strict=False):
                 tensors = list(scope.named_parameters(recurse=recurse))

@@ -352,3 +352,107 @@ def test_differences_are_documented():
     from colibri.integrations.transformers import DIFFERENCES
 
     assert {"top-k on logits", "softmax over k", "low-precision routing math"} <= set(DIFFERENCES)
+
+
+# --------------------------------------------------------------------------------------
+# Routers whose models are too heavy to build here: checked module by module.
+
+
+def _mistral4_router():
+    from transformers.models.mistral4 import configuration_mistral4, modeling_mistral4
+
+    config = configuration_mistral4.Mistral4Config(
+        hidden_size=32, n_routed_experts=16, num_experts_per_tok=4, n_group=4, topk_group=2,
+        norm_topk_prob=True, routed_scaling_factor=1.3,
+    )  # fmt: skip
+    return modeling_mistral4.Mistral4TopkRouter(config)
+
+
+def _longcat_router():
+    from transformers.models.longcat_flash import (
+        configuration_longcat_flash,
+        modeling_longcat_flash,
+    )
+
+    config = configuration_longcat_flash.LongcatFlashConfig(
+        hidden_size=32, n_routed_experts=8, zero_expert_num=2, num_experts_per_tok=3,
+        routed_scaling_factor=1.3,
+    )  # fmt: skip
+    return modeling_longcat_flash.LongcatFlashTopkRouter(config)
+
+
+def _deepseek_v4_router(scoring_func):
+    from transformers.models.deepseek_v4 import configuration_deepseek_v4, modeling_deepseek_v4
+
+    config = configuration_deepseek_v4.DeepseekV4Config(
+        hidden_size=32, n_routed_experts=12, num_experts_per_tok=3, routed_scaling_factor=1.5,
+        scoring_func=scoring_func,
+    )  # fmt: skip
+    return modeling_deepseek_v4.DeepseekV4TopKRouter(config)
+
+
+ROUTERS = {
+    "mistral4": (_mistral4_router, "softmax_group_top2_scale"),
+    "longcat_flash": (_longcat_router, "softmax_bias_scale"),
+    "deepseek_v4_sqrtsoftplus": (
+        lambda: _deepseek_v4_router("sqrtsoftplus"),
+        "score_fn_bias_renorm_scale",
+    ),
+    "deepseek_v4_sigmoid": (lambda: _deepseek_v4_router("sigmoid"), "score_fn_bias_renorm_scale"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(ROUTERS))
+def test_router_modules_match_transformers(name):
+    make, kind = ROUTERS[name]
+    torch.manual_seed(0)
+    router = make().eval()
+    records = patch(router)
+    unpatch(router)
+    assert [r.kind for r in records] == [kind]
+    randomise_routers(router, [""])
+    hidden = torch.randn(64, 32, generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        ref = router(hidden)
+        patch(router)
+        got = router(hidden)
+        unpatch(router)
+    torch.testing.assert_close(got[0], ref[0], atol=0, rtol=0)  # the logits, untouched
+    _assert_same_routing([(ref[2], ref[1].float())], [(got[2], got[1].float())], ordered=False)
+    assert got[1].dtype == ref[1].dtype
+
+
+def test_bfloat16_router_routes_like_transformers():
+    """bfloat16 logits go to colibri as they are (DLPack); Qwen3-MoE computes its
+    softmax in float32 as colibri does, so ids and weights match, except that equal
+    bfloat16 logits (frequent: 8 bits of mantissa) tie, and at the k-th place
+    colibri's tie rule (lower id) decides where torch.topk's choice is unspecified."""
+    model = build_model("qwen3_moe").to(torch.bfloat16)
+    records = patch(model)
+    unpatch(model)
+    randomise_routers(model, [r.name for r in records])
+    router = dict(model.named_modules())[records[0].name]
+    hidden = torch.randn(256, 32, generator=torch.Generator().manual_seed(5)).bfloat16()
+    with torch.no_grad():
+        ref_logits, ref_w, ref_ids = router(hidden)
+        patch(router)
+        logits, w, ids = router(hidden)
+        unpatch(router)
+    k = records[0].top_k
+    assert w.dtype == torch.bfloat16 and ids.dtype == torch.int64
+    torch.testing.assert_close(logits, ref_logits, atol=0, rtol=0)
+    top = logits.float().topk(k + 1, dim=-1).values
+    boundary_tie = top[:, k - 1] == top[:, k]
+    assert boundary_tie.any()  # the case this test is about does occur
+    free = ~boundary_tie
+    torch.testing.assert_close(ids[free].sort(-1).values, ref_ids[free].sort(-1).values)
+    torch.testing.assert_close(
+        w[free].float().sort(-1).values,
+        ref_w[free].float().sort(-1).values,
+        atol=1e-6,
+        rtol=2**-8,  # one bfloat16 ulp: colibri's float32 exp may differ from torch's by an ulp
+    )
+    for row in boundary_tie.nonzero().flatten().tolist():  # the lower ids win the tie
+        tied = (logits[row] == top[row, k - 1]).nonzero().flatten().tolist()
+        kept = [e for e in ids[row].tolist() if e in tied]
+        assert kept == sorted(tied)[: len(kept)]
