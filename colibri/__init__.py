@@ -1,7 +1,27 @@
-"""colibri: Mixture-of-Experts routing and expert paging for machines too small for the model."""
+"""colibri: Mixture-of-Experts routing and expert paging for machines too small for the model.
+
+>>> import colibri, numpy as np
+>>> ctx = colibri.init(26, 2)
+>>> ids, weights = ctx.route(np.random.default_rng(0).standard_normal((4, 26), np.float32))
+>>> ids.shape, weights.dtype
+((4, 2), dtype('float32'))
+"""
 
 from colibri._core import max_threads, openmp_enabled
+from colibri.config import Config
+from colibri.partition import Partition
+from colibri.routing import Context, init, route, route_from_dlpack
 
 __version__ = "0.1.0"
 
-__all__ = ["__version__", "max_threads", "openmp_enabled"]
+__all__ = [
+    "Config",
+    "Context",
+    "Partition",
+    "__version__",
+    "init",
+    "max_threads",
+    "openmp_enabled",
+    "route",
+    "route_from_dlpack",
+]

@@ -1,6 +1,59 @@
-"""colibri's compiled core: OpenMP facts (routing kernels land here)."""
+"""colibri's compiled routing core: the batch driver around include/colibri/route.h.
 
+The per-token kernel is plain C (one fused pass: decode, NaN check, optional scores and
+bias, group limit, partial top-k, weights). This module runs it over tokens with OpenMP
+(``prange``, one scratch block per thread, no locks), fills caller-owned or fresh buffers,
+and counts expert usage per thread when asked, merged after the parallel loop.
+"""
+
+cimport cython
+from cython.parallel cimport prange
+from libc.stdint cimport int32_t, int64_t
+from libc.stdlib cimport free, malloc
+
+from colibri._dlpack cimport (BFLOAT16, FLOAT16, FLOAT32, FLOAT64, INT32, INT64, DType,
+                              HostTensor, import_tensor, new_result)
 from colibri._openmp cimport COLIBRI_OPENMP, COLIBRI_OPENMP_VERSION, colibri_max_threads
+
+import threading
+
+import numpy as np
+
+from colibri._dlpack import DTYPE_NAMES, to_caller
+
+
+cdef extern from "colibri/route.h" nogil:
+    ctypedef struct colibri_router_t:
+        int32_t num_experts
+        int32_t top_k
+        int32_t scoring
+        int32_t normalize
+        float norm_p
+        float scale
+        const float *bias
+        const float *expert_scale
+        int32_t num_groups
+        int32_t topk_groups
+        int32_t group_score
+        const int32_t *group_start
+        const int32_t *group_members
+
+    size_t colibri_scratch_bytes(const colibri_router_t *r) noexcept
+    const float *colibri_load_row(const char *row, int dtype, int64_t stride, int32_t E,
+                                  float *buf) noexcept
+    int colibri_route_row(const colibri_router_t *r, const float *x, void *scratch,
+                          int32_t *ids, float *weights) noexcept
+    enum:
+        COLIBRI_OK
+        COLIBRI_ROW_NAN
+        COLIBRI_ROW_ALL_NEG_INF
+        COLIBRI_ROW_SHORT
+
+
+# Rows per thread below which another thread costs more than it saves.
+cdef Py_ssize_t ROWS_PER_THREAD = 256
+SCORINGS = {"softmax": 0, "sigmoid": 1, "sqrtsoftplus": 2}
+GROUP_SCORES = {"max": 0, "top2_sum": 1}
 
 
 def openmp_enabled():
@@ -16,3 +69,304 @@ def openmp_version():
 def max_threads():
     """OpenMP's default thread count (``OMP_NUM_THREADS`` or the core count); 1 without OpenMP."""
     return colibri_max_threads()
+
+
+ctypedef struct RowJob:
+    const colibri_router_t *router
+    const char *x               # logits, first element
+    int64_t xs0, xs1            # strides in elements
+    int x_itemsize, x_dtype
+    char *ids                   # out ids, first element
+    int64_t ids_s0, ids_s1
+    int ids_itemsize
+    bint ids64
+    float *w                    # out weights, first element
+    int64_t w_s0, w_s1
+    Py_ssize_t k, E
+    size_t scratch_bytes
+
+
+cdef void _route_span(const RowJob *job, Py_ssize_t start, Py_ssize_t stop, char *scratch,
+                      int64_t *counts, int64_t *coact, Py_ssize_t *bad_row,
+                      int *bad_code) noexcept nogil:
+    """Route rows [start, stop) with one scratch block; count usage when counts != NULL.
+
+    The first failing row and its status go to bad_row / bad_code (left alone if none)."""
+    cdef Py_ssize_t t, j, a, b, k = job.k, E = job.E
+    cdef int32_t *row_ids = <int32_t *>(scratch + job.scratch_bytes)
+    cdef float *row_w = <float *>(scratch + job.scratch_bytes + k * 4)
+    cdef const float *row
+    cdef char *ids_out
+    cdef float *w_out
+    cdef int status
+    for t in range(start, stop):
+        row = colibri_load_row(job.x + t * job.xs0 * job.x_itemsize, job.x_dtype, job.xs1,
+                               <int32_t>E, <float *>scratch)
+        status = colibri_route_row(job.router, row, scratch, row_ids, row_w)
+        if status != COLIBRI_OK:
+            bad_row[0] = t
+            bad_code[0] = status
+            return
+        ids_out = job.ids + t * job.ids_s0 * job.ids_itemsize
+        w_out = job.w + t * job.w_s0
+        for j in range(k):
+            if job.ids64:
+                (<int64_t *>ids_out)[j * job.ids_s1] = row_ids[j]
+            else:
+                (<int32_t *>ids_out)[j * job.ids_s1] = row_ids[j]
+            w_out[j * job.w_s1] = row_w[j]
+        if counts != NULL:
+            for a in range(k):
+                counts[row_ids[a]] += 1
+                for b in range(k):
+                    coact[row_ids[a] * E + row_ids[b]] += 1
+
+
+cdef inline bint _has_shape(HostTensor t, int ndim, Py_ssize_t T, Py_ssize_t k) noexcept:
+    if ndim == 2:
+        return t.ndim == 2 and t.dims[0] == T and t.dims[1] == k
+    return t.ndim == 1 and t.dims[0] == k
+
+
+cdef class Router:
+    """The compiled router: a validated routing configuration and its kernels.
+
+    Built by :class:`colibri.Context`; use ``ctx.route``.
+    """
+    cdef colibri_router_t r
+    cdef readonly int num_experts
+    cdef readonly int top_k
+    cdef readonly int routing_threads
+    cdef bint ids64
+    cdef object _keep            # arrays the C struct points into
+    cdef object _ids_dtype
+    cdef readonly bint collect_stats
+    cdef object _stats_lock
+    cdef object _counts          # [E] int64
+    cdef object _coactivation    # [E, E] int64
+    cdef readonly int64_t tokens_routed
+    cdef size_t _scratch_bytes
+
+    def _setup(self, *, int num_experts, int top_k, str scoring, bint normalize, float norm_p,
+               float scale, bias, expert_scale, group_start, group_members, int topk_groups,
+               str group_score, int routing_threads, str ids_dtype, bint collect_stats):
+        """Store a configuration already validated by :class:`colibri.Config`."""
+        self.num_experts = num_experts
+        self.top_k = top_k
+        self.routing_threads = routing_threads
+        self.ids64 = ids_dtype == "int64"
+        self._ids_dtype = np.dtype(ids_dtype)
+        keep = []
+        self.r.num_experts = num_experts
+        self.r.top_k = top_k
+        self.r.scoring = SCORINGS[scoring]
+        self.r.normalize = normalize
+        self.r.norm_p = norm_p
+        self.r.scale = scale
+        self.r.bias = NULL
+        self.r.expert_scale = NULL
+        cdef const float[::1] fview
+        cdef const int32_t[::1] iview
+        if bias is not None:
+            fview = np.ascontiguousarray(bias, dtype=np.float32)
+            keep.append(fview)
+            self.r.bias = &fview[0]
+        if expert_scale is not None:
+            fview = np.ascontiguousarray(expert_scale, dtype=np.float32)
+            keep.append(fview)
+            self.r.expert_scale = &fview[0]
+        self.r.num_groups = 1
+        self.r.topk_groups = 1
+        self.r.group_score = GROUP_SCORES[group_score]
+        self.r.group_start = NULL
+        self.r.group_members = NULL
+        if group_start is not None and len(group_start) > 2:
+            iview = np.ascontiguousarray(group_start, dtype=np.int32)
+            keep.append(iview)
+            self.r.group_start = &iview[0]
+            iview = np.ascontiguousarray(group_members, dtype=np.int32)
+            keep.append(iview)
+            self.r.group_members = &iview[0]
+            self.r.num_groups = len(group_start) - 1
+            self.r.topk_groups = topk_groups
+        self._keep = keep
+        self._scratch_bytes = colibri_scratch_bytes(&self.r)
+        self.collect_stats = collect_stats
+        self._stats_lock = threading.Lock()
+        self._counts = np.zeros(num_experts, np.int64)
+        self._coactivation = np.zeros((num_experts, num_experts), np.int64)
+        self.tokens_routed = 0
+
+    def _usage_arrays(self):
+        """(counts [E], coactivation [E, E], tokens) copied under the statistics lock."""
+        with self._stats_lock:
+            return self._counts.copy(), self._coactivation.copy(), self.tokens_routed
+
+    def reset_stats(self):
+        """Zero the usage statistics."""
+        with self._stats_lock:
+            self._counts[:] = 0
+            self._coactivation[:] = 0
+            self.tokens_routed = 0
+
+    def set_collect_stats(self, bint on):
+        self.collect_stats = on
+
+    def route(self, logits, *, out=None):
+        """Top-k experts and weights of each token.
+
+        Parameters
+        ----------
+        logits : array or DLPack capsule, ``[T, E]`` or ``[E]``
+            float32, float64, float16 or bfloat16, any strides, never written.
+        out : (ids, weights), optional
+            Writable buffers ``[T, k]`` (``[k]`` for one token), ids int32 (or the context's
+            ids dtype) and weights float32, any DLPack producer; filled and returned.
+
+        Returns
+        -------
+        ids : ``[T, k]`` int32, weights : ``[T, k]`` float32
+            In the caller's framework; rows sorted by descending score, ties to the lower id.
+        """
+        cdef HostTensor x = import_tensor(logits, False, "route(logits)")
+        if x.dtype != FLOAT32 and x.dtype != FLOAT64 and x.dtype != FLOAT16 and x.dtype != BFLOAT16:
+            raise TypeError(f"route(logits): logits must be floating point (float32, float64, "
+                            f"float16 or bfloat16), got {DTYPE_NAMES[x.dtype]}")
+        if x.ndim != 1 and x.ndim != 2:
+            raise ValueError(f"route(logits): logits must be [E] or [T, E], got shape "
+                             f"{x.shape}; reshape to (-1, {self.num_experts})")
+        if x.dims[x.ndim - 1] != self.num_experts:
+            raise ValueError(f"route(logits): last dimension is {x.dims[x.ndim - 1]} but the "
+                             f"context routes {self.num_experts} experts; pass [T, "
+                             f"{self.num_experts}] logits or init() a context with "
+                             f"num_experts={x.dims[x.ndim - 1]}")
+        cdef Py_ssize_t T = x.dims[0] if x.ndim == 2 else 1
+        cdef Py_ssize_t k = self.top_k
+        cdef int64_t xs0 = x.steps[0] if x.ndim == 2 else 0
+        cdef int64_t xs1 = x.steps[x.ndim - 1]
+        cdef HostTensor ids_t, w_t
+        cdef char *lo
+        cdef char *hi
+        cdef char *olo
+        cdef char *ohi
+        cdef tuple shape
+        if x.ndim == 2:
+            shape = (T, k)
+        else:
+            shape = (k,)
+        if out is None:
+            ids_arr, ids_t, converted = new_result(logits, shape, INT64 if self.ids64 else INT32)
+            w_arr, w_t, converted = new_result(logits, shape, FLOAT32)
+        else:
+            if not isinstance(out, tuple) or len(out) != 2:
+                raise TypeError("route(out=...): out must be a tuple (ids, weights)")
+            ids_arr, w_arr = out
+            ids_t = import_tensor(ids_arr, True, "route(out ids)")
+            w_t = import_tensor(w_arr, True, "route(out weights)")
+            if not (_has_shape(ids_t, x.ndim, T, k) and _has_shape(w_t, x.ndim, T, k)):
+                raise ValueError(f"route(out=...): buffers must have shape {shape}, got ids "
+                                 f"{ids_t.shape} and weights {w_t.shape}")
+            if ids_t.dtype != (INT64 if self.ids64 else INT32):
+                raise TypeError(f"route(out=...): ids must be {self._ids_dtype}, got "
+                                f"{DTYPE_NAMES[ids_t.dtype]}")
+            if w_t.dtype != FLOAT32:
+                raise TypeError(f"route(out=...): weights must be float32, got "
+                                f"{DTYPE_NAMES[w_t.dtype]}")
+            if x.span(&lo, &hi):
+                for o in (ids_t, w_t):
+                    if (<HostTensor>o).span(&olo, &ohi) and olo < hi and lo < ohi:
+                        raise ValueError("route(out=...): an out buffer overlaps the logits; "
+                                         "pass separate buffers")
+            if ids_t.span(&lo, &hi) and w_t.span(&olo, &ohi) and olo < hi and lo < ohi:
+                raise ValueError("route(out=...): the ids and weights buffers overlap")
+        if T:
+            self._run(x, T, xs0, xs1, ids_t, w_t)
+        if out is not None or converted:
+            return ids_arr, w_arr
+        return to_caller(ids_arr, logits), to_caller(w_arr, logits)
+
+    cdef int _run(self, HostTensor x, Py_ssize_t T, int64_t xs0, int64_t xs1,
+                  HostTensor ids_t, HostTensor w_t) except -1:
+        cdef RowJob job
+        job.router = &self.r
+        job.x = x.data
+        job.xs0 = xs0
+        job.xs1 = xs1
+        job.x_itemsize = x.itemsize
+        job.x_dtype = x.dtype
+        job.ids = ids_t.data
+        job.ids_s0 = ids_t.steps[0] if ids_t.ndim == 2 else 0
+        job.ids_s1 = ids_t.steps[ids_t.ndim - 1]
+        job.ids_itemsize = ids_t.itemsize
+        job.ids64 = self.ids64
+        job.w = <float *>w_t.data
+        job.w_s0 = w_t.steps[0] if w_t.ndim == 2 else 0
+        job.w_s1 = w_t.steps[w_t.ndim - 1]
+        job.k = self.top_k
+        job.E = self.num_experts
+        job.scratch_bytes = self._scratch_bytes
+        cdef Py_ssize_t E = self.num_experts
+        cdef size_t slot = (self._scratch_bytes + <size_t>self.top_k * 8 + 63) & ~(<size_t>63)
+        cdef Py_ssize_t chunks = 1, c, start, stop, bad = T
+        cdef int status = COLIBRI_OK
+        cdef char stack_scratch[8192]
+        cdef char *scratch = stack_scratch
+        cdef Py_ssize_t *bad_rows = NULL
+        cdef int *bad_codes = NULL
+        cdef int64_t[:, ::1] counts
+        cdef int64_t[:, :, ::1] coact
+        cdef int64_t *cnt = NULL
+        cdef int64_t *co = NULL
+        if T > ROWS_PER_THREAD and self.routing_threads > 1:
+            chunks = min(<Py_ssize_t>self.routing_threads, (T + ROWS_PER_THREAD - 1) // ROWS_PER_THREAD)
+        if self.collect_stats:
+            counts_arr = np.zeros((chunks, E), np.int64)
+            coact_arr = np.zeros((chunks, E, E), np.int64)
+            counts = counts_arr
+            coact = coact_arr
+            cnt = &counts[0, 0]
+            co = &coact[0, 0, 0]
+
+        if chunks == 1 and slot <= sizeof(stack_scratch):
+            # the latency path: no allocation, no parallel region
+            _route_span(&job, 0, T, scratch, cnt, co, &bad, &status)
+        else:
+            scratch = <char *>malloc(slot * chunks)
+            bad_rows = <Py_ssize_t *>malloc(sizeof(Py_ssize_t) * chunks)
+            bad_codes = <int *>malloc(sizeof(int) * chunks)
+            if scratch == NULL or bad_rows == NULL or bad_codes == NULL:
+                free(scratch); free(bad_rows); free(bad_codes)
+                raise MemoryError("route(): could not allocate routing scratch")
+            for c in range(chunks):
+                bad_rows[c] = T
+                bad_codes[c] = COLIBRI_OK
+            # one contiguous block of rows per chunk, one chunk per thread
+            for c in prange(chunks, nogil=True, num_threads=chunks, schedule="static",
+                            chunksize=1):
+                _route_span(&job, c * T // chunks, (c + 1) * T // chunks, scratch + slot * c,
+                            cnt + c * E if cnt != NULL else NULL,
+                            co + c * E * E if co != NULL else NULL,
+                            bad_rows + c, bad_codes + c)
+            for c in range(chunks):
+                if bad_rows[c] < bad:
+                    bad = bad_rows[c]
+                    status = bad_codes[c]
+            free(scratch)
+            free(bad_rows)
+            free(bad_codes)
+        if status == COLIBRI_ROW_NAN:
+            raise ValueError(f"route(logits): row {bad} contains NaN; colibri refuses to route "
+                             "NaN logits (check the gate's input, or replace NaN with "
+                             "torch.nan_to_num / np.nan_to_num)")
+        if status == COLIBRI_ROW_ALL_NEG_INF:
+            raise ValueError(f"route(logits): row {bad}: every logit the softmax needs is -inf, "
+                             "so the weights are undefined (0/0); check the gate's mask")
+        if status == COLIBRI_ROW_SHORT:
+            raise RuntimeError(f"route(): row {bad} kept fewer than top_k={self.top_k} "
+                               "experts; this is a colibri bug, please report it")
+        if self.collect_stats:
+            with self._stats_lock:
+                self._counts += counts_arr.sum(axis=0)
+                self._coactivation += coact_arr.sum(axis=0)
+                self.tokens_routed += T
+        return 0

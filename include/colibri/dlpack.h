@@ -1,6 +1,6 @@
 /*
  * The DLPack ABI (https://dmlc.github.io/dlpack/latest/), written for colibri from
- * the specification (version 1.1): the structs a producer hands over in a
+ * the specification (version 1.1, and 1.2's C exchange API): the structs a producer hands over in a
  * "dltensor" / "dltensor_versioned" capsule. Plain C: usable without colibri.
  */
 #ifndef COLIBRI_DLPACK_H
@@ -83,5 +83,31 @@ typedef struct DLManagedTensorVersioned {
     uint64_t flags;
     DLTensor dl_tensor;
 } DLManagedTensorVersioned;
+
+/*
+ * DLPack 1.2+ C exchange API: a framework publishes a static table of these functions on
+ * its tensor type (`__dlpack_c_exchange_api__` as a "dlpack_exchange_api" capsule, or
+ * `__c_dlpack_exchange_api__` as an int), so a consumer can read and create tensors
+ * without a Python-level `__dlpack__` round trip.
+ */
+typedef struct DLPackExchangeAPIHeader {
+    DLPackVersion version;
+    struct DLPackExchangeAPIHeader *prev_api;
+} DLPackExchangeAPIHeader;
+
+typedef struct DLPackExchangeAPI {
+    DLPackExchangeAPIHeader header;
+    int (*managed_tensor_allocator)(DLTensor *prototype, DLManagedTensorVersioned **out,
+                                    void *error_ctx,
+                                    void (*SetError)(void *error_ctx, const char *kind,
+                                                     const char *message));
+    int (*managed_tensor_from_py_object_no_sync)(void *py_object,
+                                                 DLManagedTensorVersioned **out);
+    int (*managed_tensor_to_py_object_no_sync)(DLManagedTensorVersioned *tensor,
+                                               void **out_py_object);
+    int (*dltensor_from_py_object_no_sync)(void *py_object, DLTensor *out); /* may be NULL */
+    int (*current_work_stream)(DLDeviceType device_type, int32_t device_id,
+                               void **out_current_stream);
+} DLPackExchangeAPI;
 
 #endif /* COLIBRI_DLPACK_H */

@@ -1,0 +1,474 @@
+"""DLPack intake and return: colibri's own capsule consumer.
+
+Anything that speaks DLPack (``__dlpack__`` / ``__dlpack_device__``: torch, jax, numpy, cupy,
+...) or a raw ``"dltensor"`` / ``"dltensor_versioned"`` capsule becomes a :class:`HostTensor`:
+a pointer, shape, strides in elements and a dtype that colibri decodes itself (bfloat16
+included, which numpy cannot import). NumPy arrays take the buffer protocol, which reads the
+same memory with less overhead. Results go back through :func:`to_caller`, zero-copy.
+"""
+
+from cpython.buffer cimport (PyBUF_FORMAT, PyBUF_RECORDS, PyBUF_RECORDS_RO,
+                             PyBuffer_Release, PyObject_GetBuffer)
+from cpython.pycapsule cimport (PyCapsule_CheckExact, PyCapsule_GetPointer, PyCapsule_IsValid,
+                                PyCapsule_SetName)
+from cpython.exc cimport PyErr_Clear
+from cpython.long cimport PyLong_AsVoidPtr
+from cpython.ref cimport Py_DECREF, PyObject
+from libc.stdint cimport int64_t, uintptr_t
+
+import numpy as np
+
+_HOST_DEVICES = {1: "cpu", 3: "cuda_host", 11: "rocm_host", 13: "cuda_managed"}
+_DEVICE_NAMES = {2: "cuda", 4: "opencl", 7: "vulkan", 8: "metal", 10: "rocm", 14: "oneapi",
+                 15: "webgpu", 16: "hexagon", 17: "maia"}
+_ITEMSIZE = {FLOAT32: 4, FLOAT64: 8, FLOAT16: 2, BFLOAT16: 2, INT32: 4, INT64: 8, UINT8: 1,
+             BOOL: 1, INT16: 2, UINT16: 2, INT8: 1}
+DTYPE_NAMES = {FLOAT32: "float32", FLOAT64: "float64", FLOAT16: "float16", BFLOAT16: "bfloat16",
+               INT32: "int32", INT64: "int64", UINT8: "uint8", BOOL: "bool", INT16: "int16",
+               UINT16: "uint16", INT8: "int8"}
+# numpy storage for each dtype (bfloat16 is stored as uint16)
+_NUMPY_STORAGE = {FLOAT32: np.float32, FLOAT64: np.float64, FLOAT16: np.float16,
+                  BFLOAT16: np.uint16, INT32: np.int32, INT64: np.int64, UINT8: np.uint8,
+                  BOOL: np.bool_, INT16: np.int16, UINT16: np.uint16, INT8: np.int8}
+_DL_CODE_NAMES = {0: "int", 1: "uint", 2: "float", 3: "opaque handle", 4: "bfloat",
+                  5: "complex", 6: "bool"}
+_ndarray = np.ndarray
+
+
+cdef int _dl_dtype(DLDataType t, str what) except -1:
+    if t.lanes != 1:
+        raise TypeError(f"{what}: vector dtypes (lanes={t.lanes}) are not supported; pass a "
+                        "tensor of scalars")
+    if t.code == 2:
+        if t.bits == 32:
+            return FLOAT32
+        if t.bits == 64:
+            return FLOAT64
+        if t.bits == 16:
+            return FLOAT16
+    elif t.code == 4 and t.bits == 16:
+        return BFLOAT16
+    elif t.code == 0:
+        if t.bits == 32:
+            return INT32
+        if t.bits == 64:
+            return INT64
+        if t.bits == 16:
+            return INT16
+        if t.bits == 8:
+            return INT8
+    elif t.code == 1:
+        if t.bits == 8:
+            return UINT8
+        if t.bits == 16:
+            return UINT16
+    elif t.code == 6 and t.bits == 8:
+        return BOOL
+    name = _DL_CODE_NAMES.get(t.code, f"fp8/fp6/fp4 or unknown (DLPack code {t.code})")
+    raise TypeError(f"{what}: unsupported dtype {name}{t.bits}; colibri reads float32, "
+                    "float64, float16 and bfloat16 (and int32/int64 ids)")
+
+
+cdef int _buffer_dtype(bytes fmt, Py_ssize_t itemsize, str what) except -1:
+    cdef bytes code = fmt
+    if code[:1] in (b"@", b"=", b"<"):
+        code = code[1:]
+    elif code[:1] in (b">", b"!"):
+        raise TypeError(f"{what}: big-endian data is not supported; convert it to native byte "
+                        "order first (arr.astype(arr.dtype.newbyteorder('=')))")
+    if code == b"f":
+        return FLOAT32
+    if code == b"d":
+        return FLOAT64
+    if code == b"e":
+        return FLOAT16
+    if code in (b"i", b"l", b"q") and itemsize == 4:
+        return INT32
+    if code in (b"l", b"q") and itemsize == 8:
+        return INT64
+    if code == b"h":
+        return INT16
+    if code == b"H":
+        return UINT16
+    if code == b"B":
+        return UINT8
+    if code == b"b":
+        return INT8
+    if code == b"?":
+        return BOOL
+    raise TypeError(f"{what}: unsupported dtype (buffer format {fmt.decode()!r}); colibri "
+                    "reads float32, float64, float16 and bfloat16 (and int32/int64 ids)")
+
+
+cdef class HostTensor:
+    def __dealloc__(self):
+        if self.has_view:
+            PyBuffer_Release(&self.view)
+            self.has_view = False
+        if self.managed != NULL:
+            if self.versioned:
+                if (<DLManagedTensorVersioned *>self.managed).deleter != NULL:
+                    (<DLManagedTensorVersioned *>self.managed).deleter(
+                        <DLManagedTensorVersioned *>self.managed)
+            elif (<DLManagedTensor *>self.managed).deleter != NULL:
+                (<DLManagedTensor *>self.managed).deleter(<DLManagedTensor *>self.managed)
+            self.managed = NULL
+
+    cdef int64_t size(self) noexcept:
+        cdef int64_t n = 1
+        cdef int i
+        for i in range(self.ndim):
+            n *= self.dims[i]
+        return n
+
+    cdef bint span(self, char **lo, char **hi) noexcept:
+        """The byte range [lo, hi) the tensor's elements occupy; False when empty."""
+        cdef int64_t low = 0, high = 0
+        cdef int i
+        if self.size() == 0:
+            return False
+        for i in range(self.ndim):
+            if self.steps[i] < 0:
+                low += self.steps[i] * (self.dims[i] - 1)
+            else:
+                high += self.steps[i] * (self.dims[i] - 1)
+        lo[0] = self.data + low * self.itemsize
+        hi[0] = self.data + (high + 1) * self.itemsize
+        return True
+
+    @property
+    def shape(self):
+        return tuple(self.dims[i] for i in range(self.ndim))
+
+    @property
+    def strides(self):
+        """Strides in elements."""
+        return tuple(self.steps[i] for i in range(self.ndim))
+
+    @property
+    def dtype(self):
+        return DTYPE_NAMES[self.dtype]
+
+    @property
+    def readonly(self):
+        return bool(self.readonly)
+
+    @property
+    def address(self):
+        return <uintptr_t>self.data
+
+    def numpy(self):
+        """A zero-copy numpy view (bfloat16 as uint16) that keeps this tensor alive."""
+        return np.asarray(_NumpyView(self))
+
+
+cdef class _NumpyView:
+    """Presents a HostTensor through ``__array_interface__`` (numpy keeps a reference)."""
+    cdef HostTensor tensor
+    cdef readonly dict __array_interface__
+
+    def __cinit__(self, HostTensor tensor):
+        self.tensor = tensor
+        storage = np.dtype(_NUMPY_STORAGE[tensor.dtype])
+        self.__array_interface__ = {
+            "version": 3,
+            "shape": tensor.shape,
+            "typestr": storage.str,
+            "data": (<uintptr_t>tensor.data if tensor.size() else 0, bool(tensor.readonly)),
+            "strides": tuple(s * tensor.itemsize for s in tensor.strides),
+        }
+
+
+cdef int _fill(HostTensor t, DLTensor *dl, str what) except -1:
+    """Shape, strides, dtype and data of a host DLTensor into t (device checked)."""
+    cdef int device = dl.device.device_type
+    if device not in _HOST_DEVICES:
+        name = _DEVICE_NAMES.get(device, f"device type {device}")
+        raise BufferError(f"{what}: the tensor lives on {name}:{dl.device.device_id}; colibri "
+                          "routes on the CPU and the producer did not copy it to the host. Move "
+                          "it first (torch: .cpu(), jax: jax.device_get, cupy: .get())")
+    if dl.ndim < 0 or dl.ndim > MAX_NDIM:
+        raise ValueError(f"{what}: ndim={dl.ndim} is out of range (at most {MAX_NDIM})")
+    t.dtype = <DType>_dl_dtype(dl.dtype, what)
+    t.itemsize = _ITEMSIZE[t.dtype]
+    t.ndim = dl.ndim
+    cdef int i
+    cdef int64_t step = 1
+    for i in range(dl.ndim):
+        if dl.shape[i] < 0:
+            raise ValueError(f"{what}: negative dimension {dl.shape[i]} in DLPack shape")
+        t.dims[i] = dl.shape[i]
+    if dl.strides == NULL:
+        for i in range(dl.ndim - 1, -1, -1):
+            t.steps[i] = step
+            step *= t.dims[i]
+    else:
+        for i in range(dl.ndim):
+            t.steps[i] = dl.strides[i]
+    t.data = <char *>dl.data + dl.byte_offset if dl.data != NULL else NULL
+    if t.data == NULL and t.size() != 0:
+        raise BufferError(f"{what}: DLPack tensor has a NULL data pointer")
+    return 0
+
+
+cdef int _take_capsule(HostTensor t, object capsule, str what) except -1:
+    """Take ownership of a DLPack capsule's managed tensor; rename it ``used_*``."""
+    cdef DLManagedTensorVersioned *mv
+    cdef DLManagedTensor *ml
+    cdef DLTensor *dl
+    if not PyCapsule_CheckExact(capsule):
+        raise TypeError(f"{what}: __dlpack__() returned {type(capsule).__name__}, not a capsule")
+    if PyCapsule_IsValid(capsule, b"dltensor_versioned"):
+        mv = <DLManagedTensorVersioned *>PyCapsule_GetPointer(capsule, b"dltensor_versioned")
+        PyCapsule_SetName(capsule, b"used_dltensor_versioned")
+        t.managed = mv
+        t.versioned = True
+        if mv.version.major != COLIBRI_DLPACK_MAJOR:
+            raise BufferError(f"{what}: DLPack version {mv.version.major}.{mv.version.minor} is "
+                              f"not supported (colibri reads {COLIBRI_DLPACK_MAJOR}.x)")
+        dl = &mv.dl_tensor
+        t.readonly = (mv.flags & DLPACK_FLAG_BITMASK_READ_ONLY) != 0
+    elif PyCapsule_IsValid(capsule, b"dltensor"):
+        ml = <DLManagedTensor *>PyCapsule_GetPointer(capsule, b"dltensor")
+        PyCapsule_SetName(capsule, b"used_dltensor")
+        t.managed = ml
+        t.versioned = False
+        dl = &ml.dl_tensor
+        t.readonly = False
+    elif (PyCapsule_IsValid(capsule, b"used_dltensor")
+          or PyCapsule_IsValid(capsule, b"used_dltensor_versioned")):
+        raise ValueError(f"{what}: this DLPack capsule was already consumed; a capsule can be "
+                         "imported once: call __dlpack__() again for a fresh one")
+    else:
+        raise TypeError(f"{what}: capsule is not a DLPack tensor (expected a 'dltensor' or "
+                        "'dltensor_versioned' capsule)")
+
+    _fill(t, dl, what)
+    return 0
+
+
+cdef int _take_buffer(HostTensor t, object obj, bint writable, str what) except -1:
+    cdef int flags = (PyBUF_RECORDS if writable else PyBUF_RECORDS_RO) | PyBUF_FORMAT
+    cdef int i
+    try:
+        PyObject_GetBuffer(obj, &t.view, flags)
+    except BufferError as exc:
+        raise ValueError(f"{what}: the array is read-only; pass a writable array") from exc
+    t.has_view = True
+    if t.view.ndim > MAX_NDIM:
+        raise ValueError(f"{what}: ndim={t.view.ndim} is out of range (at most {MAX_NDIM})")
+    t.dtype = <DType>_buffer_dtype(t.view.format, t.view.itemsize, what)
+    t.itemsize = <int>t.view.itemsize
+    t.ndim = t.view.ndim
+    for i in range(t.ndim):
+        t.dims[i] = t.view.shape[i]
+        if t.view.strides[i] % t.itemsize:
+            raise ValueError(f"{what}: byte strides {obj.strides} are not multiples of the item "
+                             "size; pass an aligned array (np.ascontiguousarray)")
+        t.steps[i] = t.view.strides[i] // t.itemsize
+    t.data = <char *>t.view.buf
+    t.readonly = t.view.readonly
+    return 0
+
+
+def _export(obj, what):
+    """Ask a producer for a host capsule: negotiate the version, copy from devices."""
+    try:
+        device, _ = obj.__dlpack_device__()
+    except AttributeError:
+        raise TypeError(f"{what}: expected an array that supports DLPack (torch, jax, numpy, "
+                        f"cupy, ...) or a DLPack capsule, got {type(obj).__name__}") from None
+    device = int(device)
+    kwargs = {"max_version": (COLIBRI_DLPACK_MAJOR, COLIBRI_DLPACK_MINOR)}
+    if device not in _HOST_DEVICES:
+        kwargs.update(dl_device=(1, 0), copy=True)
+    try:
+        try:
+            return obj.__dlpack__(**kwargs)
+        except TypeError:
+            if "copy" in kwargs:
+                raise
+            return obj.__dlpack__()  # a producer older than DLPack 1.0's keywords
+    except (BufferError, TypeError, RuntimeError, NotImplementedError) as exc:
+        if getattr(obj, "requires_grad", False):
+            raise ValueError(f"{what}: the tensor requires grad; pass tensor.detach() or call "
+                             "under torch.no_grad()") from exc
+        if device not in _HOST_DEVICES:
+            name = _DEVICE_NAMES.get(device, f"device type {device}")
+            raise BufferError(f"{what}: the tensor lives on {name} and its producer could not "
+                              "copy it to the host through DLPack; move it first (torch: "
+                              ".cpu(), jax: jax.device_get, cupy: .get())") from exc
+        raise
+
+
+cdef class _Exchange:
+    """A framework's DLPack C exchange table (DLPack 1.2+), cached per tensor type."""
+    cdef const DLPackExchangeAPI *api
+
+
+cdef dict _exchange_cache = {}
+
+
+cdef _Exchange _exchange_for(object tp):
+    try:
+        return _exchange_cache[tp]
+    except KeyError:
+        pass
+    cdef void *ptr = NULL
+    cdef _Exchange entry = None
+    table = getattr(tp, "__dlpack_c_exchange_api__", None)
+    if table is not None and PyCapsule_IsValid(table, b"dlpack_exchange_api"):
+        ptr = PyCapsule_GetPointer(table, b"dlpack_exchange_api")
+    else:
+        table = getattr(tp, "__c_dlpack_exchange_api__", None)
+        if isinstance(table, int):
+            ptr = PyLong_AsVoidPtr(table)
+    if ptr != NULL and (<DLPackExchangeAPI *>ptr).header.version.major == COLIBRI_DLPACK_MAJOR:
+        entry = _Exchange.__new__(_Exchange)
+        entry.api = <const DLPackExchangeAPI *>ptr
+    _exchange_cache[tp] = entry
+    return entry
+
+
+cdef bint _take_exchange(HostTensor t, object obj, _Exchange ex, str what) except -1:
+    """Borrow obj's DLTensor through the C exchange table; False to use __dlpack__ instead."""
+    cdef DLTensor dl
+    if ex.api.dltensor_from_py_object_no_sync == NULL:
+        return False
+    if ex.api.dltensor_from_py_object_no_sync(<void *>obj, &dl) != 0:
+        PyErr_Clear()  # __dlpack__ gives the producer's full error message
+        return False
+    if dl.device.device_type not in _HOST_DEVICES:
+        return False
+    if getattr(obj, "requires_grad", False):
+        raise ValueError(f"{what}: the tensor requires grad; pass tensor.detach() or call "
+                         "under torch.no_grad()")
+    _fill(t, &dl, what)  # borrowed: t.source keeps obj, and so its memory, alive
+    return True
+
+
+cdef int _propagate() except -1:
+    """Raise the Python error a C exchange function has set."""
+    return -1
+
+
+cdef void _set_error(void *ctx, const char *kind, const char *message) noexcept with gil:
+    (<list>ctx).append(f"{kind.decode(errors='replace')}: {message.decode(errors='replace')}")
+
+
+_DL_TYPES = {FLOAT32: (2, 32), INT32: (0, 32), INT64: (0, 64)}
+
+
+cdef tuple new_result(object like, tuple shape, DType dtype):
+    """A fresh C-contiguous result for a caller who passed ``like``.
+
+    Returns ``(obj, tensor, converted)``: the object to hand back, the HostTensor to write,
+    and whether obj already is in like's framework (else call :func:`to_caller` after
+    writing). Frameworks with a DLPack C exchange table allocate their own tensor.
+    """
+    cdef HostTensor t = HostTensor.__new__(HostTensor)
+    cdef _Exchange ex = None
+    cdef DLTensor proto
+    cdef int64_t dims[MAX_NDIM]
+    cdef DLManagedTensorVersioned *managed = NULL
+    cdef void *py_result = NULL
+    cdef int i
+    if type(like) is not _ndarray and not PyCapsule_CheckExact(like):
+        ex = _exchange_for(type(like))
+    if ex is not None:
+        for i in range(len(shape)):
+            dims[i] = shape[i]
+        proto.data = NULL
+        proto.device.device_type = 1
+        proto.device.device_id = 0
+        proto.ndim = len(shape)
+        proto.dtype.code, proto.dtype.bits = _DL_TYPES[dtype]
+        proto.dtype.lanes = 1
+        proto.shape = dims
+        proto.strides = NULL
+        proto.byte_offset = 0
+        errors = []
+        if ex.api.managed_tensor_allocator(&proto, &managed, <void *>errors, _set_error) != 0 \
+                or managed == NULL:
+            raise MemoryError(f"route(): the {type(like).__module__} allocator failed: "
+                              f"{'; '.join(errors) or 'no message'}")
+        t.managed = managed  # owned until handed over below
+        t.versioned = True
+        _fill(t, &managed.dl_tensor, "route(result)")
+        if ex.api.managed_tensor_to_py_object_no_sync(managed, &py_result) != 0:
+            _propagate()  # the producer set the Python error
+        t.managed = NULL  # ownership went to the new tensor
+        result = <object>py_result
+        Py_DECREF(result)  # <object> took a reference; the call's own one is ours to drop
+        t.source = result
+        return result, t, True
+    arr = np.empty(shape, _NUMPY_STORAGE[dtype])
+    _take_buffer(t, arr, True, "route(result)")
+    t.source = arr
+    return arr, t, False
+
+
+cdef HostTensor import_tensor(object obj, bint writable, str what):
+    """Import ``obj`` (array, tensor or capsule) as a HostTensor; ``writable`` for outputs."""
+    cdef HostTensor t = HostTensor.__new__(HostTensor)
+    t.source = obj
+    if type(obj) is _ndarray:
+        _take_buffer(t, obj, writable, what)
+        return t
+    if not PyCapsule_CheckExact(obj):
+        ex = _exchange_for(type(obj))
+        if ex is not None and _take_exchange(t, obj, ex, what):
+            return t
+    _take_capsule(t, obj if PyCapsule_CheckExact(obj) else _export(obj, what), what)
+    if writable and t.readonly:
+        raise ValueError(f"{what}: the tensor is read-only (DLPack READ_ONLY flag); pass a "
+                         "writable buffer")
+    return t
+
+
+def import_host(obj, *, writable=False):
+    """Zero-copy numpy view of any DLPack producer's host memory.
+
+    Returns ``(array, dtype_name)``; bfloat16 arrives as a uint16 array with dtype_name
+    ``"bfloat16"``. The array keeps the producer's memory alive.
+    """
+    cdef HostTensor t = import_tensor(obj, writable, "import_host()")
+    return t.numpy(), DTYPE_NAMES[t.dtype]
+
+
+def host_tensor(obj, *, writable=False):
+    """Import ``obj`` as a :class:`HostTensor` (for inspection and tests)."""
+    return import_tensor(obj, writable, "host_tensor()")
+
+
+_from_dlpack_cache = {}
+
+
+def to_caller(arr, like):
+    """Return numpy ``arr`` in ``like``'s framework (torch in -> torch out), zero-copy.
+
+    ``like`` is the caller's input; capsules and numpy arrays give ``arr`` itself.
+    """
+    tp = type(like)
+    if tp is _ndarray or PyCapsule_CheckExact(like):
+        return arr
+    fn = _from_dlpack_cache.get(tp, False)
+    if fn is False:
+        fn = _namespace_from_dlpack(like)
+        _from_dlpack_cache[tp] = fn
+    return arr if fn is None else fn(arr)
+
+
+def _namespace_from_dlpack(like):
+    module = type(like).__module__.partition(".")[0]
+    if module == "numpy":
+        return None
+    try:
+        import array_api_compat
+    except ImportError:
+        raise ImportError(f"returning results as {type(like).__module__}.{type(like).__name__} "
+                          "needs array-api-compat: pip install 'colibri-moe[frameworks]'") from None
+    try:
+        return array_api_compat.array_namespace(like).from_dlpack
+    except TypeError:
+        return None  # an unknown producer: numpy arrays back

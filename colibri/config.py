@@ -1,0 +1,202 @@
+"""Routing configuration: every option validated once, with errors that name the fix."""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+from typing import Any
+
+import numpy as np
+
+SCORINGS = ("softmax", "sigmoid", "sqrtsoftplus")
+GROUP_SCORES = ("max", "top2_sum")
+IDS_DTYPES = ("int32", "int64")
+
+
+def _int(name: str, value: Any, low: int, high: int | None = None, hint: str = "") -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{name} must be an int (got {value!r})")
+    value = int(value)
+    if value < low or (high is not None and value > high):
+        bound = f">= {low}" if high is None else f"between {low} and {high}"
+        raise ValueError(f"{name} must be {bound} (got {value}){hint}")
+    return value
+
+
+def _float(name: str, value: Any, positive: bool = False) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise TypeError(f"{name} must be a number (got {value!r})")
+    value = float(value)
+    if not math.isfinite(value) or (positive and value <= 0):
+        raise ValueError(f"{name} must be a finite{' positive' if positive else ''} number "
+                         f"(got {value})")
+    return value
+
+
+def _choice(name: str, value: Any, choices: tuple[str, ...]) -> str:
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {', '.join(map(repr, choices))} (got {value!r})")
+    return value
+
+
+def _expert_vector(name: str, value: Any, num_experts: int) -> np.ndarray | None:
+    """A read-only float32 [E] copy of a per-expert vector from numpy, torch, jax, lists..."""
+    if value is None:
+        return None
+    if hasattr(value, "__dlpack__") and not isinstance(value, np.ndarray):
+        from colibri._dlpack import import_host
+
+        if getattr(value, "requires_grad", False):
+            value = value.detach()
+        array, dtype = import_host(value)
+        if dtype == "bfloat16":
+            array = (array.astype(np.uint32) << 16).view(np.float32)
+    else:
+        array = np.asarray(value)
+    if array.dtype.kind != "f":
+        raise TypeError(f"{name} must be a floating-point [E] vector (got dtype "
+                        f"{array.dtype}); convert it with .astype(np.float32)")
+    if array.shape != (num_experts,):
+        raise ValueError(f"{name} must have shape ({num_experts},) for {num_experts} experts "
+                         f"(got {array.shape})")
+    array = np.array(array, dtype=np.float32)
+    if not np.isfinite(array).all():
+        raise ValueError(f"{name} must be finite; expert {int(np.argmin(np.isfinite(array)))} "
+                         "is NaN or inf")
+    array.setflags(write=False)
+    return array
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """What a routing context does; fixed for the context's life.
+
+    Parameters
+    ----------
+    num_experts, top_k : int
+        E experts, k chosen per token (1 <= k <= the experts reachable through the groups).
+    batch_size : int
+        Tokens per call the context preallocates result buffers for (``ctx.buffers()``).
+    page_size_kb : int
+        Expert-weight page size for the pager (KiB, a positive multiple of 4).
+    routing_threads : int or None
+        OpenMP threads for batched routing; None: all cores (OMP_NUM_THREADS).
+    scoring : {"softmax", "sigmoid", "sqrtsoftplus"}
+        Score function (sqrtsoftplus: DeepSeek-V4's sqrt(softplus(x))).
+    normalize : bool
+        Renormalise the k chosen weights to unit ``norm_p``-norm (transformers' norm_topk_prob).
+    norm_p : float
+        The norm's p: 1 divides by the sum; DBRX uses moe_normalize_expert_weights.
+    correction_bias : [E] float array or None
+        Added to the scores for selection only (DeepSeek-V3's e_score_correction_bias).
+    scale : float
+        Multiplies the final weights (routed_scaling_factor).
+    expert_scale : [E] float array or None
+        Per-expert factor applied after renormalisation (Gemma 4's per_expert_scale).
+    num_groups, topk_groups : int
+        Group-limited routing: keep the topk_groups best of num_groups contiguous groups.
+    group_score : {"max", "top2_sum"}
+        A group's score: its best key, or the sum of its best two.
+    partition : colibri.Partition, list of lists of expert ids, or None
+        Explicit groups of any membership (Static Expert Partitioning); overrides num_groups.
+    ids_dtype : {"int32", "int64"}
+    collect_stats : bool
+        Count expert selections and co-activations while routing (``ctx.stats``).
+    """
+
+    num_experts: int
+    top_k: int
+    batch_size: int = 1
+    page_size_kb: int = 64
+    routing_threads: int | None = None
+    scoring: str = "softmax"
+    normalize: bool = True
+    norm_p: float = 1.0
+    correction_bias: Any = None
+    scale: float = 1.0
+    expert_scale: Any = None
+    num_groups: int = 1
+    topk_groups: int = 1
+    group_score: str = "max"
+    partition: Any = None
+    ids_dtype: str = "int32"
+    collect_stats: bool = False
+
+    def __post_init__(self) -> None:
+        set_ = object.__setattr__.__get__(self)  # frozen: store the normalised values
+        E = _int("num_experts", self.num_experts, 1)
+        set_("num_experts", E)
+        set_("batch_size", _int("batch_size", self.batch_size, 1))
+        page = _int("page_size_kb", self.page_size_kb, 4)
+        if page % 4:
+            raise ValueError(f"page_size_kb must be a multiple of 4 KiB (got {page})")
+        set_("page_size_kb", page)
+        if self.routing_threads is not None:
+            set_("routing_threads", _int("routing_threads", self.routing_threads, 1))
+        _choice("scoring", self.scoring, SCORINGS)
+        _choice("group_score", self.group_score, GROUP_SCORES)
+        _choice("ids_dtype", self.ids_dtype, IDS_DTYPES)
+        for flag in ("normalize", "collect_stats"):
+            if not isinstance(getattr(self, flag), (bool, np.bool_)):
+                raise TypeError(f"{flag} must be True or False (got {getattr(self, flag)!r})")
+            set_(flag, bool(getattr(self, flag)))
+        set_("norm_p", _float("norm_p", self.norm_p, positive=True))
+        set_("scale", _float("scale", self.scale))
+        set_("correction_bias", _expert_vector("correction_bias", self.correction_bias, E))
+        set_("expert_scale", _expert_vector("expert_scale", self.expert_scale, E))
+
+        if self.partition is not None:
+            from colibri.partition import Partition
+
+            partition = self.partition
+            if not isinstance(partition, Partition):
+                partition = Partition(partition)
+            if partition.num_experts != E:
+                raise ValueError(f"partition covers {partition.num_experts} experts but "
+                                 f"num_experts={E}")
+            set_("partition", partition)
+            set_("num_groups", partition.num_groups)
+        else:
+            set_("num_groups", _int("num_groups", self.num_groups, 1, E,
+                                    " (groups partition the experts)"))
+        G = self.num_groups
+        kg = _int("topk_groups", self.topk_groups, 1, G, f" ({G} group(s) exist)")
+        set_("topk_groups", kg)
+        sizes = sorted(len(g) for g in self.groups())
+        reachable = sum(sizes[:kg]) if G > 1 else E  # whichever groups a token keeps
+        _int("top_k", self.top_k, 1, reachable,
+             "" if G == 1 else f": a token that keeps the {kg} smallest group(s) can reach "
+             f"only {reachable} experts; raise topk_groups or lower top_k")
+        set_("top_k", int(self.top_k))
+        if G > 1 and self.group_score == "top2_sum" and sizes[0] < 2:
+            raise ValueError("group_score='top2_sum' needs at least 2 experts in every group, "
+                             "but a group has 1; use group_score='max' or larger groups")
+
+    def groups(self) -> tuple[tuple[int, ...], ...]:
+        """The expert groups routing is limited by (one group of all experts when ungrouped)."""
+        if self.partition is not None:
+            return self.partition.groups
+        E, G = self.num_experts, self.num_groups
+        base, extra = divmod(E, G)
+        bounds = np.cumsum([0] + [base + (g < extra) for g in range(G)])
+        return tuple(tuple(range(bounds[g], bounds[g + 1])) for g in range(G))
+
+    @classmethod
+    def options(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in dataclasses.fields(cls))
+
+
+def check_options(options: dict[str, Any]) -> None:
+    """Raise a TypeError naming any option Config does not know, with the closest match."""
+    known = Config.options()
+    for name in options:
+        if name not in known:
+            hint = difflib.get_close_matches(name, known, n=1)
+            if name == "use_avx512":
+                raise TypeError("use_avx512 is not an option: colibri's kernels are portable C "
+                                "that the compiler vectorises for the wheel's target; there is "
+                                "nothing to switch")
+            suggestion = f"; did you mean {hint[0]!r}?" if hint else ""
+            raise TypeError(f"unknown routing option {name!r}{suggestion} "
+                            f"(options: {', '.join(known)})")

@@ -1,0 +1,215 @@
+"""Routing against the numpy reference: every option, adversarial values, determinism."""
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import colibri
+from tests import reference as ref
+
+ROUTE_OPTIONS = ("scoring", "normalize", "norm_p", "correction_bias", "scale", "expert_scale",
+                 "num_groups", "topk_groups", "group_score", "partition")
+
+
+def check(logits, k, **options):
+    ctx = colibri.init(np.shape(logits)[-1], k, **options)
+    ids, weights = ctx.route(logits)
+    assert ids.dtype == np.int32 and weights.dtype == np.float32
+    ref_options = {name: options[name] for name in ROUTE_OPTIONS if name in options}
+    ref_ids, ref_w, keys = ref.route(logits, k, **ref_options)
+    ref.assert_same_routes(ids, weights, ref_ids, ref_w, keys)
+    return ids, weights
+
+
+@st.composite
+def routing_case(draw):
+    E = draw(st.one_of(st.integers(1, 12), st.integers(13, 80), st.sampled_from([256, 512])))
+    T = draw(st.integers(1, 6))
+    style = draw(st.sampled_from(["normal", "ties", "huge", "tiny", "mixed_inf"]))
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    if style == "normal":
+        x = rng.standard_normal((T, E)) * draw(st.sampled_from([0.1, 1.0, 5.0]))
+    elif style == "ties":
+        x = rng.choice([-1.0, 0.0, 0.5, 0.5, 2.0], size=(T, E))
+    elif style == "huge":
+        x = rng.choice([-1e30, 1e30, 3e38, -3e38, 0.0, 1.0], size=(T, E))
+    elif style == "tiny":
+        x = rng.choice([1e-30, -1e-30, 0.0, 1e-38, 5e-45], size=(T, E))
+    else:
+        x = rng.standard_normal((T, E))
+        x[rng.random((T, E)) < 0.2] = -np.inf
+        x[:, 0] = np.maximum(x[:, 0], 0.0)  # keep softmax defined
+    x = x.astype(np.float32)
+    options = {"scoring": draw(st.sampled_from(["softmax", "sigmoid", "sqrtsoftplus"])),
+               "normalize": draw(st.booleans()),
+               "scale": draw(st.sampled_from([1.0, 2.5, 0.5]))}
+    if draw(st.booleans()):
+        options["norm_p"] = draw(st.sampled_from([1.0, 2.0, 0.5]))
+    if draw(st.booleans()):
+        options["correction_bias"] = (rng.standard_normal(E) * draw(
+            st.sampled_from([0.01, 1.0, 100.0])) - draw(st.sampled_from([0.0, 50.0]))
+        ).astype(np.float32)
+    if draw(st.booleans()):
+        options["expert_scale"] = rng.uniform(0.5, 2.0, E).astype(np.float32)
+    grouping = draw(st.sampled_from(["none", "contiguous", "partition"]))
+    if grouping != "none" and E >= 2:
+        G = draw(st.integers(2, min(E, 16)))
+        if grouping == "contiguous":
+            options["num_groups"] = G
+            groups = ref.contiguous_groups(E, G)
+        else:
+            perm = rng.permutation(E)
+            cuts = np.sort(rng.choice(np.arange(1, E), size=G - 1, replace=False))
+            groups = [sorted(g.tolist()) for g in np.split(perm, cuts)]
+            options["partition"] = groups
+        options["topk_groups"] = draw(st.integers(1, G))
+        if min(len(g) for g in groups) >= 2 and draw(st.booleans()):
+            options["group_score"] = "top2_sum"
+        sizes = sorted(len(g) for g in groups)
+        reachable = sum(sizes[: options["topk_groups"]])
+    else:
+        reachable = E
+    k = draw(st.integers(1, reachable))
+    return x, k, options
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(routing_case())
+def test_matches_reference(case):
+    x, k, options = case
+    if options["scoring"] == "softmax" and np.isneginf(x).all(axis=1).any():
+        return
+    check(x, k, **options)
+
+
+def test_seed_shape_contiguous_groups():
+    assert colibri.Config(num_experts=26, top_k=2, num_groups=4).groups() == (
+        tuple(range(0, 7)), tuple(range(7, 14)), tuple(range(14, 20)), tuple(range(20, 26)))
+    x = np.random.default_rng(1).standard_normal((300, 26)).astype(np.float32)
+    ids, _ = check(x, 2, num_groups=4)
+    groups = np.searchsorted([7, 14, 20], ids, side="right")
+    assert (groups[:, 0] == groups[:, 1]).all()  # topk_groups=1: both picks in one group
+
+
+def test_ties_go_to_lower_index():
+    ctx = colibri.init(8, 3)
+    ids, w = ctx.route(np.zeros(8, np.float32))
+    assert ids.tolist() == [0, 1, 2]
+    np.testing.assert_allclose(w, 1 / 3, rtol=1e-6)
+    ids, _ = ctx.route(np.array([1, 5, 5, 1, 5, 5, 0, 0], np.float32))
+    assert ids.tolist() == [1, 2, 4]
+
+
+def test_equal_groups_go_to_lower_group():
+    x = np.array([0, 3, 3, 0, 3, 0, 0, 3], np.float32)  # every group scores 3
+    assert colibri.init(8, 2, num_groups=4).route(x)[0].tolist() == [1, 0]
+    assert colibri.init(8, 2, num_groups=4, topk_groups=2).route(x)[0].tolist() == [1, 2]
+
+
+@pytest.mark.parametrize("bias_sign", [-1.0, 1.0])
+def test_dropped_group_never_chosen_whatever_the_bias(bias_sign):
+    """Regression for the 0.0-mask bug: every key of the kept group is negative."""
+    E = 8
+    bias = np.full(E, 100.0 * bias_sign, np.float32)
+    bias[:4] = -1000.0  # group 0's keys are very negative, but its group score is highest?
+    logits = np.zeros((1, E), np.float32)
+    logits[0, :4] = 50.0
+    ctx = colibri.init(E, 4, scoring="sigmoid", correction_bias=bias, num_groups=2,
+                       group_score="max")
+    ids, _ = ctx.route(logits)
+    ref_ids, _, keys = ref.route(logits, 4, scoring="sigmoid", correction_bias=bias,
+                                 num_groups=2)
+    assert ids.tolist() == ref_ids.tolist()
+    kept = {0, 1, 2, 3} if keys[0, :4].max() > keys[0, 4:].max() else {4, 5, 6, 7}
+    assert set(ids[0].tolist()) == kept
+
+
+def test_deepseek_v3_shape():
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((64, 256)).astype(np.float32)
+    bias = (rng.standard_normal(256) * 0.1).astype(np.float32)
+    check(x, 8, scoring="sigmoid", correction_bias=bias, num_groups=8, topk_groups=4,
+          group_score="top2_sum", scale=2.5)
+
+
+def test_infinities():
+    ctx = colibri.init(4, 2)
+    ids, w = ctx.route(np.array([np.inf, 0, np.inf, -np.inf], np.float32))
+    assert ids.tolist() == [0, 2] and w.tolist() == [0.5, 0.5]
+    ids, w = ctx.route(np.array([-np.inf, 1.0, -np.inf, -np.inf], np.float32))
+    assert ids.tolist() == [1, 0] and w.tolist() == [1.0, 0.0]
+    sig = colibri.init(4, 2, scoring="sigmoid", normalize=False)
+    ids, w = sig.route(np.array([-np.inf, np.inf, 0.0, -np.inf], np.float32))
+    assert ids.tolist() == [1, 2] and w.tolist() == [1.0, 0.5]
+    sp = colibri.init(3, 2, scoring="sqrtsoftplus")
+    ids, w = sp.route(np.array([np.inf, 1.0, np.inf], np.float32))
+    assert ids.tolist() == [0, 2] and w.tolist() == [0.5, 0.5]
+
+
+def test_all_neg_inf_softmax_is_an_error():
+    with pytest.raises(ValueError, match="row 1.*-inf"):
+        colibri.init(3, 1).route(np.array([[0, 1, 2], [-np.inf] * 3], np.float32))
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_nan_is_an_error_naming_the_row(dtype):
+    x = np.zeros((5, 6), dtype)
+    x[3, 2] = np.nan
+    with pytest.raises(ValueError, match="row 3 contains NaN"):
+        colibri.init(6, 2).route(x)
+    big = np.zeros((5000, 6), dtype)
+    big[4321, 5] = np.nan
+    big[4999, 0] = np.nan
+    with pytest.raises(ValueError, match="row 4321 contains NaN"):
+        colibri.init(6, 2, routing_threads=2).route(big)
+
+
+def test_batch_and_thread_invariance():
+    rng = np.random.default_rng(7)
+    x = rng.choice([-1.0, 0.0, 1.0, 2.5], size=(3001, 33)).astype(np.float32)
+    opts = dict(scoring="sigmoid", correction_bias=rng.standard_normal(33).astype(np.float32),
+                num_groups=3, topk_groups=2, group_score="top2_sum")
+    ids1, w1 = colibri.init(33, 4, routing_threads=1, **opts).route(x)
+    ids2, w2 = colibri.init(33, 4, routing_threads=2, **opts).route(x)
+    assert np.array_equal(ids1, ids2) and np.array_equal(w1, w2)
+    ctx = colibri.init(33, 4, **opts)
+    for t in (0, 17, 3000):
+        i, w = ctx.route(x[t])
+        assert np.array_equal(i, ids1[t]) and np.array_equal(w, w1[t])
+    i, w = ctx.route(x[100:357])
+    assert np.array_equal(i, ids1[100:357]) and np.array_equal(w, w1[100:357])
+
+
+def test_single_token_shapes_and_int64_ids():
+    ctx = colibri.init(26, 2, ids_dtype="int64")
+    ids, w = ctx.route(np.arange(26, dtype=np.float32))
+    assert ids.shape == (2,) and ids.dtype == np.int64 and ids.tolist() == [25, 24]
+    assert w.shape == (2,)
+
+
+def test_empty_batch():
+    ids, w = colibri.init(5, 2).route(np.zeros((0, 5), np.float32))
+    assert ids.shape == (0, 2) and w.shape == (0, 2)
+
+
+def test_one_shot_route_and_route_from_dlpack():
+    x = np.random.default_rng(0).standard_normal((7, 10)).astype(np.float32)
+    i1, w1 = colibri.route(x, 3, scoring="sigmoid")
+    ctx = colibri.init(10, 3, scoring="sigmoid")
+    i2, w2 = colibri.route_from_dlpack(x, ctx)
+    assert np.array_equal(i1, i2) and np.array_equal(w1, w2)
+    with pytest.raises(TypeError, match="colibri.Context"):
+        colibri.route_from_dlpack(x, "ctx")
+
+
+def test_config_object_and_overrides():
+    cfg = colibri.Config(num_experts=26, top_k=2, batch_size=4, page_size_kb=32,
+                         routing_threads=2)
+    ctx = colibri.init(config=cfg)
+    assert ctx.config is cfg and ctx.routing_threads == 2
+    ids, w = ctx.buffers()
+    assert ids.shape == (4, 2) and w.dtype == np.float32
+    assert colibri.init(config=cfg, scoring="sigmoid").config.scoring == "sigmoid"
+    with pytest.raises(ValueError, match="contradicts"):
+        colibri.init(8, 2, config=cfg)
