@@ -61,9 +61,13 @@ _capsule_new = ctypes.pythonapi.PyCapsule_New
 _capsule_new.restype = ctypes.py_object
 _capsule_new.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
 
-DTYPES = {np.dtype(np.float32): (2, 32), np.dtype(np.float64): (2, 64),
-          np.dtype(np.float16): (2, 16), np.dtype(np.int32): (0, 32),
-          np.dtype(np.int64): (0, 64)}
+DTYPES = {
+    np.dtype(np.float32): (2, 32),
+    np.dtype(np.float64): (2, 64),
+    np.dtype(np.float16): (2, 16),
+    np.dtype(np.int32): (0, 32),
+    np.dtype(np.int64): (0, 64),
+}
 
 
 class Capsule:
@@ -72,9 +76,20 @@ class Capsule:
     ``capsule`` is the PyCapsule; ``deleted`` counts deleter calls.
     """
 
-    def __init__(self, base: np.ndarray, *, shape, strides=None, byte_offset=0,
-                 versioned=True, version=(1, 1), flags=0, dtype=None, device=(1, 0),
-                 null_data=False):
+    def __init__(
+        self,
+        base: np.ndarray,
+        *,
+        shape,
+        strides=None,
+        byte_offset=0,
+        versioned=True,
+        version=(1, 1),
+        flags=0,
+        dtype=None,
+        device=(1, 0),
+        null_data=False,
+    ):
         self.base = base
         self.deleted = 0
         ndim = len(shape)
@@ -87,14 +102,16 @@ class Capsule:
             ndim,
             DLDataType(code, bits, 1),
             ctypes.cast(self.shape, ctypes.POINTER(ctypes.c_int64)),
-            None if self.strides is None else ctypes.cast(self.strides,
-                                                          ctypes.POINTER(ctypes.c_int64)),
+            None
+            if self.strides is None
+            else ctypes.cast(self.strides, ctypes.POINTER(ctypes.c_int64)),
             byte_offset,
         )
         if versioned:
             self.deleter = DELETER_V(self._delete)
-            self.managed = DLManagedTensorVersioned(DLPackVersion(*version), None, self.deleter,
-                                                    flags, tensor)
+            self.managed = DLManagedTensorVersioned(
+                DLPackVersion(*version), None, self.deleter, flags, tensor
+            )
             name = b"dltensor_versioned"
         else:
             self.deleter = DELETER(self._delete)

@@ -33,9 +33,21 @@ def contiguous_groups(E: int, G: int) -> list[list[int]]:
     return out
 
 
-def route(logits, k, *, scoring="softmax", normalize=True, norm_p=1.0, correction_bias=None,
-          scale=1.0, expert_scale=None, num_groups=1, topk_groups=1, group_score="max",
-          partition=None):
+def route(
+    logits,
+    k,
+    *,
+    scoring="softmax",
+    normalize=True,
+    norm_p=1.0,
+    correction_bias=None,
+    scale=1.0,
+    expert_scale=None,
+    num_groups=1,
+    topk_groups=1,
+    group_score="max",
+    partition=None,
+):
     """Returns (ids [T, k] int64, weights [T, k] float64, keys [T, E] float64)."""
     x = np.asarray(logits, np.float64)
     if x.ndim == 1:
@@ -50,7 +62,8 @@ def route(logits, k, *, scoring="softmax", normalize=True, norm_p=1.0, correctio
         keys = scores.astype(np.float32).astype(np.float64)
         if correction_bias is not None:
             keys = (keys.astype(np.float32) + np.asarray(correction_bias, np.float32)).astype(
-                np.float64)
+                np.float64
+            )
     ids = np.empty((T, k), np.int64)
     weights = np.empty((T, k), np.float64)
     for t in range(T):
@@ -97,7 +110,9 @@ def assert_same_routes(ids, weights, ref_ids, ref_weights, keys, *, rtol=2e-6, a
             got, want = keys[t, ids[t]], keys[t, ref_ids[t]]
             assert len(set(ids[t].tolist())) == len(ids[t]), f"row {t}: repeated id {ids[t]}"
             assert np.allclose(got, want, rtol=1e-5, atol=1e-6), (
-                f"row {t}: ids {ids[t]} != reference {ref_ids[t]} (keys {got} vs {want})")
+                f"row {t}: ids {ids[t]} != reference {ref_ids[t]} (keys {got} vs {want})"
+            )
             continue
-        np.testing.assert_allclose(weights[t], ref_weights[t], rtol=rtol, atol=atol,
-                                   err_msg=f"row {t}")
+        np.testing.assert_allclose(
+            weights[t], ref_weights[t], rtol=rtol, atol=atol, err_msg=f"row {t}"
+        )

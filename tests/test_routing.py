@@ -8,8 +8,18 @@ from hypothesis import strategies as st
 import colibri
 from tests import reference as ref
 
-ROUTE_OPTIONS = ("scoring", "normalize", "norm_p", "correction_bias", "scale", "expert_scale",
-                 "num_groups", "topk_groups", "group_score", "partition")
+ROUTE_OPTIONS = (
+    "scoring",
+    "normalize",
+    "norm_p",
+    "correction_bias",
+    "scale",
+    "expert_scale",
+    "num_groups",
+    "topk_groups",
+    "group_score",
+    "partition",
+)
 
 
 def check(logits, k, **options):
@@ -41,14 +51,17 @@ def routing_case(draw):
         x[rng.random((T, E)) < 0.2] = -np.inf
         x[:, 0] = np.maximum(x[:, 0], 0.0)  # keep softmax defined
     x = x.astype(np.float32)
-    options = {"scoring": draw(st.sampled_from(["softmax", "sigmoid", "sqrtsoftplus"])),
-               "normalize": draw(st.booleans()),
-               "scale": draw(st.sampled_from([1.0, 2.5, 0.5]))}
+    options = {
+        "scoring": draw(st.sampled_from(["softmax", "sigmoid", "sqrtsoftplus"])),
+        "normalize": draw(st.booleans()),
+        "scale": draw(st.sampled_from([1.0, 2.5, 0.5])),
+    }
     if draw(st.booleans()):
         options["norm_p"] = draw(st.sampled_from([1.0, 2.0, 0.5]))
     if draw(st.booleans()):
-        options["correction_bias"] = (rng.standard_normal(E) * draw(
-            st.sampled_from([0.01, 1.0, 100.0])) - draw(st.sampled_from([0.0, 50.0]))
+        options["correction_bias"] = (
+            rng.standard_normal(E) * draw(st.sampled_from([0.01, 1.0, 100.0]))
+            - draw(st.sampled_from([0.0, 50.0]))
         ).astype(np.float32)
     if draw(st.booleans()):
         options["expert_scale"] = rng.uniform(0.5, 2.0, E).astype(np.float32)
@@ -85,7 +98,11 @@ def test_matches_reference(case):
 
 def test_seed_shape_contiguous_groups():
     assert colibri.Config(num_experts=26, top_k=2, num_groups=4).groups() == (
-        tuple(range(0, 7)), tuple(range(7, 14)), tuple(range(14, 20)), tuple(range(20, 26)))
+        tuple(range(0, 7)),
+        tuple(range(7, 14)),
+        tuple(range(14, 20)),
+        tuple(range(20, 26)),
+    )
     x = np.random.default_rng(1).standard_normal((300, 26)).astype(np.float32)
     ids, _ = check(x, 2, num_groups=4)
     groups = np.searchsorted([7, 14, 20], ids, side="right")
@@ -115,11 +132,11 @@ def test_dropped_group_never_chosen_whatever_the_bias(bias_sign):
     bias[:4] = -1000.0  # group 0's keys are very negative, but its group score is highest?
     logits = np.zeros((1, E), np.float32)
     logits[0, :4] = 50.0
-    ctx = colibri.init(E, 4, scoring="sigmoid", correction_bias=bias, num_groups=2,
-                       group_score="max")
+    ctx = colibri.init(
+        E, 4, scoring="sigmoid", correction_bias=bias, num_groups=2, group_score="max"
+    )
     ids, _ = ctx.route(logits)
-    ref_ids, _, keys = ref.route(logits, 4, scoring="sigmoid", correction_bias=bias,
-                                 num_groups=2)
+    ref_ids, _, keys = ref.route(logits, 4, scoring="sigmoid", correction_bias=bias, num_groups=2)
     assert ids.tolist() == ref_ids.tolist()
     kept = {0, 1, 2, 3} if keys[0, :4].max() > keys[0, 4:].max() else {4, 5, 6, 7}
     assert set(ids[0].tolist()) == kept
@@ -129,8 +146,16 @@ def test_deepseek_v3_shape():
     rng = np.random.default_rng(3)
     x = rng.standard_normal((64, 256)).astype(np.float32)
     bias = (rng.standard_normal(256) * 0.1).astype(np.float32)
-    check(x, 8, scoring="sigmoid", correction_bias=bias, num_groups=8, topk_groups=4,
-          group_score="top2_sum", scale=2.5)
+    check(
+        x,
+        8,
+        scoring="sigmoid",
+        correction_bias=bias,
+        num_groups=8,
+        topk_groups=4,
+        group_score="top2_sum",
+        scale=2.5,
+    )
 
 
 def test_infinities():
@@ -168,8 +193,13 @@ def test_nan_is_an_error_naming_the_row(dtype):
 def test_batch_and_thread_invariance():
     rng = np.random.default_rng(7)
     x = rng.choice([-1.0, 0.0, 1.0, 2.5], size=(3001, 33)).astype(np.float32)
-    opts = dict(scoring="sigmoid", correction_bias=rng.standard_normal(33).astype(np.float32),
-                num_groups=3, topk_groups=2, group_score="top2_sum")
+    opts = dict(
+        scoring="sigmoid",
+        correction_bias=rng.standard_normal(33).astype(np.float32),
+        num_groups=3,
+        topk_groups=2,
+        group_score="top2_sum",
+    )
     ids1, w1 = colibri.init(33, 4, routing_threads=1, **opts).route(x)
     ids2, w2 = colibri.init(33, 4, routing_threads=2, **opts).route(x)
     assert np.array_equal(ids1, ids2) and np.array_equal(w1, w2)
@@ -204,8 +234,7 @@ def test_one_shot_route_and_route_from_dlpack():
 
 
 def test_config_object_and_overrides():
-    cfg = colibri.Config(num_experts=26, top_k=2, batch_size=4, page_size_kb=32,
-                         routing_threads=2)
+    cfg = colibri.Config(num_experts=26, top_k=2, batch_size=4, page_size_kb=32, routing_threads=2)
     ctx = colibri.init(config=cfg)
     assert ctx.config is cfg and ctx.routing_threads == 2
     ids, w = ctx.buffers()

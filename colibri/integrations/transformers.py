@@ -51,24 +51,25 @@ __all__ = [
 
 # Where colibri's routing is not bit-identical to transformers' own code.
 DIFFERENCES: dict[str, str] = {
-    "top-k on logits": (
-        "gpt-oss, GraniteMoE, JetMoE-style routers, Cohere2-MoE and Llama4 select the top-k "
-        "of the raw logits; colibri selects the top-k of the scores (softmax or sigmoid of "
-        "the logits), which is the same order except where two different logits round to "
-        "the same float32 score (softmax underflow to 0, sigmoid saturating at 1). There "
-        "colibri's tie rule (lower expert id) decides; the tied experts' weights are equal, "
-        "so an underflowed expert gets weight 0 either way."
+    "selection on logits": (
+        "Without a selection bias colibri picks the top-k of the logits (every score "
+        "function is increasing). Routers that take the top-k of softmax probabilities "
+        "(Mixtral, Qwen, OLMoE, Jamba, DBRX, Gemma4, ...) tie where several probabilities "
+        "underflow to 0 in float32 and torch.topk then picks any of them; colibri picks "
+        "the largest logit. The tied experts' weights are 0 either way, so the block "
+        "output is the same. Routers that select on logits (gpt-oss, GraniteMoE, Llama4, "
+        "Cohere2-MoE) are matched exactly, sigmoid saturation included."
     ),
     "softmax over k": (
-        "softmax over the k selected logits is computed by colibri as softmax over all "
-        "experts followed by renormalisation: equal in exact arithmetic, within a few "
-        "float32 ulps in practice."
+        "A renormalised softmax is computed by colibri as exp(x - max of the k) over the k "
+        "chosen logits, normalised: gpt-oss's formula exactly, and within a few float32 "
+        "ulps of softmax-over-all-then-renormalise (Mixtral, Qwen, ...)."
     ),
     "low-precision routing math": (
         "colibri computes scores and weights in float32 and casts the weights to the dtype "
         "transformers returns. DBRX, gpt-oss, Mistral4 and DeepSeek-V4 compute their "
         "softmax/sigmoid in the model dtype, so for bfloat16/float16 models their weights "
-        "differ by the rounding of that dtype (and near-ties may select differently)."
+        "differ by the rounding of that dtype."
     ),
     "renormalisation epsilon": (
         "DeepSeek-V3-style routers divide by sum + 1e-20 and Ernie4.5 by max(sum, 1e-12); "
@@ -79,6 +80,10 @@ DIFFERENCES: dict[str, str] = {
         "DeepSeek-V2 and Mistral4 fill the scores of dropped groups with 0.0 before the "
         "top-k; colibri never selects an expert of a dropped group. Softmax scores are "
         "positive, so this differs only if a kept expert's probability underflows to 0."
+    ),
+    "ties": (
+        "Equal selection keys go to the lower expert id in colibri; torch.topk leaves the "
+        "choice unspecified. Exact ties are rare in float32 and common in bfloat16 logits."
     ),
 }
 
