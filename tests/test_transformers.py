@@ -242,6 +242,38 @@ def test_patch_twice_replaces_and_unpatch_is_idempotent():
     assert unpatch(model) == 0
 
 
+def test_deepcopy_of_a_patched_model_routes_with_its_own_weights():
+    import copy
+
+    model = build_model("deepseek_v3")
+    records = patch(model)
+    randomise_routers(model, [r.name for r in records], seed=3)
+    input_ids = torch.randint(3, 96, (1, 8), generator=torch.Generator().manual_seed(4))
+    twin = copy.deepcopy(model)
+    assert patched_routers(twin) == records
+    _, _, expected = _run(twin, records, input_ids)
+    randomise_routers(model, [r.name for r in records], seed=11)  # the original moves on
+    _, _, logits = _run(twin, records, input_ids)
+    torch.testing.assert_close(logits, expected, atol=0, rtol=0)
+    unpatch(twin)
+    _, _, reference = _run(twin, records, input_ids)
+    torch.testing.assert_close(logits, reference, atol=1e-4, rtol=1e-4)
+
+
+def test_routing_threads_is_passed_to_colibri():
+    model = build_model("olmoe")
+    records = patch(model, routing_threads=1)
+    randomise_routers(model, [r.name for r in records])
+    input_ids = torch.randint(3, 96, (2, 9), generator=torch.Generator().manual_seed(5))
+    calls, _, _ = _run(model, records, input_ids)
+    unpatch(model)
+    ref_calls, _, _ = _run(model, records, input_ids)
+    _assert_same_routing(ref_calls, calls, ordered=True)
+    with pytest.raises(UnsupportedRouterError, match="routing_threads"):
+        patch(model, routing_threads=0)
+    assert patched_routers(model) == []
+
+
 # --------------------------------------------------------------------------------------
 # Refusals: never route differently in silence.
 
@@ -273,6 +305,21 @@ def test_unsupported_config_option_is_refused_by_name():
     with pytest.raises(UnsupportedRouterError, match=r"(?s)deepseek_v2.*topk_method='noaux_tc'"):
         patch(model)
     assert patched_routers(model) == []  # all or nothing
+
+
+def test_configuration_colibri_refuses_is_reported_by_name():
+    # 4 groups of 4 experts, a token keeps 1 group: top-5 cannot be reached
+    model = build_model("deepseek_v3", num_experts_per_tok=5, topk_group=1)
+    with pytest.raises(UnsupportedRouterError, match=r"(?s)family deepseek_v3.*top_k"):
+        patch(model)
+    assert patched_routers(model) == []
+
+
+def test_model_off_the_cpu_is_refused():
+    model = build_model("mixtral").to("meta")
+    with pytest.raises(ValueError, match="meta"):
+        patch(model)
+    assert patched_routers(model) == []
 
 
 def test_changed_router_code_is_refused(monkeypatch):
@@ -456,3 +503,26 @@ def test_bfloat16_router_routes_like_transformers():
         tied = (logits[row] == top[row, k - 1]).nonzero().flatten().tolist()
         kept = [e for e in ids[row].tolist() if e in tied]
         assert kept == sorted(tied)[: len(kept)]
+
+
+@pytest.mark.slow
+def test_supported_routers_lists_the_covered_families():
+    from colibri.integrations.transformers import supported_routers
+
+    listed = " ".join(supported_routers().values()).split()
+    for cls in [
+        "MixtralTopKRouter",
+        "Qwen2MoeTopKRouter",
+        "Qwen3MoeTopKRouter",
+        "OlmoeTopKRouter",
+        "DeepseekV2TopkRouter",
+        "DeepseekV3TopkRouter",
+        "Glm4MoeTopkRouter",
+        "GptOssTopKRouter",
+        "Llama4Router",
+        "DbrxFFN",
+        "JambaTopKRouter",
+        "GraniteMoeTopKRouter",
+        "Gemma4TextRouter",
+    ]:
+        assert cls in listed

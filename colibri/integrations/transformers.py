@@ -30,8 +30,10 @@ from __future__ import annotations
 import hashlib
 import inspect
 import io
+import itertools
 import textwrap
 import tokenize
+import types
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -129,10 +131,10 @@ class PatchedRouter:
 class _Routing:
     """A colibri context for one router, rebuilt when a tensor option changes.
 
-    ``tensors`` maps a colibri option (``correction_bias``, ``expert_scale``) to the
-    module's live parameter/buffer; a context is rebuilt when one of them is replaced
-    or modified in place (``load_state_dict``, ``.to()``), tracked by identity and
-    torch's version counter.
+    ``tensors`` maps a colibri option (``correction_bias``, ``expert_scale``) to a reader
+    of the module's live parameter/buffer; the context is rebuilt when one of them is
+    replaced or modified in place (``load_state_dict``, ``.to()``), tracked by identity
+    and torch's version counter.
     """
 
     def __init__(
@@ -140,40 +142,52 @@ class _Routing:
         num_experts: int,
         top_k: int,
         options: dict[str, Any],
-        tensors: dict[str, Callable[[torch.nn.Module], torch.Tensor]],
+        tensors: dict[str, Callable[[Any], torch.Tensor]],
         routing_threads: int | None,
+        module: Any = None,
     ) -> None:
         self.num_experts = num_experts
         self.top_k = top_k
         self.options = dict(options)
         self.tensors = tensors
         self.routing_threads = routing_threads
-        self._ctx = None
-        self._key: tuple = ()
-        self._init()
+        self._ctx: Any = None
+        self._key: tuple | None = None
+        if module is not None:  # build now: colibri validates the options at patch time
+            self._refresh({name: read(module) for name, read in tensors.items()})
 
-    def _init(self, **live: torch.Tensor) -> None:
+    def __deepcopy__(self, memo: dict) -> _Routing:
+        # a copied model gets its own context, built from its own tensors on first use
+        return _Routing(
+            self.num_experts, self.top_k, self.options, self.tensors, self.routing_threads
+        )
+
+    def _refresh(self, live: dict[str, torch.Tensor]) -> None:
+        key = tuple((name, id(t), t._version, t.dtype) for name, t in sorted(live.items()))
+        if key == self._key:
+            return
         import colibri
 
         options = dict(self.options)
         for name, tensor in live.items():
-            options[name] = tensor.detach().to("cpu", copy=False).float().numpy().copy()
+            options[name] = tensor.detach().to("cpu").float().numpy().copy()
         if self.routing_threads is not None:
             options["routing_threads"] = self.routing_threads
         self._ctx = colibri.init(self.num_experts, self.top_k, ids_dtype="int64", **options)
+        self._key = key
 
     def route(
-        self, module: torch.nn.Module, logits: torch.Tensor, **given: torch.Tensor
+        self, module: Any, logits: torch.Tensor, **given: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Route ``logits`` ``[T, E]``: ids ``[T, k]`` int64 and weights ``[T, k]`` float32."""
+        """Route ``logits`` ``[T, E]``: ids ``[T, k]`` int64 and weights ``[T, k]`` float32.
+
+        ``given`` holds tensor options the block passes at call time (MiniMax-M2's bias).
+        """
         import torch
 
         live = {name: read(module) for name, read in self.tensors.items()}
         live.update(given)
-        key = tuple((name, id(t), t._version, t.dtype) for name, t in sorted(live.items()))
-        if key != self._key:
-            self._init(**live)
-            self._key = key
+        self._refresh(live)
         if logits.device.type != "cpu":
             raise ValueError(
                 f"colibri routes on the CPU, but the router logits are on {logits.device}; "
@@ -181,8 +195,7 @@ class _Routing:
                 ".unpatch(model))"
             )
         with torch.no_grad():
-            ids, weights = self._ctx.route(logits.detach().reshape(-1, logits.shape[-1]))
-        return ids, weights
+            return self._ctx.route(logits.detach().reshape(-1, logits.shape[-1]))
 
 
 # --------------------------------------------------------------------------------------
@@ -757,6 +770,18 @@ def _looks_like_router(cls: type) -> bool:
 _STATE = "_colibri_routing"
 
 
+@dataclass
+class _State:
+    kind: _Kind
+    routing: _Routing
+    record: PatchedRouter
+
+
+def _patched_call(self, *args, **kwargs):
+    state = self.__dict__[_STATE]
+    return state.kind.forward(self, state.routing, *args, **kwargs)
+
+
 def supported_routers() -> dict[str, str]:
     """The routing implementations colibri maps, by kind, with the transformers router
     classes (importable in this environment) that use each.
@@ -855,23 +880,32 @@ def patch(
             + ", ".join(kind.name for kind in _KINDS)
         )
     for name, module, _, _ in plan:
-        for param in module.parameters(recurse=False):
-            if param.device.type != "cpu":
+        for tensor in itertools.chain(module.parameters(), module.buffers()):
+            if tensor.device.type != "cpu":
                 raise ValueError(
-                    f"{name}: parameters on {param.device}; colibri routes on the CPU "
-                    "(move the model with model.to('cpu') first)"
+                    f"{name or '<model>'}: tensors on {tensor.device}; colibri routes on the "
+                    "CPU (move the model with model.to('cpu') first)"
                 )
 
+    # Every context first (colibri validates the options), then install: all or nothing.
+    routings = []
+    for name, module, _, (num_experts, top_k, options, tensors) in plan:
+        try:
+            routing = _Routing(
+                int(num_experts), int(top_k), options, tensors, routing_threads, module
+            )
+        except (TypeError, ValueError) as err:
+            raise UnsupportedRouterError(
+                f"{name or '<model>'} ({type(module).__name__}, family "
+                f"{_family(type(module))}): colibri refuses its configuration: {err}"
+            ) from err
+        routings.append(routing)
+
     patched = []
-    for name, module, kind, (num_experts, top_k, options, tensors) in plan:
+    for (name, module, kind, (num_experts, top_k, options, tensors)), routing in zip(
+        plan, routings, strict=True
+    ):
         _remove(module)
-        routing = _Routing(int(num_experts), int(top_k), options, tensors, routing_threads)
-        replacement = kind.forward
-
-        def bound(*args, _module=module, _routing=routing, _replacement=replacement, **kwargs):
-            return _replacement(_module, _routing, *args, **kwargs)
-
-        setattr(module, kind.method, bound)
         shown = dict(options)
         shown.update({option: f"<{option} tensor>" for option in tensors})
         record = PatchedRouter(
@@ -883,7 +917,10 @@ def patch(
             top_k=int(top_k),
             options=shown,
         )
-        object.__setattr__(module, _STATE, (kind.method, routing, record))
+        # Plain instance attributes: the state dict, hooks and the class stay untouched;
+        # a bound method (not a closure) so that copy.deepcopy rebinds it to the copy.
+        module.__dict__[_STATE] = _State(kind, routing, record)
+        module.__dict__[kind.method] = types.MethodType(_patched_call, module)
         patched.append(record)
     return patched
 
@@ -891,7 +928,7 @@ def patch(
 def patched_routers(model: torch.nn.Module) -> list[PatchedRouter]:
     """The routers of ``model`` currently routed by colibri, in module order."""
     return [
-        getattr(module, _STATE)[2]
+        module.__dict__[_STATE].record
         for _, module in model.named_modules()
         if _STATE in module.__dict__
     ]
@@ -906,6 +943,5 @@ def _remove(module: Any) -> bool:
     state = module.__dict__.pop(_STATE, None)
     if state is None:
         return False
-    method = state[0]
-    module.__dict__.pop(method, None)
+    module.__dict__.pop(state.kind.method, None)
     return True
