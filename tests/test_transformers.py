@@ -140,6 +140,15 @@ def _assert_same_routing(reference, colibri, ordered: bool) -> None:
             torch.testing.assert_close(ids, ref_ids)
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _one_torch_thread():
+    """Tiny models: torch's thread pool only adds contention (10x slower on 2 cores)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="module", params=sorted(FAMILIES))
 def family(request):
     """(model_type, model with randomised routers, the routers patch() finds)."""
