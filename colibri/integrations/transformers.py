@@ -36,10 +36,17 @@ import tokenize
 import types
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
+try:
     import torch
+    import torch.nn.functional as F
+    from torch import nn
+except ImportError as err:  # pragma: no cover - transformers cannot run without torch
+    raise ImportError(
+        "colibri.integrations.transformers needs torch and transformers: "
+        "pip install colibri-moe[transformers]"
+    ) from err
 
 __all__ = [
     "DIFFERENCES",
@@ -183,19 +190,19 @@ class _Routing:
 
         ``given`` holds tensor options the block passes at call time (MiniMax-M2's bias).
         """
-        import torch
-
-        live = {name: read(module) for name, read in self.tensors.items()}
-        live.update(given)
-        self._refresh(live)
-        if logits.device.type != "cpu":
+        if self.tensors or given or self._ctx is None:
+            live = {name: read(module) for name, read in self.tensors.items()}
+            live.update(given)
+            self._refresh(live)
+        if not logits.is_cpu:
             raise ValueError(
                 f"colibri routes on the CPU, but the router logits are on {logits.device}; "
                 "run the model on the CPU or unpatch it (colibri.integrations.transformers"
                 ".unpatch(model))"
             )
-        with torch.no_grad():
-            return self._ctx.route(logits.detach().reshape(-1, logits.shape[-1]))
+        if logits.dim() != 2:
+            logits = logits.reshape(-1, logits.shape[-1])
+        return self._ctx.route(logits.detach())
 
 
 # --------------------------------------------------------------------------------------
@@ -278,8 +285,6 @@ def _fw_linear_softmax(out_dtype: str) -> Callable:
     """Router ``F.linear(h, weight)`` in the model dtype; weights cast as transformers does."""
 
     def forward(self, routing, hidden_states):
-        import torch.nn.functional as F
-
         hidden_states = hidden_states.reshape(-1, self.hidden_dim)
         router_logits = F.linear(hidden_states, self.weight)
         ids, weights = routing.route(self, router_logits)
@@ -291,16 +296,12 @@ def _fw_linear_softmax(out_dtype: str) -> Callable:
 
 
 def _fw_jamba(self, routing, hidden_states):
-    import torch.nn.functional as F
-
     router_logits = F.linear(hidden_states, self.weight)
     ids, weights = routing.route(self, router_logits)
     return router_logits, weights.to(hidden_states.dtype), ids
 
 
 def _fw_hunyuan(self, routing, hidden_states):
-    import torch
-
     hidden_states = hidden_states.reshape(-1, hidden_states.shape[-1])
     if self.wg.weight.dtype == torch.float32:
         hidden_states = hidden_states.float()
@@ -317,16 +318,12 @@ def _cfg_topk_softmax(module):
 
 
 def _fw_gpt_oss(self, routing, hidden_states):
-    import torch.nn.functional as F
-
     router_logits = F.linear(hidden_states, self.weight, self.bias)
     ids, weights = routing.route(self, router_logits)
     return router_logits, weights.to(router_logits.dtype), ids
 
 
 def _fw_granite(self, routing, hidden_states):
-    import torch.nn.functional as F
-
     router_logits = F.linear(hidden_states, self.weight).float()
     ids, weights = routing.route(self, router_logits)
     return router_logits, weights.type_as(hidden_states), ids
@@ -347,8 +344,6 @@ def _cfg_cohere2(module):
 
 
 def _fw_cohere2(self, routing, hidden_states):
-    import torch.nn.functional as F
-
     router_logits = F.linear(hidden_states, self.weight)
     ids, weights = routing.route(self, router_logits)
     return router_logits, weights.to(hidden_states.dtype), ids
@@ -362,9 +357,6 @@ def _cfg_llama4(module):
 
 
 def _fw_llama4(self, routing, hidden_states):
-    import torch
-    import torch.nn.functional as F
-
     router_logits = F.linear(hidden_states, self.weight, self.bias)
     ids, weights = routing.route(self, router_logits)
     router_scores = torch.zeros_like(router_logits).scatter_(
@@ -410,9 +402,6 @@ def _cfg_gemma4(module):
 
 
 def _fw_gemma4(self, routing, hidden_states):
-    import torch
-    from torch import nn
-
     hidden_states = self.norm(hidden_states)
     hidden_states = hidden_states * self.scale * self.scalar_root_size
     expert_scores = self.proj(hidden_states)
@@ -440,8 +429,6 @@ def _cfg_deepseek_v2(module):
 
 def _fw_fp32_logits(self, routing, hidden_states):
     """DeepSeek-style routers: float32 logits, float32 weights."""
-    import torch
-    import torch.nn.functional as F
 
     hidden_states = hidden_states.view(-1, self.hidden_dim)
     router_logits = F.linear(hidden_states.type(torch.float32), self.weight.type(torch.float32))
@@ -476,8 +463,6 @@ def _cfg_mistral4(module):
 
 
 def _fw_mistral4(self, routing, hidden_states):
-    import torch.nn.functional as F
-
     hidden_states = hidden_states.view(-1, self.hidden_dim)
     router_logits = F.linear(hidden_states, self.weight)
     ids, weights = routing.route(self, router_logits)
@@ -499,8 +484,6 @@ def _cfg_ernie(module):
 
 
 def _fw_ernie(self, routing, hidden_states):
-    import torch.nn.functional as F
-
     router_logits = F.linear(hidden_states.float(), self.weight.float())
     ids, weights = routing.route(self, router_logits)
     return router_logits, weights.to(hidden_states.dtype), ids
@@ -521,8 +504,6 @@ def _cfg_sigmoid_bias(scale_attr: str | None) -> Callable:
 
 
 def _fw_minimax_m2(self, routing, hidden_states, e_score_correction_bias):
-    import torch.nn.functional as F
-
     hidden_states = hidden_states.reshape(-1, self.hidden_dim)
     router_logits = F.linear(hidden_states.to(self.weight.dtype), self.weight)
     ids, weights = routing.route(self, router_logits, correction_bias=e_score_correction_bias)
@@ -530,8 +511,6 @@ def _fw_minimax_m2(self, routing, hidden_states, e_score_correction_bias):
 
 
 def _fw_hy_v3(self, routing, hidden_states, e_score_correction_bias):
-    import torch.nn.functional as F
-
     hidden_states = hidden_states.reshape(-1, self.hidden_dim)
     router_logits = F.linear(hidden_states.float(), self.weight.float())
     ids, weights = routing.route(self, router_logits, correction_bias=e_score_correction_bias)
@@ -539,8 +518,6 @@ def _fw_hy_v3(self, routing, hidden_states, e_score_correction_bias):
 
 
 def _fw_afmoe(self, routing, hidden_states, expert_bias):
-    import torch
-
     hidden_states = hidden_states.view(-1, hidden_states.shape[-1])
     router_logits = self.gate(hidden_states).to(torch.float32)
     ids, weights = routing.route(self, router_logits, correction_bias=expert_bias)
@@ -557,9 +534,6 @@ def _cfg_longcat(module):
 
 
 def _fw_longcat(self, routing, hidden_states):
-    import torch
-    import torch.nn.functional as F
-
     hidden_states = hidden_states.view(-1, self.hidden_dim)
     router_logits = F.linear(
         hidden_states.type(torch.float32), self.classifier.weight.type(torch.float32)
@@ -578,9 +552,6 @@ def _cfg_laguna(module):
 
 
 def _fw_laguna(self, routing, hidden_states):
-    import torch
-    import torch.nn.functional as F
-
     hidden_states = hidden_states.reshape(-1, self.hidden_dim)
     router_logits = F.linear(hidden_states, self.weight).float()
     if self.router_logit_softcapping > 0.0:
@@ -612,8 +583,6 @@ def _cfg_deepseek_v4(module):
 
 
 def _fw_deepseek_v4(self, routing, hidden_states):
-    import torch.nn.functional as F
-
     flat = hidden_states.reshape(-1, self.hidden_dim)
     logits = F.linear(flat, self.weight)
     ids, weights = routing.route(self, logits)
@@ -844,14 +813,6 @@ def patch(
     ValueError
         The model has no MoE router colibri knows, or lives off the CPU.
     """
-    try:
-        import torch  # noqa: F401
-    except ImportError as err:  # pragma: no cover - transformers needs torch anyway
-        raise ImportError(
-            "colibri.integrations.transformers needs torch and transformers: "
-            "pip install colibri-moe[transformers]"
-        ) from err
-
     plan: list[tuple[str, Any, _Kind, tuple]] = []
     problems: list[str] = []
     for name, module in model.named_modules():
