@@ -14,11 +14,24 @@ from colibri.routing import Context, init, route, route_from_dlpack
 
 __version__ = "0.1.0"
 
+
+def get_include() -> str:
+    """The directory holding colibri's C headers (``colibri/route.h``, ``dlpack.h``, ...)."""
+    import os
+
+    here = os.path.join(os.path.dirname(__file__), "include")
+    if os.path.isdir(here):
+        return here
+    # editable installs: the headers stay in the source tree
+    return os.path.join(os.path.dirname(os.path.dirname(__file__)), "include")
+
+
 __all__ = [
     "Config",
     "Context",
     "Partition",
     "__version__",
+    "get_include",
     "init",
     "max_threads",
     "openmp_enabled",

@@ -29,8 +29,9 @@ def _float(name: str, value: Any, positive: bool = False) -> float:
         raise TypeError(f"{name} must be a number (got {value!r})")
     value = float(value)
     if not math.isfinite(value) or (positive and value <= 0):
-        raise ValueError(f"{name} must be a finite{' positive' if positive else ''} number "
-                         f"(got {value})")
+        raise ValueError(
+            f"{name} must be a finite{' positive' if positive else ''} number (got {value})"
+        )
     return value
 
 
@@ -55,15 +56,19 @@ def _expert_vector(name: str, value: Any, num_experts: int) -> np.ndarray | None
     else:
         array = np.asarray(value)
     if array.dtype.kind != "f":
-        raise TypeError(f"{name} must be a floating-point [E] vector (got dtype "
-                        f"{array.dtype}); convert it with .astype(np.float32)")
+        raise TypeError(
+            f"{name} must be a floating-point [E] vector (got dtype "
+            f"{array.dtype}); convert it with .astype(np.float32)"
+        )
     if array.shape != (num_experts,):
-        raise ValueError(f"{name} must have shape ({num_experts},) for {num_experts} experts "
-                         f"(got {array.shape})")
+        raise ValueError(
+            f"{name} must have shape ({num_experts},) for {num_experts} experts (got {array.shape})"
+        )
     array = np.array(array, dtype=np.float32)
     if not np.isfinite(array).all():
-        raise ValueError(f"{name} must be finite; expert {int(np.argmin(np.isfinite(array)))} "
-                         "is NaN or inf")
+        raise ValueError(
+            f"{name} must be finite; expert {int(np.argmin(np.isfinite(array)))} is NaN or inf"
+        )
     array.setflags(write=False)
     return array
 
@@ -153,25 +158,37 @@ class Config:
             if not isinstance(partition, Partition):
                 partition = Partition(partition)
             if partition.num_experts != E:
-                raise ValueError(f"partition covers {partition.num_experts} experts but "
-                                 f"num_experts={E}")
+                raise ValueError(
+                    f"partition covers {partition.num_experts} experts but num_experts={E}"
+                )
             set_("partition", partition)
             set_("num_groups", partition.num_groups)
         else:
-            set_("num_groups", _int("num_groups", self.num_groups, 1, E,
-                                    " (groups partition the experts)"))
+            set_(
+                "num_groups",
+                _int("num_groups", self.num_groups, 1, E, " (groups partition the experts)"),
+            )
         G = self.num_groups
         kg = _int("topk_groups", self.topk_groups, 1, G, f" ({G} group(s) exist)")
         set_("topk_groups", kg)
         sizes = sorted(len(g) for g in self.groups())
         reachable = sum(sizes[:kg]) if G > 1 else E  # whichever groups a token keeps
-        _int("top_k", self.top_k, 1, reachable,
-             "" if G == 1 else f": a token that keeps the {kg} smallest group(s) can reach "
-             f"only {reachable} experts; raise topk_groups or lower top_k")
+        _int(
+            "top_k",
+            self.top_k,
+            1,
+            reachable,
+            ""
+            if G == 1
+            else f": a token that keeps the {kg} smallest group(s) can reach "
+            f"only {reachable} experts; raise topk_groups or lower top_k",
+        )
         set_("top_k", int(self.top_k))
         if G > 1 and self.group_score == "top2_sum" and sizes[0] < 2:
-            raise ValueError("group_score='top2_sum' needs at least 2 experts in every group, "
-                             "but a group has 1; use group_score='max' or larger groups")
+            raise ValueError(
+                "group_score='top2_sum' needs at least 2 experts in every group, "
+                "but a group has 1; use group_score='max' or larger groups"
+            )
 
     def groups(self) -> tuple[tuple[int, ...], ...]:
         """The expert groups routing is limited by (one group of all experts when ungrouped)."""
@@ -194,9 +211,12 @@ def check_options(options: dict[str, Any]) -> None:
         if name not in known:
             hint = difflib.get_close_matches(name, known, n=1)
             if name == "use_avx512":
-                raise TypeError("use_avx512 is not an option: colibri's kernels are portable C "
-                                "that the compiler vectorises for the wheel's target; there is "
-                                "nothing to switch")
+                raise TypeError(
+                    "use_avx512 is not an option: colibri's kernels are portable C "
+                    "that the compiler vectorises for the wheel's target; there is "
+                    "nothing to switch"
+                )
             suggestion = f"; did you mean {hint[0]!r}?" if hint else ""
-            raise TypeError(f"unknown routing option {name!r}{suggestion} "
-                            f"(options: {', '.join(known)})")
+            raise TypeError(
+                f"unknown routing option {name!r}{suggestion} (options: {', '.join(known)})"
+            )

@@ -57,20 +57,29 @@ class Context(Router):
     def buffers(self, num_tokens: int | None = None) -> tuple[np.ndarray, np.ndarray]:
         """Fresh ``(ids, weights)`` numpy buffers ``[num_tokens or batch_size, k]`` for ``out=``."""
         T = self.config.batch_size if num_tokens is None else int(num_tokens)
-        return (np.empty((T, self.top_k), self.config.ids_dtype),
-                np.empty((T, self.top_k), np.float32))
+        return (
+            np.empty((T, self.top_k), self.config.ids_dtype),
+            np.empty((T, self.top_k), np.float32),
+        )
 
     def __repr__(self) -> str:
         c = self.config
         extra = [f"scoring={c.scoring!r}"]
         if c.num_groups > 1:
             extra.append(f"num_groups={c.num_groups}, topk_groups={c.topk_groups}")
-        return (f"colibri.Context(num_experts={c.num_experts}, top_k={c.top_k}, "
-                f"{', '.join(extra)}, threads={self.routing_threads})")
+        return (
+            f"colibri.Context(num_experts={c.num_experts}, top_k={c.top_k}, "
+            f"{', '.join(extra)}, threads={self.routing_threads})"
+        )
 
 
-def init(num_experts: int | None = None, top_k: int | None = None, *,
-         config: Config | None = None, **options: Any) -> Context:
+def init(
+    num_experts: int | None = None,
+    top_k: int | None = None,
+    *,
+    config: Config | None = None,
+    **options: Any,
+) -> Context:
     """Create a routing context.
 
     ``init(26, 2)``, ``init(26, 2, num_groups=4)`` or ``init(config=Config(...))``; keyword
@@ -83,12 +92,15 @@ def init(num_experts: int | None = None, top_k: int | None = None, *,
         config = Config(num_experts=num_experts, top_k=top_k, **options)
     else:
         if not isinstance(config, Config):
-            raise TypeError(f"init(config=...) takes a colibri.Config (got "
-                            f"{type(config).__name__})")
+            raise TypeError(
+                f"init(config=...) takes a colibri.Config (got {type(config).__name__})"
+            )
         for name, value in (("num_experts", num_experts), ("top_k", top_k)):
             if value is not None and value != getattr(config, name):
-                raise ValueError(f"init(): {name}={value} contradicts config.{name}="
-                                 f"{getattr(config, name)}; pass one or the other")
+                raise ValueError(
+                    f"init(): {name}={value} contradicts config.{name}="
+                    f"{getattr(config, name)}; pass one or the other"
+                )
         if options:
             config = dataclasses.replace(config, **options)
     return Context(config)
@@ -97,8 +109,10 @@ def init(num_experts: int | None = None, top_k: int | None = None, *,
 def route_from_dlpack(logits: Any, ctx: Context, *, out: Any = None):
     """Route ``logits`` (any DLPack producer or capsule) with ``ctx``: ``(ids, weights)``."""
     if not isinstance(ctx, Router):
-        raise TypeError(f"route_from_dlpack(logits, ctx): ctx must be a colibri.Context "
-                        f"(got {type(ctx).__name__}); create one with colibri.init()")
+        raise TypeError(
+            f"route_from_dlpack(logits, ctx): ctx must be a colibri.Context "
+            f"(got {type(ctx).__name__}); create one with colibri.init()"
+        )
     return ctx.route(logits, out=out)
 
 
