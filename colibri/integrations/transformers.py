@@ -49,6 +49,7 @@ except ImportError as err:  # pragma: no cover - transformers cannot run without
     ) from err
 
 __all__ = [
+    "CHECKED_VERSION",
     "DIFFERENCES",
     "PatchedRouter",
     "UnsupportedRouterError",
@@ -95,6 +96,10 @@ DIFFERENCES: dict[str, str] = {
         "choice unspecified. Exact ties are rare in float32 and common in bfloat16 logits."
     ),
 }
+
+
+# The transformers release whose routing code the fingerprints below were read from.
+CHECKED_VERSION = "5.23.0"
 
 
 class UnsupportedRouterError(NotImplementedError):
@@ -713,10 +718,12 @@ def _classify(cls: type) -> tuple[_Kind | None, str | None]:
         if fp in _UNSUPPORTED:
             return None, _UNSUPPORTED[fp]
     if _looks_like_router(cls):
+        import transformers
+
         return None, (
-            "its routing code is not one colibri was checked against (colibri maps "
-            "the routers of transformers 5.23; a different transformers version may have "
-            "changed this router)"
+            "its routing code is not one colibri was checked against (colibri maps the "
+            f"routers of transformers {CHECKED_VERSION}; this is transformers "
+            f"{transformers.__version__}, whose router may have changed)"
         )
     return None, None
 
