@@ -447,7 +447,89 @@ def _deepseek_v4_router(scoring_func):
     return modeling_deepseek_v4.DeepseekV4TopKRouter(config)
 
 
+def _router(family: str, config_class: str, router_class: str, **config):
+    """A router module built straight from its family's config class."""
+    import importlib
+
+    configuration = importlib.import_module(f"transformers.models.{family}.configuration_{family}")
+    modeling = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+    return getattr(modeling, router_class)(getattr(configuration, config_class)(**config))
+
+
 ROUTERS = {
+    "aria": (
+        lambda: _router(
+            "aria",
+            "AriaTextConfig",
+            "AriaTextTopKRouter",
+            hidden_size=32,
+            moe_num_experts=8,
+            moe_topk=3,
+        ),
+        "topk_logits_softmax_aria",
+    ),
+    "mistral_large4": (
+        lambda: _router(
+            "mistral_large4",
+            "MistralLarge4TextConfig",
+            "MistralLarge4TextTopkRouter",
+            hidden_size=32,
+            n_routed_experts=16,
+            num_experts_per_tok=4,
+            n_group=4,
+            topk_group=2,
+            routed_scaling_factor=1.3,
+        ),
+        "softmax_fp32_group_top2_renorm_scale",
+    ),
+    "minimax_m3_vl": (
+        lambda: _router(
+            "minimax_m3_vl",
+            "MiniMaxM3VLTextConfig",
+            "MiniMaxM3VLTopKRouter",
+            hidden_size=32,
+            num_local_experts=8,
+            num_experts_per_tok=2,
+        ),
+        "sigmoid_bias_renorm",
+    ),
+    "step3p7": (
+        lambda: _router(
+            "step3p7",
+            "Step3p7TextConfig",
+            "Step3p7TopKRouter",
+            hidden_size=32,
+            n_routed_experts=8,
+            num_experts_per_tok=2,
+        ),
+        "sigmoid_bias_renorm",
+    ),
+    "beam": (
+        lambda: _router(
+            "beam",
+            "BeamConfig",
+            "BeamTopKRouter",
+            hidden_size=32,
+            num_experts=16,
+            num_experts_per_tok=4,
+            n_group=4,
+            topk_group=2,
+            norm_topk_prob=True,
+        ),
+        "sigmoid_bias_group_top2",
+    ),
+    "flint": (
+        lambda: _router(
+            "flint",
+            "FlintConfig",
+            "FlintTopKRouter",
+            hidden_size=32,
+            num_experts=8,
+            num_experts_per_tok=2,
+            norm_topk_prob=True,
+        ),
+        "sigmoid_topk_norm_topk_prob",
+    ),
     "mistral4": (_mistral4_router, "softmax_group_top2_scale"),
     "longcat_flash": (_longcat_router, "softmax_bias_scale"),
     "deepseek_v4_sqrtsoftplus": (

@@ -594,6 +594,71 @@ def _fw_deepseek_v4(self, routing, hidden_states):
     return logits, weights.to(logits.dtype), ids
 
 
+# Aria: top-k of the logits -> softmax over the k, weights in the logits' dtype. ---------
+
+
+def _fw_aria(self, routing, hidden_states):
+    router_logits = F.linear(hidden_states, self.weight)
+    ids, weights = routing.route(self, router_logits)
+    return router_logits, weights.to(router_logits.dtype), ids
+
+
+# Mistral-Large-4: float32 logits, softmax, top-2-sum groups, always renormalise, scale. --
+
+
+def _cfg_mistral_large4(module):
+    options: dict[str, Any] = {
+        "normalize": True,
+        **_scale(module.routed_scaling_factor, module),
+        **_groups(module, module.num_group, module.topk_group, "top2_sum"),
+    }
+    return module.num_experts, module.top_k, options, {}
+
+
+# MiniMax-M3-VL, Step-3.7: sigmoid + the router's own bias, renormalise. -----------------
+
+
+def _cfg_sigmoid_own_bias(module):
+    options = {"scoring": "sigmoid", "normalize": True}
+    tensors = {"correction_bias": _attr("e_score_correction_bias")}
+    return module.num_experts, module.top_k, options, tensors
+
+
+def _fw_minimax_m3(self, routing, hidden_states):
+    hidden_states = hidden_states.reshape(-1, self.hidden_dim)
+    router_logits = F.linear(hidden_states.to(self.weight.dtype), self.weight)
+    ids, weights = routing.route(self, router_logits)
+    return router_logits, weights, ids
+
+
+# Beam: DeepSeek-V3 routing with the scale applied by the block, not the router. ---------
+
+
+def _cfg_beam(module):
+    options: dict[str, Any] = {
+        "scoring": "sigmoid",
+        "normalize": bool(module.norm_topk_prob),
+        **_groups(module, module.num_group, module.topk_group, "top2_sum"),
+    }
+    tensors = {"correction_bias": _attr("e_score_correction_bias")}
+    return module.num_experts, module.top_k, options, tensors
+
+
+# Flint: float32 logits, sigmoid without a bias, optional renormalisation. ---------------
+
+
+def _cfg_flint(module):
+    options = {"scoring": "sigmoid", "normalize": bool(module.norm_topk_prob)}
+    return module.num_experts, module.top_k, options, {}
+
+
+def _fw_float32_logits_reshape(self, routing, hidden_states):
+    hidden_states = hidden_states.reshape(-1, self.hidden_dim)
+    router_logits = F.linear(hidden_states.float(), self.weight.float())
+    ids, weights = routing.route(self, router_logits)
+    return router_logits, weights, ids
+
+
 def _kind(name, method, fingerprints, configure, forward) -> _Kind:
     return _Kind(name, method, frozenset(fingerprints.split()), configure, forward)
 
@@ -656,6 +721,19 @@ _KINDS: tuple[_Kind, ...] = (
     # DeepSeek-V4 learned router.
     _kind("score_fn_bias_renorm_scale", "forward", "f8915089a044",
           _cfg_deepseek_v4, _fw_deepseek_v4),
+    # Aria.
+    _kind("topk_logits_softmax_aria", "forward", "b8f5a0bdc62b", _cfg_topk_softmax, _fw_aria),
+    # Mistral-Large-4.
+    _kind("softmax_fp32_group_top2_renorm_scale", "forward", "99d68baf9a42",
+          _cfg_mistral_large4, _fw_fp32_logits),
+    # MiniMax-M3-VL, Step-3.7.
+    _kind("sigmoid_bias_renorm", "forward", "3c2e7930d431",
+          _cfg_sigmoid_own_bias, _fw_minimax_m3),
+    # Beam.
+    _kind("sigmoid_bias_group_top2", "forward", "1d199881acd1", _cfg_beam, _fw_fp32_logits),
+    # Flint.
+    _kind("sigmoid_topk_norm_topk_prob", "forward", "9481bf5ddeae",
+          _cfg_flint, _fw_float32_logits_reshape),
 )  # fmt: skip
 
 # Routers that are recognised but whose routing colibri cannot express; why, precisely.
@@ -672,6 +750,14 @@ _UNSUPPORTED: dict[str, str] = {
     "9e0ccf5e45e6": (
         "LFM2-MoE renormalises by sum + 1e-6, an epsilon large enough to change the "
         "weights at float32 precision; colibri's renormalisation has no epsilon option"
+    ),
+    "d28139c8518f": (
+        "Kolibri1 adds its e_score_correction_bias to the logits (not to the sigmoid "
+        "scores) to select; colibri's correction_bias is added to the scores"
+    ),
+    "2ea991c3d360": (
+        "Zaya's router is an MLP over carried router states with a skip expert "
+        "(index num_experts) whose weight is zeroed; not a top-k over gate logits"
     ),
     "945740df260a": (
         "JetMoE's router returns expert-sorted token slots (index_sorted_experts, "
