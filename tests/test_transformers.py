@@ -331,6 +331,22 @@ def test_model_off_the_cpu_is_refused():
     assert patched_routers(model) == []
 
 
+def test_training_with_gradients_is_refused():
+    """The routing weights come from colibri without a gradient: training through a
+    patched router would silently leave the router untrained."""
+    model = build_model("qwen3_moe")
+    patch(model)
+    input_ids = torch.randint(3, 96, (1, 5))
+    model.train()
+    with pytest.raises(RuntimeError, match="no gradient"):
+        model(input_ids)
+    with torch.no_grad():
+        model(input_ids)  # training mode without gradients (e.g. a no_grad evaluation) is fine
+    model.eval()
+    model(input_ids)  # eval mode: inference, gradients or not
+    unpatch(model)
+
+
 def test_changed_router_code_is_refused(monkeypatch):
     from transformers.models.mixtral import modeling_mixtral
 

@@ -199,6 +199,12 @@ class _Routing:
             live = {name: read(module) for name, read in self.tensors.items()}
             live.update(given)
             self._refresh(live)
+        if logits.requires_grad and module.training and torch.is_grad_enabled():
+            raise RuntimeError(
+                f"{type(module).__name__} is in training mode with gradients on, but colibri's "
+                "routing weights carry no gradient back to the router: call model.eval() (or "
+                "run under torch.no_grad()) for inference, or unpatch(model) to train"
+            )
         if not logits.is_cpu:
             raise ValueError(
                 f"colibri routes on the CPU, but the router logits are on {logits.device}; "
