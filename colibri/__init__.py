@@ -9,8 +9,10 @@
 
 from colibri._core import max_threads, openmp_enabled
 from colibri.config import Config
+from colibri.pager import BudgetError, Pager
 from colibri.partition import Partition
 from colibri.routing import Context, init, route, route_from_dlpack
+from colibri.stats import UsageStats
 
 __version__ = "0.1.0"
 
@@ -27,9 +29,12 @@ def get_include() -> str:
 
 
 __all__ = [
+    "BudgetError",
     "Config",
     "Context",
+    "Pager",
     "Partition",
+    "UsageStats",
     "__version__",
     "get_include",
     "init",
