@@ -870,7 +870,7 @@ def supported_routers() -> dict[str, str]:
             module = importlib.import_module(
                 f"transformers.models.{info.name}.modeling_{info.name}"
             )
-        except Exception:  # noqa: S112 - families with missing optional dependencies
+        except Exception:  # a family whose optional dependencies are missing: not listed
             continue
         for obj in vars(module).values():
             if inspect.isclass(obj) and obj.__module__ == module.__name__:
