@@ -556,16 +556,55 @@ ROUTERS = {
 }
 
 
-@pytest.mark.parametrize("name", sorted(ROUTERS))
+# Real model shapes: each config class's defaults are a released model's (hidden sizes of
+# thousands, up to 256 experts in 8 groups); DeepSeek-V2 and Qwen2-MoE given explicitly.
+REAL_ROUTERS = {
+    "DeepSeek-V3-671B": (
+        lambda: _router("deepseek_v3", "DeepseekV3Config", "DeepseekV3TopkRouter"),
+        "sigmoid_bias_group_top2_scale",
+    ),
+    "DeepSeek-V2-236B": (
+        lambda: _router(
+            "deepseek_v2", "DeepseekV2Config", "DeepseekV2TopkRouter", hidden_size=5120,
+            n_routed_experts=160, num_experts_per_tok=6, n_group=8, topk_group=3,
+            topk_method="group_limited_greedy", routed_scaling_factor=16.0,
+        ),
+        "softmax_group_max_scale",
+    ),
+    "GLM-4.5-Air": (
+        lambda: _router("glm4_moe", "Glm4MoeConfig", "Glm4MoeTopkRouter"),
+        "sigmoid_bias_group_top2_scale",
+    ),
+    "Qwen3-30B-A3B": (
+        lambda: _router("qwen3_moe", "Qwen3MoeConfig", "Qwen3MoeTopKRouter", norm_topk_prob=True),
+        "softmax_topk_norm_topk_prob",
+    ),
+    "Qwen2-57B-A14B": (
+        lambda: _router("qwen2_moe", "Qwen2MoeConfig", "Qwen2MoeTopKRouter"),
+        "softmax_topk_norm_topk_prob",
+    ),
+    "Mixtral-8x7B": (
+        lambda: _router("mixtral", "MixtralConfig", "MixtralTopKRouter"),
+        "softmax_topk_renorm_fp32",
+    ),
+    "gpt-oss-120b": (
+        lambda: _router("gpt_oss", "GptOssConfig", "GptOssTopKRouter"),
+        "topk_logits_softmax_bias",
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", sorted(ROUTERS) + sorted(REAL_ROUTERS))
 def test_router_modules_match_transformers(name):
-    make, kind = ROUTERS[name]
+    make, kind = ROUTERS[name] if name in ROUTERS else REAL_ROUTERS[name]
     torch.manual_seed(0)
     router = make().eval()
     records = patch(router)
     unpatch(router)
     assert [r.kind for r in records] == [kind]
     randomise_routers(router, [""])
-    hidden = torch.randn(64, 32, generator=torch.Generator().manual_seed(3))
+    hidden_size = next(p for p in router.parameters() if p.dim() == 2).shape[1]
+    hidden = torch.randn(64, hidden_size, generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         ref = router(hidden)
         patch(router)
