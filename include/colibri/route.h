@@ -80,22 +80,31 @@ static inline const float *colibri_load_row(const char *row, int dtype, int64_t 
     int32_t e;
     switch (dtype) {
     case COLIBRI_F32:
-        if (stride == 1)
+        if (stride == 1 && ((uintptr_t)row & 3) == 0)
             return (const float *)row;
-        for (e = 0; e < E; e++)
-            buf[e] = ((const float *)row)[e * stride];
+        for (e = 0; e < E; e++) /* memcpy: producers need not align their data */
+            memcpy(buf + e, row + (int64_t)e * stride * 4, sizeof(float));
         break;
     case COLIBRI_F64:
-        for (e = 0; e < E; e++)
-            buf[e] = (float)((const double *)row)[e * stride];
+        for (e = 0; e < E; e++) {
+            double v;
+            memcpy(&v, row + (int64_t)e * stride * 8, sizeof v);
+            buf[e] = (float)v;
+        }
         break;
     case COLIBRI_F16:
-        for (e = 0; e < E; e++)
-            buf[e] = colibri_half_to_float(((const uint16_t *)row)[e * stride]);
+        for (e = 0; e < E; e++) {
+            uint16_t v;
+            memcpy(&v, row + (int64_t)e * stride * 2, sizeof v);
+            buf[e] = colibri_half_to_float(v);
+        }
         break;
     default: /* COLIBRI_BF16 */
-        for (e = 0; e < E; e++)
-            buf[e] = colibri_bf16_to_float(((const uint16_t *)row)[e * stride]);
+        for (e = 0; e < E; e++) {
+            uint16_t v;
+            memcpy(&v, row + (int64_t)e * stride * 2, sizeof v);
+            buf[e] = colibri_bf16_to_float(v);
+        }
         break;
     }
     return buf;
