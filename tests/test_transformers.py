@@ -172,13 +172,13 @@ def test_patch_finds_every_moe_router(family):
     assert len(moe_blocks) == len(records) == 2  # one MoE block per layer, two layers
 
 
-def _check_against_transformers(model, records, ordered: bool) -> None:
+def _check_against_transformers(model, records, ordered: bool, **patch_options) -> None:
     input_ids = torch.randint(3, 96, (2, 9), generator=torch.Generator().manual_seed(5))
 
     ref_calls, ref_blocks, ref_logits = _run(model, records, input_ids)
     ref_tokens = _generate(model, input_ids)
 
-    patched = patch(model)
+    patched = patch(model, **patch_options)
     try:
         assert [r.name for r in patched] == [r.name for r in records]
         assert patched_routers(model) == patched
@@ -214,6 +214,28 @@ def test_more_families_match_transformers(model_type):
     assert records and {r.kind for r in records} == {kind}
     randomise_routers(model, [r.name for r in records])
     _check_against_transformers(model, records, ordered)
+
+
+def test_skip_unsupported_leaves_hash_routed_layers_to_transformers():
+    """DeepSeek-V4: hash-routed layers (experts from a token-id table) have no routing
+    decision to make; skip_unsupported patches the learned routers only."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(
+        "deepseek_v4", vocab_size=96, hidden_size=32, num_hidden_layers=2,
+        num_attention_heads=4, n_routed_experts=8, num_experts_per_tok=2,
+        moe_intermediate_size=24, mlp_layer_types=["hash_moe", "moe"],
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    with pytest.raises(UnsupportedRouterError, match=r"(?s)layers\.0.*family deepseek_v4.*hash"):
+        patch(model)
+    records = patch(model, skip_unsupported=True)
+    unpatch(model)
+    assert [r.router_class for r in records] == ["DeepseekV4TopKRouter"]
+    assert records[0].options["scoring"] == "sqrtsoftplus"
+    randomise_routers(model, [r.name for r in records])
+    _check_against_transformers(model, records, ordered=False, skip_unsupported=True)
 
 
 # --------------------------------------------------------------------------------------
