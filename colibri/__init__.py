@@ -11,8 +11,10 @@ from colibri._core import max_threads, openmp_enabled
 from colibri.config import Config
 from colibri.dispatch import DispatchPlan, combine, dispatch, gather
 from colibri.layer import ExpertFFN, InMemoryExperts, MoELayer
+from colibri.pager import BudgetError, Pager
 from colibri.partition import Partition
 from colibri.routing import Context, init, route, route_from_dlpack
+from colibri.stats import UsageStats
 
 __version__ = "0.1.0"
 
@@ -29,13 +31,16 @@ def get_include() -> str:
 
 
 __all__ = [
+    "BudgetError",
     "Config",
     "Context",
     "DispatchPlan",
     "ExpertFFN",
     "InMemoryExperts",
     "MoELayer",
+    "Pager",
     "Partition",
+    "UsageStats",
     "__version__",
     "combine",
     "dispatch",

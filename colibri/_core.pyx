@@ -29,14 +29,17 @@ cdef extern from "colibri/route.h" nogil:
         int32_t scoring
         int32_t normalize
         float norm_p
+        float norm_eps
         float scale
         const float *bias
+        int32_t bias_on_logits
         const float *expert_scale
         int32_t num_groups
         int32_t topk_groups
         int32_t group_score
         const int32_t *group_start
         const int32_t *group_members
+        int32_t groups_in_order
 
     size_t colibri_scratch_bytes(const colibri_router_t *r) noexcept
     const float *colibri_load_row(const char *row, int dtype, int64_t stride, int32_t E,
@@ -115,12 +118,11 @@ ctypedef struct RowJob:
 
 
 cdef void _route_span(const RowJob *job, Py_ssize_t start, Py_ssize_t stop, char *scratch,
-                      int64_t *counts, int64_t *coact, Py_ssize_t *bad_row,
-                      int *bad_code) noexcept nogil:
-    """Route rows [start, stop) with one scratch block; count usage when counts != NULL.
+                      Py_ssize_t *bad_row, int *bad_code) noexcept nogil:
+    """Route rows [start, stop) with one scratch block.
 
     The first failing row and its status go to bad_row / bad_code (left alone if none)."""
-    cdef Py_ssize_t t, j, a, b, k = job.k, E = job.E
+    cdef Py_ssize_t t, j, k = job.k
     cdef int32_t *row_ids = <int32_t *>(scratch + job.scratch_bytes)
     cdef float *row_w = <float *>(scratch + job.scratch_bytes + k * 4)
     cdef const float *row
@@ -129,7 +131,7 @@ cdef void _route_span(const RowJob *job, Py_ssize_t start, Py_ssize_t stop, char
     cdef int status
     for t in range(start, stop):
         row = colibri_load_row(job.x + t * job.xs0 * job.x_itemsize, job.x_dtype, job.xs1,
-                               <int32_t>E, <float *>scratch)
+                               <int32_t>job.E, <float *>scratch)
         status = colibri_route_row(job.router, row, scratch, row_ids, row_w)
         if status != COLIBRI_OK:
             bad_row[0] = t
@@ -143,11 +145,24 @@ cdef void _route_span(const RowJob *job, Py_ssize_t start, Py_ssize_t stop, char
             else:
                 (<int32_t *>ids_out)[j * job.ids_s1] = row_ids[j]
             w_out[j * job.w_s1] = row_w[j]
-        if counts != NULL:
-            for a in range(k):
-                counts[row_ids[a]] += 1
-                for b in range(k):
-                    coact[row_ids[a] * E + row_ids[b]] += 1
+
+
+cdef void _count_span(const RowJob *job, Py_ssize_t start, Py_ssize_t stop, int64_t *counts,
+                      int64_t *coact) noexcept nogil:
+    """Add the routed ids of rows [start, stop) to counts [E] and coact [E, E]."""
+    cdef Py_ssize_t t, a, b, k = job.k, E = job.E
+    cdef char *ids_row
+    cdef int64_t ia, ib
+    for t in range(start, stop):
+        ids_row = job.ids + t * job.ids_s0 * job.ids_itemsize
+        for a in range(k):
+            ia = (<int64_t *>ids_row)[a * job.ids_s1] if job.ids64 else \
+                (<int32_t *>ids_row)[a * job.ids_s1]
+            counts[ia] += 1
+            for b in range(k):
+                ib = (<int64_t *>ids_row)[b * job.ids_s1] if job.ids64 else \
+                    (<int32_t *>ids_row)[b * job.ids_s1]
+                coact[ia * E + ib] += 1
 
 
 cdef inline bint _has_shape(HostTensor t, int ndim, Py_ssize_t T, Py_ssize_t k) noexcept:
@@ -170,13 +185,13 @@ cdef class Router:
     cdef object _ids_dtype
     cdef readonly bint collect_stats
     cdef object _stats_lock
-    cdef object _counts          # [E] int64
-    cdef object _coactivation    # [E, E] int64
+    cdef object _counts          # [threads, E] int64, one row per chunk of a call
+    cdef object _coactivation    # [threads, E, E] int64
     cdef readonly int64_t tokens_routed
     cdef size_t _scratch_bytes
 
     def _setup(self, *, int num_experts, int top_k, str scoring, bint normalize, float norm_p,
-               float scale, bias, expert_scale, group_start, group_members, int topk_groups,
+               float norm_eps, float scale, bias, str bias_on, expert_scale, group_start, group_members, int topk_groups,
                str group_score, int routing_threads, str ids_dtype, bint collect_stats):
         """Store a configuration already validated by :class:`colibri.Config`."""
         self.num_experts = num_experts
@@ -190,6 +205,8 @@ cdef class Router:
         self.r.scoring = SCORINGS[scoring]
         self.r.normalize = normalize
         self.r.norm_p = norm_p
+        self.r.norm_eps = norm_eps
+        self.r.bias_on_logits = bias_on == "logits"
         self.r.scale = scale
         self.r.bias = NULL
         self.r.expert_scale = NULL
@@ -208,6 +225,7 @@ cdef class Router:
         self.r.group_score = GROUP_SCORES[group_score]
         self.r.group_start = NULL
         self.r.group_members = NULL
+        self.r.groups_in_order = 1
         if group_start is not None and len(group_start) > 2:
             iview = np.ascontiguousarray(group_start, dtype=np.int32)
             keep.append(iview)
@@ -217,18 +235,19 @@ cdef class Router:
             self.r.group_members = &iview[0]
             self.r.num_groups = len(group_start) - 1
             self.r.topk_groups = topk_groups
+            self.r.groups_in_order = bool(np.array_equal(group_members, np.arange(num_experts)))
         self._keep = keep
         self._scratch_bytes = colibri_scratch_bytes(&self.r)
         self.collect_stats = collect_stats
         self._stats_lock = threading.Lock()
-        self._counts = np.zeros(num_experts, np.int64)
-        self._coactivation = np.zeros((num_experts, num_experts), np.int64)
+        self._counts = np.zeros((routing_threads, num_experts), np.int64)
+        self._coactivation = np.zeros((routing_threads, num_experts, num_experts), np.int64)
         self.tokens_routed = 0
 
     def _usage_arrays(self):
         """(counts [E], coactivation [E, E], tokens) copied under the statistics lock."""
         with self._stats_lock:
-            return self._counts.copy(), self._coactivation.copy(), self.tokens_routed
+            return self._counts.sum(axis=0), self._coactivation.sum(axis=0), self.tokens_routed
 
     def reset_stats(self):
         """Zero the usage statistics."""
@@ -335,7 +354,7 @@ cdef class Router:
         job.scratch_bytes = self._scratch_bytes
         cdef Py_ssize_t E = self.num_experts
         cdef size_t slot = (self._scratch_bytes + <size_t>self.top_k * 8 + 63) & ~(<size_t>63)
-        cdef Py_ssize_t chunks = 1, c, start, stop, bad = T
+        cdef Py_ssize_t chunks = 1, c, bad = T
         cdef int status = COLIBRI_OK
         cdef char stack_scratch[8192]
         cdef char *scratch = stack_scratch
@@ -343,27 +362,22 @@ cdef class Router:
         cdef int *bad_codes = NULL
         cdef int64_t[:, ::1] counts
         cdef int64_t[:, :, ::1] coact
-        cdef int64_t *cnt = NULL
-        cdef int64_t *co = NULL
+        cdef int64_t *cnt
+        cdef int64_t *co
         if T > ROWS_PER_THREAD and self.routing_threads > 1:
-            chunks = min(<Py_ssize_t>self.routing_threads, (T + ROWS_PER_THREAD - 1) // ROWS_PER_THREAD)
-        if self.collect_stats:
-            counts_arr = np.zeros((chunks, E), np.int64)
-            coact_arr = np.zeros((chunks, E, E), np.int64)
-            counts = counts_arr
-            coact = coact_arr
-            cnt = &counts[0, 0]
-            co = &coact[0, 0, 0]
-
+            chunks = min(<Py_ssize_t>self.routing_threads,
+                         (T + ROWS_PER_THREAD - 1) // ROWS_PER_THREAD)
         if chunks == 1 and slot <= sizeof(stack_scratch):
             # the latency path: no allocation, no parallel region
-            _route_span(&job, 0, T, scratch, cnt, co, &bad, &status)
+            _route_span(&job, 0, T, scratch, &bad, &status)
         else:
             scratch = <char *>malloc(slot * chunks)
             bad_rows = <Py_ssize_t *>malloc(sizeof(Py_ssize_t) * chunks)
             bad_codes = <int *>malloc(sizeof(int) * chunks)
             if scratch == NULL or bad_rows == NULL or bad_codes == NULL:
-                free(scratch); free(bad_rows); free(bad_codes)
+                free(scratch)
+                free(bad_rows)
+                free(bad_codes)
                 raise MemoryError("route(): could not allocate routing scratch")
             for c in range(chunks):
                 bad_rows[c] = T
@@ -372,8 +386,6 @@ cdef class Router:
             for c in prange(chunks, nogil=True, num_threads=chunks, schedule="static",
                             chunksize=1):
                 _route_span(&job, c * T // chunks, (c + 1) * T // chunks, scratch + slot * c,
-                            cnt + c * E if cnt != NULL else NULL,
-                            co + c * E * E if co != NULL else NULL,
                             bad_rows + c, bad_codes + c)
             for c in range(chunks):
                 if bad_rows[c] < bad:
@@ -393,8 +405,19 @@ cdef class Router:
             raise RuntimeError(f"route(): row {bad} kept fewer than top_k={self.top_k} "
                                "experts; this is a colibri bug, please report it")
         if self.collect_stats:
+            # counted from the results, only once the whole call succeeded, into per-chunk
+            # accumulators that live in the context (no allocation per call)
             with self._stats_lock:
-                self._counts += counts_arr.sum(axis=0)
-                self._coactivation += coact_arr.sum(axis=0)
+                counts = self._counts
+                coact = self._coactivation
+                cnt = &counts[0, 0]
+                co = &coact[0, 0, 0]
+                if chunks == 1:
+                    _count_span(&job, 0, T, cnt, co)
+                else:
+                    for c in prange(chunks, nogil=True, num_threads=chunks, schedule="static",
+                                    chunksize=1):
+                        _count_span(&job, c * T // chunks, (c + 1) * T // chunks, cnt + c * E,
+                                    co + c * E * E)
                 self.tokens_routed += T
         return 0

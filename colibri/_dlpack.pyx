@@ -11,7 +11,7 @@ from cpython.buffer cimport (PyBUF_FORMAT, PyBUF_RECORDS, PyBUF_RECORDS_RO,
                              PyBuffer_Release, PyObject_GetBuffer)
 from cpython.pycapsule cimport (PyCapsule_CheckExact, PyCapsule_GetPointer, PyCapsule_IsValid,
                                 PyCapsule_SetName)
-from cpython.exc cimport PyErr_Clear
+from cpython.exc cimport PyErr_Clear, PyErr_SetString
 from cpython.long cimport PyLong_AsVoidPtr
 from cpython.ref cimport Py_DECREF, PyObject
 from libc.stdint cimport int64_t, uintptr_t
@@ -353,10 +353,8 @@ cdef int _propagate() except -1:
 
 
 cdef void _set_error(void *ctx, const char *kind, const char *message) noexcept with gil:
-    (<list>ctx).append(f"{kind.decode(errors='replace')}: {message.decode(errors='replace')}")
-
-
-_DL_TYPES = {FLOAT32: (2, 32), INT32: (0, 32), INT64: (0, 64)}
+    """SetError for a producer's allocator: leaves a RuntimeError set for _propagate()."""
+    PyErr_SetString(RuntimeError, b"%s: %s" % (<bytes>kind, <bytes>message))
 
 
 cdef tuple new_result(object like, tuple shape, DType dtype):
@@ -382,16 +380,16 @@ cdef tuple new_result(object like, tuple shape, DType dtype):
         proto.device.device_type = 1
         proto.device.device_id = 0
         proto.ndim = len(shape)
-        proto.dtype.code, proto.dtype.bits = _DL_TYPES[dtype]
+        proto.dtype.code = 2 if dtype == FLOAT32 else 0  # float32, or int32 / int64 ids
+        proto.dtype.bits = 64 if dtype == INT64 else 32
         proto.dtype.lanes = 1
         proto.shape = dims
         proto.strides = NULL
         proto.byte_offset = 0
-        errors = []
-        if ex.api.managed_tensor_allocator(&proto, &managed, <void *>errors, _set_error) != 0 \
-                or managed == NULL:
-            raise MemoryError(f"route(): the {type(like).__module__} allocator failed: "
-                              f"{'; '.join(errors) or 'no message'}")
+        if ex.api.managed_tensor_allocator(&proto, &managed, NULL, _set_error) != 0:
+            _propagate()  # _set_error left the producer's message
+        if managed == NULL:
+            raise MemoryError(f"route(): the {type(like).__module__} allocator returned no tensor")
         t.managed = managed  # owned until handed over below
         t.versioned = True
         _fill(t, &managed.dl_tensor, "route(result)")

@@ -12,6 +12,7 @@ import numpy as np
 SCORINGS = ("softmax", "sigmoid", "sqrtsoftplus")
 GROUP_SCORES = ("max", "top2_sum")
 IDS_DTYPES = ("int32", "int64")
+BIAS_ON = ("scores", "logits")
 
 
 def _int(name: str, value: Any, low: int, high: int | None = None, hint: str = "") -> int:
@@ -93,8 +94,12 @@ class Config:
         Renormalise the k chosen weights to unit ``norm_p``-norm (transformers' norm_topk_prob).
     norm_p : float
         The norm's p: 1 divides by the sum; DBRX uses moe_normalize_expert_weights.
+    normalize_eps : float
+        Added to the norm before dividing (0: exact; LFM2-MoE uses 1e-6).
     correction_bias : [E] float array or None
-        Added to the scores for selection only (DeepSeek-V3's e_score_correction_bias).
+        Added for selection only (DeepSeek-V3's e_score_correction_bias).
+    bias_on : {"scores", "logits"}
+        What the bias is added to: the scores (DeepSeek-V3) or the raw logits (Kolibri).
     scale : float
         Multiplies the final weights (routed_scaling_factor).
     expert_scale : [E] float array or None
@@ -118,7 +123,9 @@ class Config:
     scoring: str = "softmax"
     normalize: bool = True
     norm_p: float = 1.0
+    normalize_eps: float = 0.0
     correction_bias: Any = None
+    bias_on: str = "scores"
     scale: float = 1.0
     expert_scale: Any = None
     num_groups: int = 1
@@ -147,6 +154,10 @@ class Config:
                 raise TypeError(f"{flag} must be True or False (got {getattr(self, flag)!r})")
             set_(flag, bool(getattr(self, flag)))
         set_("norm_p", _float("norm_p", self.norm_p, positive=True))
+        set_("normalize_eps", _float("normalize_eps", self.normalize_eps))
+        if self.normalize_eps < 0:
+            raise ValueError(f"normalize_eps must be >= 0 (got {self.normalize_eps})")
+        _choice("bias_on", self.bias_on, BIAS_ON)
         set_("scale", _float("scale", self.scale))
         set_("correction_bias", _expert_vector("correction_bias", self.correction_bias, E))
         set_("expert_scale", _expert_vector("expert_scale", self.expert_scale, E))

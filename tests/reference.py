@@ -40,7 +40,9 @@ def route(
     scoring="softmax",
     normalize=True,
     norm_p=1.0,
+    normalize_eps=0.0,
     correction_bias=None,
+    bias_on="scores",
     scale=1.0,
     expert_scale=None,
     num_groups=1,
@@ -61,9 +63,8 @@ def route(
     if need_scores:
         keys = scores.astype(np.float32).astype(np.float64)
         if correction_bias is not None:
-            keys = (keys.astype(np.float32) + np.asarray(correction_bias, np.float32)).astype(
-                np.float64
-            )
+            base = x.astype(np.float32) if bias_on == "logits" else keys.astype(np.float32)
+            keys = (base + np.asarray(correction_bias, np.float32)).astype(np.float64)
     ids = np.empty((T, k), np.int64)
     weights = np.empty((T, k), np.float64)
     for t in range(T):
@@ -93,7 +94,7 @@ def route(
             else:
                 norm = (w**norm_p).sum() ** (1.0 / norm_p)
                 if norm > 0:
-                    w = w / norm
+                    w = w / (norm + normalize_eps)
         if expert_scale is not None:
             w = w * np.asarray(expert_scale, np.float64)[order]
         weights[t] = w * scale

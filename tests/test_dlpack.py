@@ -319,3 +319,28 @@ def test_one_context_from_four_threads():
     all_ids = np.concatenate([i for i, _ in serial])
     np.testing.assert_array_equal(counts, np.bincount(all_ids.ravel(), minlength=64))
     np.testing.assert_array_equal(np.diag(coactivation), counts)
+
+
+class DeviceProducer(Producer):
+    """Reports a CUDA tensor; copies to the host only when asked with dl_device + copy."""
+
+    def __init__(self, array, *, can_copy):
+        super().__init__(array)
+        self.can_copy = can_copy
+
+    def __dlpack_device__(self):
+        return (2, 0)
+
+    def __dlpack__(self, *, stream=None, max_version=None, dl_device=None, copy=None):
+        self.calls.append((dl_device, copy))
+        if dl_device != (1, 0) or not copy or not self.can_copy:
+            raise BufferError("cannot export a device tensor to this device")
+        return self.array.copy().__dlpack__(max_version=max_version)
+
+
+def test_device_tensor_is_copied_through_the_producer(logits):
+    producer = DeviceProducer(logits, can_copy=True)
+    assert_route(colibri.init(12, 3).route(producer), logits)
+    assert producer.calls == [((1, 0), True)]
+    with pytest.raises(BufferError, match=r"lives on cuda.*\.cpu\(\)"):
+        colibri.init(12, 3).route(DeviceProducer(logits, can_copy=False))

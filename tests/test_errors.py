@@ -138,3 +138,10 @@ def test_ids_are_never_out_of_range_for_extreme_inputs():
         ids, w = ctx.route(x)
         assert ((ids >= 0) & (ids < 8)).all()
         assert all(len(set(r)) == 3 for r in ids.tolist())
+
+
+def test_new_option_errors():
+    with pytest.raises(ValueError, match="normalize_eps must be >= 0"):
+        colibri.Config(num_experts=8, top_k=2, normalize_eps=-1e-6)
+    with pytest.raises(ValueError, match="bias_on must be one of"):
+        colibri.Config(num_experts=8, top_k=2, bias_on="weights")

@@ -12,7 +12,9 @@ ROUTE_OPTIONS = (
     "scoring",
     "normalize",
     "norm_p",
+    "normalize_eps",
     "correction_bias",
+    "bias_on",
     "scale",
     "expert_scale",
     "num_groups",
@@ -63,6 +65,9 @@ def routing_case(draw):
             rng.standard_normal(E) * draw(st.sampled_from([0.01, 1.0, 100.0]))
             - draw(st.sampled_from([0.0, 50.0]))
         ).astype(np.float32)
+        options["bias_on"] = draw(st.sampled_from(["scores", "logits"]))
+    if draw(st.booleans()):
+        options["normalize_eps"] = draw(st.sampled_from([1e-6, 1e-20, 0.1]))
     if draw(st.booleans()):
         options["expert_scale"] = rng.uniform(0.5, 2.0, E).astype(np.float32)
     grouping = draw(st.sampled_from(["none", "contiguous", "partition"]))
@@ -172,6 +177,20 @@ def test_infinities():
     assert ids.tolist() == [0, 2] and w.tolist() == [0.5, 0.5]
 
 
+def test_subnormal_scores_renormalise_exactly():
+    """Scores of 1e-44 are float32 subnormals with few bits; renormalising must not overflow
+    (1 / norm would) and must match float32 arithmetic on those scores."""
+    x = np.array([-100.0, -101.0, -150.0], np.float32)
+    with np.errstate(under="ignore"):
+        z = np.exp(x)
+        s32 = z / (np.float32(1) + z)  # float32 sigmoid: ~3.8e-44, 1.4e-44, 0
+    ids, w = colibri.init(3, 2, scoring="sigmoid").route(x)
+    assert ids.tolist() == [0, 1]
+    np.testing.assert_allclose(w, s32[:2] / s32[:2].sum(), rtol=1e-6)
+    ids, w = colibri.init(3, 3, scoring="sigmoid", norm_p=2.0).route(x)
+    np.testing.assert_allclose(w, s32 / np.sqrt((s32.astype(np.float64) ** 2).sum()), rtol=1e-6)
+
+
 def test_all_neg_inf_softmax_is_an_error():
     with pytest.raises(ValueError, match="row 1.*-inf"):
         colibri.init(3, 1).route(np.array([[0, 1, 2], [-np.inf] * 3], np.float32))
@@ -242,3 +261,25 @@ def test_config_object_and_overrides():
     assert colibri.init(config=cfg, scoring="sigmoid").config.scoring == "sigmoid"
     with pytest.raises(ValueError, match="contradicts"):
         colibri.init(8, 2, config=cfg)
+
+
+def test_usage_counts_match_the_routes_and_failed_calls_count_nothing():
+    rng = np.random.default_rng(4)
+    ctx = colibri.init(16, 3, collect_stats=True, routing_threads=2)
+    x = rng.standard_normal((5000, 16)).astype(np.float32)
+    ids, _ = ctx.route(x)
+    one, _ = ctx.route(x[0])
+    bad = x[:700].copy()
+    bad[650, 3] = np.nan
+    with pytest.raises(ValueError, match="row 650"):
+        ctx.route(bad)
+    counts, coactivation, tokens = ctx._usage_arrays()
+    all_ids = np.concatenate([ids, one[None]])
+    assert tokens == 5001
+    np.testing.assert_array_equal(counts, np.bincount(all_ids.ravel(), minlength=16))
+    pairs = np.zeros((16, 16), np.int64)
+    for row in all_ids:
+        pairs[np.ix_(row, row)] += 1
+    np.testing.assert_array_equal(coactivation, pairs)
+    ctx.reset_stats()
+    assert ctx._usage_arrays()[2] == 0

@@ -5,10 +5,10 @@
  *
  * Semantics (docs: README "Routing"):
  *   scores   = score(logits)              softmax | sigmoid | sqrt(softplus)
- *   keys     = scores + bias              (bias: selection only, may be NULL)
+ *   keys     = scores + bias              (bias: selection only, may be NULL; or logits + bias)
  *   groups   : keep the topk_groups best groups by max / top-2-sum of keys; experts of
  *              dropped groups are never chosen (never a 0.0 fill that a negative key loses to)
- *   ids      = top-k of keys over allowed experts, descending; equal keys -> lower id
+ *   ids      = top-k of keys over the kept experts, descending; equal keys -> lower id
  *   weights  = scores[ids], renormalised to unit p-norm if normalize, times expert_scale[id],
  *              times scale.
  * Every score function is increasing, so without a bias the keys are the logits themselves
@@ -29,6 +29,11 @@
 #define COLIBRI_SSE2 1
 #endif
 
+/* Up to this k, top-k runs as k argmax passes over block maxima (few data-dependent
+ * branches; measured: fewer mispredictions than an insertion pass); above it, insertion. */
+#define COLIBRI_PASSES_MAX_K 8
+#define COLIBRI_BLOCK 16
+
 enum { COLIBRI_SOFTMAX = 0, COLIBRI_SIGMOID = 1, COLIBRI_SQRTSOFTPLUS = 2 };
 enum { COLIBRI_GROUP_MAX = 0, COLIBRI_GROUP_TOP2_SUM = 1 };
 enum { COLIBRI_F32 = 0, COLIBRI_F64 = 1, COLIBRI_F16 = 2, COLIBRI_BF16 = 3 };
@@ -42,14 +47,17 @@ typedef struct {
     int32_t scoring;
     int32_t normalize;
     float norm_p;               /* 1: divide by the sum; p: by the p-norm (DBRX) */
+    float norm_eps;             /* added to the norm before dividing (LFM2: 1e-6) */
     float scale;                /* multiplies the final weights */
     const float *bias;          /* [E] selection-only bias, or NULL */
+    int32_t bias_on_logits;     /* add the bias to the logits, not the scores (Kolibri) */
     const float *expert_scale;  /* [E] per-expert factor after renormalisation, or NULL */
     int32_t num_groups;         /* <= 1: no group limit */
     int32_t topk_groups;
     int32_t group_score;
     const int32_t *group_start;   /* [G + 1] offsets into group_members */
     const int32_t *group_members; /* [E] expert ids, group by group */
+    int32_t groups_in_order;      /* group_members is 0, 1, ..., E-1 (contiguous groups) */
 } colibri_router_t;
 
 /* Bytes of per-thread scratch one row needs (aligned to 64). */
@@ -58,11 +66,11 @@ static inline size_t colibri_scratch_bytes(const colibri_router_t *r)
     size_t E = (size_t)r->num_experts, G = (size_t)(r->num_groups > 1 ? r->num_groups : 1);
     size_t k = (size_t)r->top_k;
     size_t bytes = 4 * (E          /* decoded row */
-                        + 2 * E    /* scores, keys */
+                        + 4 * E    /* scores, keys, top-k work copy, keys in group order */
+                        + E / COLIBRI_BLOCK + 4 /* block maxima */
                         + 2 * G    /* group scores, group top list */
                         + 2 * G    /* group ids */
-                        + 2 * k)   /* top-k values and ids */
-                   + E;            /* allowed mask */
+                        + 2 * k);  /* top-k values and ids */
     return (bytes + 63) & ~(size_t)63;
 }
 
@@ -74,39 +82,145 @@ static inline const float *colibri_load_row(const char *row, int dtype, int64_t 
     int32_t e;
     switch (dtype) {
     case COLIBRI_F32:
-        if (stride == 1)
+        if (stride == 1 && ((uintptr_t)row & 3) == 0)
             return (const float *)row;
-        for (e = 0; e < E; e++)
-            buf[e] = ((const float *)row)[e * stride];
+        for (e = 0; e < E; e++) /* memcpy: producers need not align their data */
+            memcpy(buf + e, row + (int64_t)e * stride * 4, sizeof(float));
         break;
     case COLIBRI_F64:
-        for (e = 0; e < E; e++)
-            buf[e] = (float)((const double *)row)[e * stride];
+        for (e = 0; e < E; e++) {
+            double v;
+            memcpy(&v, row + (int64_t)e * stride * 8, sizeof v);
+            buf[e] = (float)v;
+        }
         break;
     case COLIBRI_F16:
-        for (e = 0; e < E; e++)
-            buf[e] = colibri_half_to_float(((const uint16_t *)row)[e * stride]);
+        for (e = 0; e < E; e++) {
+            uint16_t v;
+            memcpy(&v, row + (int64_t)e * stride * 2, sizeof v);
+            buf[e] = colibri_half_to_float(v);
+        }
         break;
     default: /* COLIBRI_BF16 */
-        for (e = 0; e < E; e++)
-            buf[e] = colibri_bf16_to_float(((const uint16_t *)row)[e * stride]);
+        for (e = 0; e < E; e++) {
+            uint16_t v;
+            memcpy(&v, row + (int64_t)e * stride * 2, sizeof v);
+            buf[e] = colibri_bf16_to_float(v);
+        }
         break;
     }
     return buf;
 }
 
+/* exp(x) in float32 without libm, max relative error ~2e-7 (Cephes' polynomial, range
+ * reduction by ln 2, exact two-step scaling so subnormal results round once). The SSE2 path
+ * runs the same IEEE operations in the same order, so every lane and the scalar tail agree
+ * bit for bit: a row's result never depends on where an expert falls in a vector. */
+#define COLIBRI_EXP_LO (-104.0f) /* exp below is 0 in float32 */
+#define COLIBRI_EXP_HI 88.8f     /* exp above is inf */
+#define COLIBRI_ROUND_MAGIC 12582912.0f /* 1.5 * 2^23: adding it rounds to an integer */
+
+static inline float colibri_exp(float x)
+{
+    x = x < COLIBRI_EXP_LO ? COLIBRI_EXP_LO : x;
+    x = x > COLIBRI_EXP_HI ? COLIBRI_EXP_HI : x;
+    float n = (x * 1.44269504088896341f + COLIBRI_ROUND_MAGIC) - COLIBRI_ROUND_MAGIC;
+    float r = x - n * 0.693359375f;
+    r = r - n * -2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = (p * (r * r) + r) + 1.0f;
+    int32_t ni = (int32_t)n, n1 = ni >> 1, n2 = ni - n1;
+    return p * colibri_bits_to_float((uint32_t)(n1 + 127) << 23)
+             * colibri_bits_to_float((uint32_t)(n2 + 127) << 23);
+}
+
 static inline float colibri_sigmoid(float x)
 {
-    if (x >= 0.0f)
-        return 1.0f / (1.0f + expf(-x));
-    float z = expf(x);
-    return z / (1.0f + z);
+    float z = colibri_exp(-fabsf(x));
+    return x >= 0.0f ? 1.0f / (1.0f + z) : z / (1.0f + z);
+}
+
+#ifdef COLIBRI_SSE2
+static inline __m128 colibri_exp4(__m128 x)
+{
+    x = _mm_max_ps(x, _mm_set1_ps(COLIBRI_EXP_LO));
+    x = _mm_min_ps(x, _mm_set1_ps(COLIBRI_EXP_HI));
+    __m128 magic = _mm_set1_ps(COLIBRI_ROUND_MAGIC);
+    __m128 n = _mm_sub_ps(_mm_add_ps(_mm_mul_ps(x, _mm_set1_ps(1.44269504088896341f)), magic),
+                          magic);
+    __m128 r = _mm_sub_ps(x, _mm_mul_ps(n, _mm_set1_ps(0.693359375f)));
+    r = _mm_sub_ps(r, _mm_mul_ps(n, _mm_set1_ps(-2.12194440e-4f)));
+    __m128 p = _mm_set1_ps(1.9875691500e-4f);
+    p = _mm_add_ps(_mm_mul_ps(p, r), _mm_set1_ps(1.3981999507e-3f));
+    p = _mm_add_ps(_mm_mul_ps(p, r), _mm_set1_ps(8.3334519073e-3f));
+    p = _mm_add_ps(_mm_mul_ps(p, r), _mm_set1_ps(4.1665795894e-2f));
+    p = _mm_add_ps(_mm_mul_ps(p, r), _mm_set1_ps(1.6666665459e-1f));
+    p = _mm_add_ps(_mm_mul_ps(p, r), _mm_set1_ps(5.0000001201e-1f));
+    p = _mm_add_ps(_mm_add_ps(_mm_mul_ps(p, _mm_mul_ps(r, r)), r), _mm_set1_ps(1.0f));
+    __m128i ni = _mm_cvttps_epi32(n);
+    __m128i n1 = _mm_srai_epi32(ni, 1);
+    __m128i n2 = _mm_sub_epi32(ni, n1);
+    __m128i bias = _mm_set1_epi32(127);
+    __m128 s1 = _mm_castsi128_ps(_mm_slli_epi32(_mm_add_epi32(n1, bias), 23));
+    __m128 s2 = _mm_castsi128_ps(_mm_slli_epi32(_mm_add_epi32(n2, bias), 23));
+    return _mm_mul_ps(_mm_mul_ps(p, s1), s2);
+}
+
+static inline __m128 colibri_sigmoid4(__m128 x)
+{
+    __m128 sign = _mm_set1_ps(-0.0f);
+    __m128 z = colibri_exp4(_mm_or_ps(x, sign)); /* exp(-|x|) */
+    __m128 one_plus = _mm_add_ps(_mm_set1_ps(1.0f), z);
+    __m128 pos = _mm_div_ps(_mm_set1_ps(1.0f), one_plus);
+    __m128 neg = _mm_div_ps(z, one_plus);
+    __m128 is_pos = _mm_cmpge_ps(x, _mm_setzero_ps());
+    return _mm_or_ps(_mm_and_ps(is_pos, pos), _mm_andnot_ps(is_pos, neg));
+}
+#endif
+
+/* out[e] = exp(x[e] - m) for e < E; returns the sum (lanes summed in a fixed order). */
+static inline float colibri_exp_shifted(const float *x, float m, float *out, int32_t E)
+{
+    int32_t e = 0;
+    float sum = 0.0f;
+#ifdef COLIBRI_SSE2
+    __m128 mm = _mm_set1_ps(m), acc = _mm_setzero_ps();
+    for (; e + 4 <= E; e += 4) {
+        __m128 v = colibri_exp4(_mm_sub_ps(_mm_loadu_ps(x + e), mm));
+        _mm_storeu_ps(out + e, v);
+        acc = _mm_add_ps(acc, v);
+    }
+    float lanes[4];
+    _mm_storeu_ps(lanes, acc);
+    sum = (lanes[0] + lanes[1]) + (lanes[2] + lanes[3]);
+#endif
+    for (; e < E; e++) {
+        out[e] = colibri_exp(x[e] - m);
+        sum += out[e];
+    }
+    return sum;
+}
+
+static inline void colibri_sigmoid_all(const float *x, float *out, int32_t E)
+{
+    int32_t e = 0;
+#ifdef COLIBRI_SSE2
+    for (; e + 4 <= E; e += 4)
+        _mm_storeu_ps(out + e, colibri_sigmoid4(_mm_loadu_ps(x + e)));
+#endif
+    for (; e < E; e++)
+        out[e] = colibri_sigmoid(x[e]);
 }
 
 static inline float colibri_sqrtsoftplus(float x)
 {
     /* softplus as torch computes it: x above 20, log1p(exp(x)) below */
-    return sqrtf(x > 20.0f ? x : log1pf(expf(x)));
+    return sqrtf(x > 20.0f ? x : log1pf(colibri_exp(x)));
 }
 
 /* Insert (v, i) into the descending list (vals, ids) of length *n <= cap. Indices arrive in
@@ -131,64 +245,111 @@ static inline void colibri_push(float *vals, int32_t *ids, int32_t *n, int32_t c
     ids[j] = i;
 }
 
-/* Whether any of key[0..8) is above threshold (NaN never is). */
-static inline int colibri_any_above8(const float *key, float threshold)
+/* Maximum of v[0..n), NaN entries skipped; -inf when there is none. */
+static inline float colibri_max(const float *v, int32_t n)
 {
+    int32_t e = 0;
+    float m = -INFINITY;
 #ifdef COLIBRI_SSE2
-    __m128 t = _mm_set1_ps(threshold);
-    __m128 above = _mm_or_ps(_mm_cmpgt_ps(_mm_loadu_ps(key), t),
-                             _mm_cmpgt_ps(_mm_loadu_ps(key + 4), t));
-    return _mm_movemask_ps(above);
-#else
-    int any = 0, j;
-    for (j = 0; j < 8; j++)
-        any |= key[j] > threshold;
-    return any;
+    if (n >= 8) {
+        /* _mm_max_ps returns its second operand when either is NaN: data goes first */
+        __m128 m0 = _mm_set1_ps(-INFINITY), m1 = m0;
+        for (; e + 8 <= n; e += 8) {
+            m0 = _mm_max_ps(_mm_loadu_ps(v + e), m0);
+            m1 = _mm_max_ps(_mm_loadu_ps(v + e + 4), m1);
+        }
+        m0 = _mm_max_ps(m0, m1);
+        m0 = _mm_max_ps(m0, _mm_shuffle_ps(m0, m0, _MM_SHUFFLE(2, 3, 0, 1)));
+        m0 = _mm_max_ps(m0, _mm_shuffle_ps(m0, m0, _MM_SHUFFLE(1, 0, 3, 2)));
+        m = _mm_cvtss_f32(m0);
+    }
 #endif
+    for (; e < n; e++)
+        m = v[e] > m ? v[e] : m;
+    return m;
 }
 
-/* Top-k of key[0..E) over the allowed experts (allowed == NULL: all) into vals/ids,
- * descending, equal keys to the lower id. Returns how many were found (min(k, allowed)). */
-static inline int32_t colibri_topk(const float *key, const unsigned char *allowed, int32_t E,
-                                   int32_t k, float *vals, int32_t *ids)
+/* First index of v[0..n) equal to m (NaN never is); -1 when none. */
+static inline int32_t colibri_find(const float *v, int32_t n, float m)
 {
-    int32_t n = 0, e = 0;
-    /* fill the first k slots, then only a key above the k-th best gets in */
-    for (; e < E && n < k; e++)
-        if (allowed == NULL || allowed[e])
-            colibri_push(vals, ids, &n, k, key[e], e);
-    if (n < k)
+    int32_t e = 0;
+#ifdef COLIBRI_SSE2
+    static const signed char first_bit[16] = {0, 0, 1, 0, 2, 0, 1, 0, 3, 0, 1, 0, 2, 0, 1, 0};
+    __m128 mm = _mm_set1_ps(m);
+    for (; e + 4 <= n; e += 4) {
+        int mask = _mm_movemask_ps(_mm_cmpeq_ps(_mm_loadu_ps(v + e), mm));
+        if (mask)
+            return e + first_bit[mask];
+    }
+#endif
+    for (; e < n; e++)
+        if (v[e] == m)
+            return e;
+    return -1;
+}
+
+/* Top-k of the candidates in work[0..E) (keys; NaN marks "not a candidate", keys are never
+ * NaN) into vals/ids, descending, equal keys to the lower id. work is consumed;
+ * bmax: E / 16 + 1 floats. Returns how many were found. */
+static inline int32_t colibri_topk(float *work, int32_t E, int32_t k, float *bmax, float *vals,
+                                   int32_t *ids)
+{
+    int32_t n = 0, e, b;
+    if (k > COLIBRI_PASSES_MAX_K) {
+        for (e = 0; e < E; e++)
+            if (work[e] == work[e])
+                colibri_push(vals, ids, &n, k, work[e], e);
         return n;
-    float threshold = vals[k - 1];
-    if (allowed == NULL) {
-        /* blocks of 8 with no key above the threshold (the common case) cost one
-         * vectorised compare and one well-predicted branch */
-        for (; e + 8 <= E; e += 8) {
-            int32_t j;
-            if (!colibri_any_above8(key + e, threshold))
-                continue;
-            for (j = 0; j < 8; j++) {
-                if (key[e + j] > threshold) {
-                    colibri_push(vals, ids, &n, k, key[e + j], e + j);
-                    threshold = vals[k - 1];
-                }
+    }
+    const int32_t nb = (E + COLIBRI_BLOCK - 1) / COLIBRI_BLOCK;
+    for (b = 0; b < nb; b++) {
+        int32_t len = E - b * COLIBRI_BLOCK < COLIBRI_BLOCK ? E - b * COLIBRI_BLOCK : COLIBRI_BLOCK;
+        bmax[b] = colibri_max(work + b * COLIBRI_BLOCK, len);
+    }
+    for (; n < k; n++) {
+        float m = colibri_max(bmax, nb);
+        int32_t found = -1, start = 0;
+        /* the first block whose maximum is m holds the first m, unless m == -inf and that
+         * block's -inf means "no candidate left": then look further */
+        while (found < 0) {
+            int32_t rel = colibri_find(bmax + start, nb - start, m);
+            if (rel < 0)
+                break;
+            b = start + rel;
+            int32_t len = E - b * COLIBRI_BLOCK < COLIBRI_BLOCK ? E - b * COLIBRI_BLOCK
+                                                                : COLIBRI_BLOCK;
+            int32_t i = colibri_find(work + b * COLIBRI_BLOCK, len, m);
+            if (i >= 0) {
+                found = b * COLIBRI_BLOCK + i;
+                work[found] = NAN;
+                bmax[b] = colibri_max(work + b * COLIBRI_BLOCK, len);
             }
+            start = b + 1;
         }
-        for (; e < E; e++) {
-            if (key[e] > threshold) {
-                colibri_push(vals, ids, &n, k, key[e], e);
-                threshold = vals[k - 1];
-            }
-        }
-    } else {
-        for (; e < E; e++) {
-            if (allowed[e] && key[e] > threshold) {
-                colibri_push(vals, ids, &n, k, key[e], e);
-                threshold = vals[k - 1];
-            }
-        }
+        if (found < 0)
+            break;
+        vals[n] = m;
+        ids[n] = found;
     }
     return n;
+}
+
+/* Whether x[0..E) holds a NaN. */
+static inline int colibri_has_nan(const float *x, int32_t E)
+{
+    int32_t e = 0;
+    int nan = 0;
+#ifdef COLIBRI_SSE2
+    __m128 unordered = _mm_setzero_ps();
+    for (; e + 4 <= E; e += 4) {
+        __m128 v = _mm_loadu_ps(x + e);
+        unordered = _mm_or_ps(unordered, _mm_cmpunord_ps(v, v));
+    }
+    nan = _mm_movemask_ps(unordered);
+#endif
+    for (; e < E; e++)
+        nan |= x[e] != x[e];
+    return nan;
 }
 
 /* Softmax of the row into out[E]; returns 0, or COLIBRI_ROW_ALL_NEG_INF when undefined.
@@ -207,10 +368,7 @@ static inline int colibri_softmax(const float *x, int32_t E, float *out)
             sum += out[e];
         }
     } else {
-        for (e = 0; e < E; e++) {
-            out[e] = expf(x[e] - m);
-            sum += out[e];
-        }
+        sum = colibri_exp_shifted(x, m, out, E);
     }
     float inv = 1.0f / sum;
     for (e = 0; e < E; e++)
@@ -232,17 +390,16 @@ static inline int colibri_route_row(const colibri_router_t *r, const float *x, v
     const int32_t G = r->num_groups > 1 ? r->num_groups : 1;
     float *scores = (float *)scratch + E; /* the first E floats hold the decoded row */
     float *keys = scores + E;
-    float *gval = keys + E;
+    float *work = keys + E;
+    float *grouped = work + E;
+    float *bmax = grouped + E;
+    float *gval = bmax + E / COLIBRI_BLOCK + 4;
     int32_t *gid = (int32_t *)(gval + 2 * G);
     float *tval = (float *)(gid + 2 * G);
-    unsigned char *allowed = (unsigned char *)(tval + 2 * k);
     int32_t *tid = (int32_t *)(tval + k);
     int32_t e, j, g, n = 0;
-    int nan = 0;
 
-    for (e = 0; e < E; e++)
-        nan |= x[e] != x[e];
-    if (nan)
+    if (colibri_has_nan(x, E))
         return COLIBRI_ROW_NAN;
 
     /* Selection keys: the logits, unless a bias or top-2-sum group scores need true scores. */
@@ -252,46 +409,58 @@ static inline int colibri_route_row(const colibri_router_t *r, const float *x, v
         if (r->scoring == COLIBRI_SOFTMAX) {
             if (colibri_softmax(x, E, scores) != COLIBRI_OK)
                 return COLIBRI_ROW_ALL_NEG_INF;
+        } else if (r->scoring == COLIBRI_SIGMOID) {
+            colibri_sigmoid_all(x, scores, E);
         } else {
             for (e = 0; e < E; e++)
-                scores[e] = colibri_score(r->scoring, x[e]);
+                scores[e] = colibri_sqrtsoftplus(x[e]);
         }
         key = scores;
         if (r->bias != NULL) {
+            const float *base = r->bias_on_logits ? x : scores;
             for (e = 0; e < E; e++)
-                keys[e] = scores[e] + r->bias[e];
+                keys[e] = base[e] + r->bias[e];
             key = keys;
         }
     }
 
     if (G > 1) {
         int32_t ng = 0, kg = r->topk_groups;
+        const float *gkey = key;
+        if (!r->groups_in_order) {
+            for (e = 0; e < E; e++)
+                grouped[e] = key[r->group_members[e]];
+            gkey = grouped;
+        }
         for (g = 0; g < G; g++) {
-            const int32_t *member = r->group_members + r->group_start[g];
+            const float *member = gkey + r->group_start[g];
             int32_t size = r->group_start[g + 1] - r->group_start[g];
-            float best = -INFINITY, second = -INFINITY;
-            for (j = 0; j < size; j++) {
-                float v = key[member[j]];
-                if (v > best) {
-                    second = best;
-                    best = v;
-                } else if (v > second) {
-                    second = v;
-                }
+            float score = colibri_max(member, size);
+            if (r->group_score == COLIBRI_GROUP_TOP2_SUM) {
+                /* plus the best of the others (groups have >= 2 experts here) */
+                int32_t i = colibri_find(member, size, score);
+                float left = colibri_max(member, i), right = colibri_max(member + i + 1,
+                                                                         size - i - 1);
+                score += left > right ? left : right;
             }
-            float score = r->group_score == COLIBRI_GROUP_TOP2_SUM ? best + second : best;
             colibri_push(gval, gid, &ng, kg, score, g);
         }
-        memset(allowed, 0, (size_t)E);
+        /* candidates: the kept groups' keys; NaN marks everything else */
+        for (e = 0; e < E; e++)
+            work[e] = NAN;
         for (j = 0; j < ng; j++) {
-            g = gid[j];
-            for (e = r->group_start[g]; e < r->group_start[g + 1]; e++)
-                allowed[r->group_members[e]] = 1;
+            int32_t first = r->group_start[gid[j]], last = r->group_start[gid[j] + 1];
+            if (r->groups_in_order) {
+                memcpy(work + first, key + first, (size_t)(last - first) * sizeof(float));
+            } else {
+                for (e = first; e < last; e++)
+                    work[r->group_members[e]] = key[r->group_members[e]];
+            }
         }
-        n = colibri_topk(key, allowed, E, k, tval, tid);
     } else {
-        n = colibri_topk(key, NULL, E, k, tval, tid);
+        memcpy(work, key, (size_t)E * sizeof(float));
     }
+    n = colibri_topk(work, E, k, bmax, tval, tid);
     if (n < k) /* the caller validates k against the smallest groups: never happens */
         return COLIBRI_ROW_SHORT;
 
@@ -308,7 +477,7 @@ static inline int colibri_route_row(const colibri_router_t *r, const float *x, v
             return COLIBRI_ROW_ALL_NEG_INF;
         for (j = 0; j < k; j++)
             weights[j] = m == INFINITY ? (x[tid[j]] == INFINITY ? 1.0f : 0.0f)
-                                       : expf(x[tid[j]] - m);
+                                       : colibri_exp(x[tid[j]] - m);
     } else if (r->scoring == COLIBRI_SOFTMAX) {
         if (colibri_softmax(x, E, scores) != COLIBRI_OK)
             return COLIBRI_ROW_ALL_NEG_INF;
@@ -320,11 +489,13 @@ static inline int colibri_route_row(const colibri_router_t *r, const float *x, v
     }
 
     if (r->normalize) {
-        float norm = 0.0f;
+        /* weights are >= 0: divide by their p-norm, computed on w / max so that no power
+         * overflows (sqrt-softplus of 3e38 squared would) */
+        float largest = 0.0f, norm = 0.0f;
         int32_t infinite = 0;
         for (j = 0; j < k; j++) {
             infinite += weights[j] == INFINITY;
-            norm += r->norm_p == 1.0f ? weights[j] : powf(weights[j], r->norm_p);
+            largest = weights[j] > largest ? weights[j] : largest;
         }
         if (infinite) {
             /* sqrt-softplus of +inf: the infinite weights share the unit norm equally */
@@ -332,12 +503,26 @@ static inline int colibri_route_row(const colibri_router_t *r, const float *x, v
                                             : powf((float)infinite, -1.0f / r->norm_p);
             for (j = 0; j < k; j++)
                 weights[j] = weights[j] == INFINITY ? share : 0.0f;
-        } else if (norm > 0.0f) {
-            if (r->norm_p != 1.0f)
+        } else if (largest > 0.0f) {
+            if (r->norm_p == 1.0f) {
+                for (j = 0; j < k; j++)
+                    norm += weights[j];
+                norm += r->norm_eps;
+                for (j = 0; j < k; j++) /* divide: 1 / a subnormal sum would overflow */
+                    weights[j] /= norm;
+            } else if (r->norm_eps == 0.0f) {
+                for (j = 0; j < k; j++)
+                    norm += powf(weights[j] / largest, r->norm_p);
                 norm = powf(norm, 1.0f / r->norm_p);
-            float inv = 1.0f / norm;
-            for (j = 0; j < k; j++)
-                weights[j] *= inv;
+                for (j = 0; j < k; j++)
+                    weights[j] = weights[j] / largest / norm;
+            } else {
+                for (j = 0; j < k; j++)
+                    norm += powf(weights[j] / largest, r->norm_p);
+                norm = largest * powf(norm, 1.0f / r->norm_p) + r->norm_eps;
+                for (j = 0; j < k; j++)
+                    weights[j] /= norm;
+            }
         }
     }
     for (j = 0; j < k; j++) {

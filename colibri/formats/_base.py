@@ -1,0 +1,335 @@
+"""Validated expert layouts: which byte ranges of which files hold each expert's matrices.
+
+A :class:`WeightSource` maps ``(layer, expert)`` to an :class:`ExpertLayout`, whose three
+:class:`TensorRef` give the file, absolute byte offset, length, dtype and shape of the expert's
+``gate [I, H]``, ``up [I, H]`` and ``down [H, I]`` matrices (torch ``nn.Linear`` ``[out, in]``
+convention). Every range has been checked against the file before a source is returned: inside
+the data section, no overlaps, and ``dtype x shape == length``. Nothing here maps a file.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+import numpy as np
+
+__all__ = [
+    "ExpertLayout",
+    "FormatError",
+    "TensorInfo",
+    "TensorRef",
+    "WeightSource",
+    "assemble_experts",
+    "check_extents",
+    "numpy_dtype",
+    "DTYPE_SIZES",
+]
+
+#: Largest JSON header or manifest colibri agrees to parse (safetensors uses the same bound).
+MAX_HEADER_BYTES = 100 * 1024 * 1024
+
+#: Element sizes in bytes of the dtypes a layout may name (safetensors spelling).
+DTYPE_SIZES: dict[str, int] = {
+    "F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1,
+    "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U64": 8, "U32": 4, "U16": 2, "U8": 1, "BOOL": 1,
+}  # fmt: skip
+
+_NUMPY_DTYPES = {
+    "F64": np.float64, "F32": np.float32, "F16": np.float16, "I64": np.int64, "I32": np.int32,
+    "I16": np.int16, "I8": np.int8, "U64": np.uint64, "U32": np.uint32, "U16": np.uint16,
+    "U8": np.uint8, "BOOL": np.bool_,
+}  # fmt: skip
+
+
+class FormatError(ValueError):
+    """A weight file or manifest is corrupt, truncated, malicious or not understood."""
+
+
+def numpy_dtype(name: str) -> np.dtype:
+    """The numpy dtype that views a stored dtype.
+
+    ``BF16`` and ``F8_*`` use ``ml_dtypes`` when it is installed (it comes with jax) and fall
+    back to their raw bit patterns (``uint16`` / ``uint8``) otherwise. Block-quantized GGUF
+    types (``Q4_K``, ...) are viewed as ``uint8`` rows of raw blocks.
+    """
+    if name in _NUMPY_DTYPES:
+        return np.dtype(_NUMPY_DTYPES[name])
+    if name in ("BF16", "F8_E4M3", "F8_E5M2"):
+        try:
+            import ml_dtypes
+        except ImportError:
+            return np.dtype(np.uint16 if name == "BF16" else np.uint8)
+        attr = {"BF16": "bfloat16", "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2"}[name]
+        return np.dtype(getattr(ml_dtypes, attr))
+    return np.dtype(np.uint8)
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """One whole tensor of a file, as its header describes it (offsets absolute)."""
+
+    name: str
+    path: str
+    offset: int
+    nbytes: int
+    dtype: str
+    shape: tuple[int, ...]
+    #: Bytes per element block and elements per block (1, itemsize for plain dtypes).
+    block: tuple[int, int] = (1, 0)
+
+    def row_bytes(self) -> int:
+        """Bytes of one row (last dimension) of the tensor."""
+        elements, size = self.block
+        if size == 0:
+            return self.shape[-1] * DTYPE_SIZES[self.dtype]
+        return self.shape[-1] // elements * size
+
+
+@dataclass(frozen=True)
+class TensorRef:
+    """One expert matrix: ``nbytes`` bytes at absolute ``offset`` of ``path``.
+
+    ``shape`` is the logical ``[rows, cols]``; ``dtype`` the stored dtype name (``F16``,
+    ``BF16``, ``F32``, ... or a GGUF quantization such as ``Q4_K``).
+    """
+
+    name: str
+    path: str
+    offset: int
+    nbytes: int
+    dtype: str
+    shape: tuple[int, ...]
+
+    def view(self, buffer: np.ndarray) -> np.ndarray:
+        """View ``buffer`` (``uint8``, ``nbytes`` long) as this matrix.
+
+        Plain dtypes give ``shape``; quantized types give ``uint8 [rows, row_bytes]``.
+        """
+        dtype = numpy_dtype(self.dtype)
+        if self.dtype in DTYPE_SIZES:
+            return buffer.view(dtype).reshape(self.shape)
+        return buffer.reshape(self.shape[0], -1)
+
+
+@dataclass(frozen=True)
+class ExpertLayout:
+    """Where one expert's ``gate [I, H]``, ``up [I, H]`` and ``down [H, I]`` live."""
+
+    layer: int
+    expert: int
+    gate: TensorRef
+    up: TensorRef
+    down: TensorRef
+
+    @property
+    def matrices(self) -> tuple[TensorRef, TensorRef, TensorRef]:
+        """``(gate, up, down)``."""
+        return (self.gate, self.up, self.down)
+
+    @property
+    def nbytes(self) -> int:
+        """Total bytes of the three matrices."""
+        return self.gate.nbytes + self.up.nbytes + self.down.nbytes
+
+
+@dataclass
+class WeightSource:
+    """Validated expert layouts of one checkpoint (one or several files).
+
+    Attributes
+    ----------
+    format : str
+        ``"safetensors"``, ``"gguf"`` or ``"colibri-raw"``.
+    files : tuple of str
+        Absolute paths of every file an expert lives in.
+    experts : dict
+        ``(layer, expert) -> ExpertLayout``.
+    metadata : dict
+        Format-specific extras (for a repacked raw file: its ``groups``).
+    """
+
+    format: str
+    files: tuple[str, ...]
+    experts: dict[tuple[int, int], ExpertLayout]
+    metadata: dict = field(default_factory=dict)
+
+    @property
+    def layers(self) -> tuple[int, ...]:
+        """Layer indices that hold experts, ascending."""
+        return tuple(sorted({layer for layer, _ in self.experts}))
+
+    def num_experts(self, layer: int) -> int:
+        """Number of experts stored for ``layer``."""
+        return sum(1 for key in self.experts if key[0] == layer)
+
+    @property
+    def max_expert_nbytes(self) -> int:
+        """Bytes of the largest expert."""
+        return max(layout.nbytes for layout in self.experts.values())
+
+    @property
+    def total_expert_nbytes(self) -> int:
+        """Bytes of all experts together."""
+        return sum(layout.nbytes for layout in self.experts.values())
+
+    def layout(self, layer: int, expert: int) -> ExpertLayout:
+        """The layout of one expert; ``KeyError`` naming the valid range when absent."""
+        try:
+            return self.experts[(layer, expert)]
+        except KeyError:
+            if layer not in self.layers:
+                raise KeyError(
+                    f"layer {layer} holds no experts in {self.files[0]!r} "
+                    f"(layers with experts: {list(self.layers)})"
+                ) from None
+            raise KeyError(
+                f"expert {expert} is not stored for layer {layer} in {self.files[0]!r} "
+                f"(it has {self.num_experts(layer)} experts)"
+            ) from None
+
+
+def check_extents(
+    path: str, file_size: int, data_start: int, tensors: Iterable[TensorInfo]
+) -> None:
+    """Raise :class:`FormatError` unless every tensor lies inside ``[data_start, file_size)``,
+    its length equals ``dtype x shape``, and no two tensors overlap."""
+    spans = []
+    for t in tensors:
+        if any((not isinstance(d, int)) or d < 0 for d in t.shape):
+            raise FormatError(f"{path}: tensor {t.name!r} has an invalid shape {t.shape}")
+        elements, size = t.block
+        count = math.prod(t.shape)
+        if size == 0:
+            expected = count * DTYPE_SIZES[t.dtype]
+        else:
+            if t.shape and t.shape[-1] % elements:
+                raise FormatError(
+                    f"{path}: tensor {t.name!r} ({t.dtype}) has rows of {t.shape[-1]} elements, "
+                    f"not a multiple of its block size {elements}"
+                )
+            expected = count // elements * size
+        if t.nbytes != expected:
+            raise FormatError(
+                f"{path}: tensor {t.name!r} is {t.nbytes} bytes but {t.dtype} x {list(t.shape)} "
+                f"needs {expected}; the header is corrupt"
+            )
+        if t.offset < data_start or t.offset + t.nbytes > file_size:
+            raise FormatError(
+                f"{path}: tensor {t.name!r} spans bytes [{t.offset}, {t.offset + t.nbytes}) "
+                f"outside the data section [{data_start}, {file_size}); the file is truncated "
+                "or its header is corrupt"
+            )
+        if t.nbytes:
+            spans.append((t.offset, t.offset + t.nbytes, t.name))
+    spans.sort()
+    for (_, end, name), (begin, _, other) in zip(spans, spans[1:], strict=False):
+        if begin < end:
+            raise FormatError(
+                f"{path}: tensors {name!r} and {other!r} overlap; the header is corrupt"
+            )
+
+
+# -- recognising expert tensors by name ---------------------------------------------------------
+
+_PROJ = {
+    "w1": "gate", "w3": "up", "w2": "down", "gate_proj": "gate", "up_proj": "up",
+    "down_proj": "down", "gate": "gate", "up": "up", "down": "down", "gate_up_proj": "gate_up",
+    "gate_up": "gate_up",
+}  # fmt: skip
+_PER_EXPERT = re.compile(
+    r"^(?:.*\.)?layers\.(\d+)\.(?:.*\.)?experts\.(\d+)\.(w1|w2|w3|gate_proj|up_proj|down_proj)"
+    r"\.weight$"
+)
+_STACKED_HF = re.compile(
+    r"^(?:.*\.)?layers\.(\d+)\.(?:.*\.)?experts\.(gate_up_proj|gate_proj|up_proj|down_proj)"
+    r"(?:\.weight)?$"
+)
+_STACKED_GGUF = re.compile(r"^blk\.(\d+)\.ffn_(gate_up|gate|up|down)_exps(?:\.weight)?$")
+
+
+def _ref(t: TensorInfo, name: str, offset: int, nbytes: int, shape) -> TensorRef:
+    return TensorRef(name, t.path, offset, nbytes, t.dtype, tuple(int(d) for d in shape))
+
+
+def assemble_experts(
+    path: str, tensors: Mapping[str, TensorInfo]
+) -> dict[tuple[int, int], ExpertLayout]:
+    """Find the routed experts among ``tensors`` and split stacked ``[E, ...]`` tensors.
+
+    Recognised names: per-expert ``...layers.N....experts.M.{w1,w2,w3,gate_proj,up_proj,
+    down_proj}.weight`` (Mixtral, Qwen, DeepSeek); stacked ``...layers.N....experts.
+    {gate_up_proj [E, 2I, H], gate_proj, up_proj [E, I, H], down_proj [E, H, I]}``
+    (transformers v5); GGUF ``blk.N.ffn_{gate,up,gate_up,down}_exps``. Shared experts
+    (``shared_expert(s)``, ``_shexp``) are not routed experts and are ignored.
+    """
+    parts: dict[tuple[int, int], dict[str, TensorRef]] = {}
+
+    def put(layer: int, expert: int, proj: str, ref: TensorRef) -> None:
+        slot = parts.setdefault((layer, expert), {})
+        if proj in slot:
+            raise FormatError(
+                f"{path}: layer {layer} expert {expert} has two {proj} matrices "
+                f"({slot[proj].name!r} and {ref.name!r})"
+            )
+        slot[proj] = ref
+
+    for name, t in tensors.items():
+        m = _PER_EXPERT.match(name)
+        if m:
+            if len(t.shape) != 2:
+                raise FormatError(f"{path}: expert tensor {name!r} must be 2-D (got {t.shape})")
+            put(int(m[1]), int(m[2]), _PROJ[m[3]], _ref(t, name, t.offset, t.nbytes, t.shape))
+            continue
+        m = _STACKED_HF.match(name) or _STACKED_GGUF.match(name)
+        if not m:
+            continue
+        if len(t.shape) != 3:
+            raise FormatError(
+                f"{path}: stacked expert tensor {name!r} must be 3-D [E, rows, cols] "
+                f"(got {list(t.shape)})"
+            )
+        num, rows, _ = t.shape
+        stride = t.row_bytes() * rows
+        proj = _PROJ[m[2]]
+        if proj == "gate_up" and rows % 2:
+            raise FormatError(f"{path}: fused tensor {name!r} has an odd row count {rows}")
+        for e in range(num):
+            base = t.offset + e * stride
+            if proj == "gate_up":
+                half = stride // 2
+                shape = (rows // 2, t.shape[2])
+                put(int(m[1]), e, "gate", _ref(t, f"{name}[{e}][:I]", base, half, shape))
+                put(int(m[1]), e, "up", _ref(t, f"{name}[{e}][I:]", base + half, half, shape))
+            else:
+                put(int(m[1]), e, proj, _ref(t, f"{name}[{e}]", base, stride, t.shape[1:]))
+
+    experts = {}
+    for (layer, expert), slot in sorted(parts.items()):
+        missing = [p for p in ("gate", "up", "down") if p not in slot]
+        if missing:
+            raise FormatError(
+                f"{path}: layer {layer} expert {expert} lacks its {', '.join(missing)} matrix "
+                f"(found {sorted(slot)})"
+            )
+        gate, up, down = slot["gate"], slot["up"], slot["down"]
+        rows, cols = gate.shape
+        if up.shape != gate.shape or down.shape != (cols, rows):
+            raise FormatError(
+                f"{path}: layer {layer} expert {expert} has inconsistent shapes: gate "
+                f"{list(gate.shape)}, up {list(up.shape)}, down {list(down.shape)} (expected "
+                "gate [I, H], up [I, H], down [H, I])"
+            )
+        experts[(layer, expert)] = ExpertLayout(layer, expert, gate, up, down)
+    return experts
+
+
+def file_size(path: str) -> int:
+    """Size of ``path`` in bytes, with a clear error when it is missing."""
+    try:
+        return os.stat(path).st_size
+    except FileNotFoundError:
+        raise FileNotFoundError(f"weight file {path!r} does not exist") from None

@@ -1,0 +1,272 @@
+"""colibri's own expert file: raw bytes plus a JSON manifest.
+
+``write_experts("model.colibri", experts)`` writes ``model.colibri`` (the bytes) and
+``model.colibri.json`` (the manifest). Each expert's ``gate``, ``up`` and ``down`` matrices are
+adjacent, so one read fetches the whole expert, and each expert starts on an ``alignment``
+boundary (default 4096 bytes). The manifest records, per expert, the absolute offset, dtype and
+shape of each matrix, plus optional metadata (a repacked file stores its ``groups`` there).
+Both files are written to temporary names and renamed into place, so a crash never leaves a
+half-written file under the final name.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from collections.abc import Iterable, Mapping
+
+import numpy as np
+
+from colibri.formats._base import (
+    DTYPE_SIZES,
+    MAX_HEADER_BYTES,
+    ExpertLayout,
+    FormatError,
+    TensorInfo,
+    TensorRef,
+    WeightSource,
+    check_extents,
+    file_size,
+    numpy_dtype,
+)
+
+__all__ = ["RawWriter", "manifest_path", "open_raw", "write_experts"]
+
+FORMAT_NAME = "colibri-experts"
+FORMAT_VERSION = 1
+_PROJS = ("gate", "up", "down")
+
+
+def manifest_path(path: str | os.PathLike) -> str:
+    """The manifest that belongs to a raw data file (``<path>.json``)."""
+    return os.fspath(path) + ".json"
+
+
+def dtype_name(dtype: np.dtype) -> str:
+    """Stored name of a numpy dtype (``float16 -> "F16"``, ``bfloat16 -> "BF16"``)."""
+    dtype = np.dtype(dtype)
+    for name in DTYPE_SIZES:
+        if numpy_dtype(name) == dtype and name not in ("BF16", "F8_E4M3", "F8_E5M2"):
+            return name
+    special = {"bfloat16": "BF16", "float8_e4m3fn": "F8_E4M3", "float8_e5m2": "F8_E5M2"}
+    if dtype.name in special:
+        return special[dtype.name]
+    raise TypeError(f"write_experts(): dtype {dtype} cannot be stored (use {list(DTYPE_SIZES)})")
+
+
+class RawWriter:
+    """Stream experts into a new raw file; ``commit()`` renames data and manifest into place.
+
+    Parameters
+    ----------
+    path : path-like
+        Final data file; the manifest goes to ``<path>.json``.
+    alignment : int
+        Byte alignment of each expert's first matrix (a power of two).
+    overwrite : bool
+        Replace existing files instead of refusing.
+    metadata : dict, optional
+        JSON-serialisable extras stored in the manifest.
+    """
+
+    def __init__(self, path, *, alignment: int = 4096, overwrite: bool = False,
+                 metadata: dict | None = None) -> None:  # fmt: skip
+        if alignment < 1 or alignment & (alignment - 1):
+            raise ValueError(f"alignment must be a power of two (got {alignment!r})")
+        self.path = os.path.abspath(os.fspath(path))
+        self.manifest = manifest_path(self.path)
+        for p in (self.path, self.manifest):
+            if os.path.exists(p) and not overwrite:
+                raise FileExistsError(f"{p} already exists; pass overwrite=True to replace it")
+        self.alignment = alignment
+        self.metadata = dict(metadata or {})
+        self._entries: list[dict] = []
+        self._keys: set[tuple[int, int]] = set()
+        folder = os.path.dirname(self.path)
+        fd, self._tmp = tempfile.mkstemp(prefix=".colibri-", suffix=".tmp", dir=folder)
+        self._file = os.fdopen(fd, "wb")
+        self._offset = 0
+
+    def add(self, layer: int, expert: int, matrices: Iterable[tuple[str, tuple, object]]) -> None:
+        """Append one expert: ``matrices`` are ``(dtype_name, shape, bytes_like)`` for gate, up,
+        down in that order (``dtype_name`` may be a GGUF quantization, stored as raw blocks)."""
+        key = (int(layer), int(expert))
+        if key in self._keys:
+            raise ValueError(f"layer {layer} expert {expert} was added twice")
+        self._keys.add(key)
+        pad = -self._offset % self.alignment
+        if pad:
+            self._file.write(b"\0" * pad)
+            self._offset += pad
+        entry = {"layer": key[0], "expert": key[1], "matrices": {}}
+        matrices = list(matrices)
+        if len(matrices) != 3:
+            raise ValueError(f"an expert has 3 matrices (gate, up, down), got {len(matrices)}")
+        for proj, (dtype, shape, data) in zip(_PROJS, matrices, strict=True):
+            view = memoryview(data).cast("B")
+            entry["matrices"][proj] = {
+                "dtype": dtype, "shape": [int(d) for d in shape], "offset": self._offset,
+                "nbytes": len(view),
+            }  # fmt: skip
+            self._file.write(view)
+            self._offset += len(view)
+        self._entries.append(entry)
+
+    def commit(self, check=None) -> str:
+        """Flush, then rename the data file and the manifest into place; returns the path.
+
+        ``check(tmp_path, entries)``, when given, runs on the finished temporary file before
+        anything is renamed; if it raises, nothing is published and the temporary is removed.
+        """
+        self._file.flush()
+        os.fsync(self._file.fileno())
+        self._file.close()
+        if check is not None:
+            try:
+                check(self._tmp, self._entries)
+            except BaseException:
+                self.abort()
+                raise
+        manifest = {
+            "format": FORMAT_NAME, "version": FORMAT_VERSION,
+            "data": os.path.basename(self.path), "data_bytes": self._offset,
+            "alignment": self.alignment, "metadata": self.metadata, "experts": self._entries,
+        }  # fmt: skip
+        folder = os.path.dirname(self.path)
+        fd, tmp_manifest = tempfile.mkstemp(prefix=".colibri-", suffix=".tmp", dir=folder)
+        with os.fdopen(fd, "w") as f:
+            json.dump(manifest, f)
+        os.replace(self._tmp, self.path)
+        os.replace(tmp_manifest, self.manifest)
+        return self.path
+
+    def abort(self) -> None:
+        """Drop the temporary file; the final paths are left untouched."""
+        if not self._file.closed:
+            self._file.close()
+        if os.path.exists(self._tmp):
+            os.unlink(self._tmp)
+
+    def __enter__(self) -> RawWriter:
+        return self
+
+    def __exit__(self, exc_type, *exc) -> None:
+        if exc_type is None:
+            self.commit()
+        else:
+            self.abort()
+
+
+def write_experts(
+    path: str | os.PathLike,
+    experts: Mapping[tuple[int, int], tuple] | Iterable[tuple[tuple[int, int], tuple]],
+    *,
+    alignment: int = 4096,
+    overwrite: bool = False,
+    metadata: dict | None = None,
+) -> str:
+    """Write experts to colibri's raw format.
+
+    Parameters
+    ----------
+    path : path-like
+        Data file to create; the manifest is ``<path>.json``.
+    experts : mapping or iterable
+        ``(layer, expert) -> (gate [I, H], up [I, H], down [H, I])`` numpy arrays, written in
+        iteration order.
+    alignment, overwrite, metadata
+        See :class:`RawWriter`.
+
+    Returns
+    -------
+    str
+        The absolute data path (pass it to ``open_weights`` or ``Pager``).
+    """
+    items = experts.items() if isinstance(experts, Mapping) else experts
+    with RawWriter(path, alignment=alignment, overwrite=overwrite, metadata=metadata) as w:
+        for (layer, expert), (gate, up, down) in items:
+            gate, up, down = (np.ascontiguousarray(m) for m in (gate, up, down))
+            if gate.ndim != 2 or up.shape != gate.shape or down.shape != gate.shape[::-1]:
+                raise ValueError(
+                    f"write_experts(): layer {layer} expert {expert} needs gate [I, H], up [I, H],"
+                    f" down [H, I] (got {gate.shape}, {up.shape}, {down.shape})"
+                )
+            w.add(layer, expert, [(dtype_name(m.dtype), m.shape, m) for m in (gate, up, down)])
+    return w.path
+
+
+def _fail(path: str, why: str) -> FormatError:
+    return FormatError(f"{path}: {why}")
+
+
+def open_raw(path: str | os.PathLike) -> WeightSource:
+    """Open a raw file from its data path or its manifest path; validate every entry."""
+    path = os.path.abspath(os.fspath(path))
+    mpath = path if path.endswith(".json") else manifest_path(path)
+    if file_size(mpath) > MAX_HEADER_BYTES:
+        raise _fail(mpath, f"manifest larger than {MAX_HEADER_BYTES} bytes")
+    try:
+        with open(mpath, "rb") as f:
+            manifest = json.loads(f.read().decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise _fail(mpath, f"the manifest is not valid JSON ({exc})") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT_NAME:
+        raise _fail(mpath, f'not a colibri manifest (no "format": "{FORMAT_NAME}")')
+    if manifest.get("version") != FORMAT_VERSION:
+        raise _fail(mpath, f"manifest version {manifest.get('version')!r} is not supported")
+    data = manifest.get("data")
+    if not isinstance(data, str) or os.path.basename(data) != data or data in ("", ".", ".."):
+        raise _fail(mpath, f"'data' must be a file name next to the manifest (got {data!r})")
+    dpath = os.path.join(os.path.dirname(mpath), data)
+    size = file_size(dpath)
+    if manifest.get("data_bytes") != size:
+        raise _fail(
+            dpath, f"is {size} bytes but its manifest says {manifest.get('data_bytes')!r}; "
+            "the file is truncated or does not belong to this manifest"
+        )  # fmt: skip
+    entries = manifest.get("experts")
+    if not isinstance(entries, list):
+        raise _fail(mpath, "'experts' must be a list")
+    tensors, experts = [], {}
+    for i, entry in enumerate(entries):
+        try:
+            key = (entry["layer"], entry["expert"])
+            mats = entry["matrices"]
+            if not all(type(k) is int and k >= 0 for k in key):
+                raise TypeError("layer/expert must be non-negative integers")
+            refs = []
+            for proj in _PROJS:
+                m = mats[proj]
+                name = f"layer {key[0]} expert {key[1]} {proj}"
+                dtype, shape, offset, nbytes = m["dtype"], m["shape"], m["offset"], m["nbytes"]
+                if not isinstance(dtype, str) or not isinstance(shape, list):
+                    raise TypeError(f"{proj}: bad dtype or shape")
+                if not all(type(v) is int and v >= 0 for v in (offset, nbytes, *shape)):
+                    raise TypeError(f"{proj}: offsets and shape must be non-negative integers")
+                if len(shape) != 2:
+                    raise TypeError(f"{proj}: shape must be 2-D")
+                block = (1, 0)
+                if dtype not in DTYPE_SIZES:
+                    rows = shape[0]
+                    if rows == 0 or nbytes % rows:
+                        raise TypeError(f"{proj}: quantized bytes not a whole number of rows")
+                    block = (shape[1], nbytes // rows)  # one block per row, length-checked
+                info = TensorInfo(name, dpath, offset, nbytes, dtype, tuple(shape), block)
+                tensors.append(info)
+                refs.append(TensorRef(name, dpath, offset, nbytes, dtype, tuple(shape)))
+        except (KeyError, TypeError) as exc:
+            raise _fail(mpath, f"expert entry {i} is malformed ({exc})") from None
+        if key in experts:
+            raise _fail(mpath, f"layer {key[0]} expert {key[1]} appears twice")
+        gate, up, down = refs
+        if up.shape != gate.shape or down.shape != gate.shape[::-1]:
+            raise _fail(mpath, f"layer {key[0]} expert {key[1]} has inconsistent shapes")
+        experts[key] = ExpertLayout(key[0], key[1], gate, up, down)
+    if not experts:
+        raise _fail(mpath, "the manifest lists no experts")
+    check_extents(dpath, size, 0, tensors)
+    meta = manifest.get("metadata") or {}
+    if not isinstance(meta, dict):
+        raise _fail(mpath, "'metadata' must be an object")
+    return WeightSource("colibri-raw", (dpath,), experts, meta)

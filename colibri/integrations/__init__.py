@@ -1,0 +1,8 @@
+"""Bridges between colibri and model frameworks.
+
+Each integration lives in its own module and imports its framework lazily, so
+``import colibri`` never needs it:
+
+- :mod:`colibri.integrations.transformers`: route the MoE blocks of a loaded
+  Hugging Face transformers model with colibri (``patch`` / ``unpatch``).
+"""

@@ -1,0 +1,1007 @@
+"""Route the MoE blocks of a Hugging Face transformers model with colibri.
+
+``patch(model)`` finds every MoE router of a loaded transformers model and
+replaces its routing (score function, top-k, groups, selection bias,
+renormalisation, scale) with a colibri context built from the router's own
+configuration. The router's gate projection still computes the logits in torch
+and the model's own expert modules still compute the experts; only the
+decision "which experts, with which weights" moves to colibri.
+
+A router is recognised by the exact code of its routing method, not by its
+class name: colibri holds a fingerprint of every routing implementation it was
+checked against (transformers 5.23), so the families that share an
+implementation (DeepSeek-V3, GLM-4.5, Kimi, dots1, ... share one) are covered
+together, and a transformers release that changes a router's code is refused
+with a clear error instead of being routed differently.
+
+Example
+-------
+>>> from colibri.integrations.transformers import patch, unpatch
+>>> patched = patch(model)            # list of PatchedRouter
+>>> model.generate(input_ids, do_sample=False, max_new_tokens=20)
+>>> unpatch(model)
+
+Semantics that colibri reproduces within float32 rounding rather than bit for
+bit are listed in :data:`DIFFERENCES`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import io
+import itertools
+import textwrap
+import tokenize
+import types
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+try:
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+except ImportError as err:  # pragma: no cover - transformers cannot run without torch
+    raise ImportError(
+        "colibri.integrations.transformers needs torch and transformers: "
+        "pip install colibri-moe[transformers]"
+    ) from err
+
+__all__ = [
+    "CHECKED_VERSION",
+    "DIFFERENCES",
+    "PatchedRouter",
+    "UnsupportedRouterError",
+    "patch",
+    "patched_routers",
+    "supported_routers",
+    "unpatch",
+]
+
+# Where colibri's routing is not bit-identical to transformers' own code.
+DIFFERENCES: dict[str, str] = {
+    "selection on logits": (
+        "Without a selection bias colibri picks the top-k of the logits (every score "
+        "function is increasing). Routers that take the top-k of softmax probabilities "
+        "(Mixtral, Qwen, OLMoE, Jamba, DBRX, Gemma4, ...) tie where several probabilities "
+        "underflow to 0 in float32 and torch.topk then picks any of them; colibri picks "
+        "the largest logit. The tied experts' weights are 0 either way, so the block "
+        "output is the same. Routers that select on logits (gpt-oss, GraniteMoE, Llama4, "
+        "Cohere2-MoE) are matched exactly, sigmoid saturation included."
+    ),
+    "softmax over k": (
+        "A renormalised softmax is computed by colibri as exp(x - max of the k) over the k "
+        "chosen logits, normalised: gpt-oss's formula exactly, and within a few float32 "
+        "ulps of softmax-over-all-then-renormalise (Mixtral, Qwen, ...)."
+    ),
+    "low-precision routing math": (
+        "colibri computes scores and weights in float32 and casts the weights to the dtype "
+        "transformers returns. DBRX, gpt-oss, Mistral4 and DeepSeek-V4 compute their "
+        "softmax/sigmoid in the model dtype, so for bfloat16/float16 models their weights "
+        "differ by the rounding of that dtype."
+    ),
+    "renormalisation epsilon": (
+        "DeepSeek-V3-style routers divide by sum + 1e-20 and Ernie4.5 by max(sum, 1e-12); "
+        "colibri divides by the sum. The results differ only when the k selected scores "
+        "sum to less than about 1e-13."
+    ),
+    "masked groups": (
+        "DeepSeek-V2 and Mistral4 fill the scores of dropped groups with 0.0 before the "
+        "top-k; colibri never selects an expert of a dropped group. Softmax scores are "
+        "positive, so this differs only if a kept expert's probability underflows to 0."
+    ),
+    "ties": (
+        "Equal selection keys go to the lower expert id in colibri; torch.topk leaves the "
+        "choice unspecified. Exact ties are rare in float32 and common in bfloat16 logits."
+    ),
+}
+
+
+# The transformers release whose routing code the fingerprints below were read from.
+CHECKED_VERSION = "5.23.0"
+
+
+class UnsupportedRouterError(NotImplementedError):
+    """A router whose routing colibri cannot reproduce exactly."""
+
+
+@dataclass(frozen=True)
+class PatchedRouter:
+    """One router that ``patch`` replaced.
+
+    Attributes
+    ----------
+    name : str
+        The module's qualified name in the model (``model.layers.0.mlp.gate``).
+    family : str
+        The transformers model family the router class comes from (``mixtral``).
+    router_class : str
+        The router's class name.
+    kind : str
+        The routing implementation colibri recognised.
+    num_experts, top_k : int
+        Routed experts and experts per token.
+    options : dict
+        The colibri routing options, with ``correction_bias``/``expert_scale`` shown
+        as the name of the tensor they are read from (re-read when it changes).
+    """
+
+    name: str
+    family: str
+    router_class: str
+    kind: str
+    num_experts: int
+    top_k: int
+    options: dict[str, Any] = field(hash=False)
+
+
+# --------------------------------------------------------------------------------------
+# Routing state attached to a patched module.
+
+
+class _Routing:
+    """A colibri context for one router, rebuilt when a tensor option changes.
+
+    ``tensors`` maps a colibri option (``correction_bias``, ``expert_scale``) to a reader
+    of the module's live parameter/buffer; the context is rebuilt when one of them is
+    replaced or modified in place (``load_state_dict``, ``.to()``), tracked by identity
+    and torch's version counter.
+    """
+
+    def __init__(
+        self,
+        num_experts: int,
+        top_k: int,
+        options: dict[str, Any],
+        tensors: dict[str, Callable[[Any], torch.Tensor]],
+        routing_threads: int | None,
+        module: Any = None,
+    ) -> None:
+        self.num_experts = num_experts
+        self.top_k = top_k
+        self.options = dict(options)
+        self.tensors = tensors
+        self.routing_threads = routing_threads
+        self._ctx: Any = None
+        self._key: tuple | None = None
+        if module is not None:  # build now: colibri validates the options at patch time
+            self._refresh({name: read(module) for name, read in tensors.items()})
+
+    def __deepcopy__(self, memo: dict) -> _Routing:
+        # a copied model gets its own context, built from its own tensors on first use
+        return _Routing(
+            self.num_experts, self.top_k, self.options, self.tensors, self.routing_threads
+        )
+
+    def _refresh(self, live: dict[str, torch.Tensor]) -> None:
+        key = tuple((name, id(t), t._version, t.dtype) for name, t in sorted(live.items()))
+        if key == self._key:
+            return
+        import colibri
+
+        options = dict(self.options)
+        for name, tensor in live.items():
+            options[name] = tensor.detach().to("cpu").float().numpy().copy()
+        if self.routing_threads is not None:
+            options["routing_threads"] = self.routing_threads
+        self._ctx = colibri.init(self.num_experts, self.top_k, ids_dtype="int64", **options)
+        self._key = key
+
+    def route(
+        self, module: Any, logits: torch.Tensor, **given: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Route ``logits`` ``[T, E]``: ids ``[T, k]`` int64 and weights ``[T, k]`` float32.
+
+        ``given`` holds tensor options the block passes at call time (MiniMax-M2's bias).
+        """
+        if self.tensors or given or self._ctx is None:
+            live = {name: read(module) for name, read in self.tensors.items()}
+            live.update(given)
+            self._refresh(live)
+        if logits.requires_grad and module.training and torch.is_grad_enabled():
+            raise RuntimeError(
+                f"{type(module).__name__} is in training mode with gradients on, but colibri's "
+                "routing weights carry no gradient back to the router: call model.eval() (or "
+                "run under torch.no_grad()) for inference, or unpatch(model) to train"
+            )
+        if not logits.is_cpu:
+            raise ValueError(
+                f"colibri routes on the CPU, but the router logits are on {logits.device}; "
+                "run the model on the CPU or unpatch it (colibri.integrations.transformers"
+                ".unpatch(model))"
+            )
+        if logits.dim() != 2:
+            logits = logits.reshape(-1, logits.shape[-1])
+        return self._ctx.route(logits.detach())
+
+
+# --------------------------------------------------------------------------------------
+# Router kinds: which code they replace, which options they map to.
+
+
+def _fingerprint(func: Callable) -> str:
+    """A hash of a function's code tokens, blind to comments, docstrings and layout."""
+    source = textwrap.dedent(inspect.getsource(func))
+    kept = []
+    for tok in tokenize.generate_tokens(io.StringIO(source).readline):
+        if tok.type in (tokenize.COMMENT, tokenize.NL, tokenize.INDENT, tokenize.DEDENT):
+            continue
+        if tok.type == tokenize.NEWLINE:
+            kept.append(";")
+        elif not (tok.type == tokenize.STRING and tok.string.startswith(('"""', "'''"))):
+            kept.append(tok.string)
+    return hashlib.sha256(" ".join(kept).encode()).hexdigest()[:12]
+
+
+@dataclass(frozen=True)
+class _Kind:
+    """A routing implementation colibri reproduces.
+
+    ``configure(module)`` returns ``(num_experts, top_k, options, tensors)`` or raises
+    ``UnsupportedRouterError``; ``forward(module, routing, *args)`` replaces
+    ``module.<method>`` and must return exactly what the original returned.
+    """
+
+    name: str
+    method: str
+    fingerprints: frozenset[str]
+    configure: Callable[[Any], tuple[int, int, dict[str, Any], dict[str, Callable]]]
+    forward: Callable[..., Any]
+
+
+def _attr(name: str) -> Callable[[Any], Any]:
+    return lambda module: getattr(module, name)
+
+
+def _float(value: Any, what: str, module: Any) -> float:
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        raise UnsupportedRouterError(
+            f"{type(module).__name__}: {what}={value!r} is not a number colibri can use"
+        ) from None
+
+
+def _groups(module: Any, num_groups: Any, topk_groups: Any, group_score: str) -> dict:
+    """Group-limited routing options; ``{}`` when there is a single group."""
+    num_experts = module.num_experts
+    if num_groups is None or int(num_groups) <= 1:
+        return {}
+    num_groups = int(num_groups)
+    if num_experts % num_groups:
+        raise UnsupportedRouterError(
+            f"{type(module).__name__}: n_group={num_groups} does not divide "
+            f"num_experts={num_experts} (transformers itself cannot run this config)"
+        )
+    return {"num_groups": num_groups, "topk_groups": int(topk_groups), "group_score": group_score}
+
+
+def _scale(value: Any, module: Any, what: str = "routed_scaling_factor") -> dict:
+    value = _float(value, what, module)
+    return {} if value == 1.0 else {"scale": value}
+
+
+# Softmax -> top-k -> optional renormalisation (Mixtral, Qwen2/3-MoE, OLMoE, ...). -------
+
+
+def _softmax_topk(normalize: Callable[[Any], bool]) -> Callable:
+    def configure(module):
+        return module.num_experts, module.top_k, {"normalize": bool(normalize(module))}, {}
+
+    return configure
+
+
+def _fw_linear_softmax(out_dtype: str) -> Callable:
+    """Router ``F.linear(h, weight)`` in the model dtype; weights cast as transformers does."""
+
+    def forward(self, routing, hidden_states):
+        hidden_states = hidden_states.reshape(-1, self.hidden_dim)
+        router_logits = F.linear(hidden_states, self.weight)
+        ids, weights = routing.route(self, router_logits)
+        if out_dtype == "logits":
+            weights = weights.to(router_logits.dtype)
+        return router_logits, weights, ids
+
+    return forward
+
+
+def _fw_jamba(self, routing, hidden_states):
+    router_logits = F.linear(hidden_states, self.weight)
+    ids, weights = routing.route(self, router_logits)
+    return router_logits, weights.to(hidden_states.dtype), ids
+
+
+def _fw_hunyuan(self, routing, hidden_states):
+    hidden_states = hidden_states.reshape(-1, hidden_states.shape[-1])
+    if self.wg.weight.dtype == torch.float32:
+        hidden_states = hidden_states.float()
+    router_logits = self.wg(hidden_states)
+    ids, weights = routing.route(self, router_logits)
+    return router_logits, weights.to(router_logits.dtype), ids
+
+
+# Top-k of the logits -> softmax over the k (gpt-oss, GraniteMoE, Cohere2-MoE). ---------
+
+
+def _cfg_topk_softmax(module):
+    return module.num_experts, module.top_k, {"normalize": True}, {}
+
+
+def _fw_gpt_oss(self, routing, hidden_states):
+    router_logits = F.linear(hidden_states, self.weight, self.bias)
+    ids, weights = routing.route(self, router_logits)
+    return router_logits, weights.to(router_logits.dtype), ids
+
+
+def _fw_granite(self, routing, hidden_states):
+    router_logits = F.linear(hidden_states, self.weight).float()
+    ids, weights = routing.route(self, router_logits)
+    return router_logits, weights.type_as(hidden_states), ids
+
+
+def _cfg_cohere2(module):
+    fn = module.expert_selection_fn
+    if fn == "softmax":
+        options = {"normalize": True}
+    elif fn == "sigmoid":
+        options = {"scoring": "sigmoid", "normalize": bool(module.norm_topk_prob)}
+    else:
+        raise UnsupportedRouterError(
+            f"{type(module).__name__}: expert_selection_fn={fn!r} (transformers knows "
+            "'softmax' and 'sigmoid')"
+        )
+    return module.num_experts, module.top_k, options, {}
+
+
+def _fw_cohere2(self, routing, hidden_states):
+    router_logits = F.linear(hidden_states, self.weight)
+    ids, weights = routing.route(self, router_logits)
+    return router_logits, weights.to(hidden_states.dtype), ids
+
+
+# Llama4: top-k of the logits -> sigmoid, returned as a dense [T, E] score matrix. -------
+
+
+def _cfg_llama4(module):
+    return module.num_experts, module.top_k, {"scoring": "sigmoid", "normalize": False}, {}
+
+
+def _fw_llama4(self, routing, hidden_states):
+    router_logits = F.linear(hidden_states, self.weight, self.bias)
+    ids, weights = routing.route(self, router_logits)
+    router_scores = torch.zeros_like(router_logits).scatter_(
+        1, ids, weights.to(router_logits.dtype)
+    )
+    return router_scores, router_logits
+
+
+# DBRX: softmax -> top-k -> p-norm renormalisation (a method of the FFN block). ---------
+
+
+def _cfg_dbrx(module):
+    p = module.moe_normalize_expert_weights
+    options: dict[str, Any] = {"normalize": p is not None}
+    if p is not None:
+        p = _float(p, "moe_normalize_expert_weights", module)
+        if not p > 0:
+            raise UnsupportedRouterError(
+                f"{type(module).__name__}: moe_normalize_expert_weights={p} (colibri "
+                "renormalises by a p-norm with p > 0)"
+            )
+        if p != 1.0:
+            options["norm_p"] = p
+    return module.experts.num_experts, module.top_k, options, {}
+
+
+def _fw_dbrx(self, routing, router_logits):
+    ids, weights = routing.route(self, router_logits)
+    return weights.to(router_logits.dtype), ids
+
+
+# Gemma4: softmax -> top-k -> renormalise -> per-expert scale. ---------------------------
+
+
+def _cfg_gemma4(module):
+    num_experts = module.per_expert_scale.shape[0]
+    return (
+        num_experts,
+        module.config.top_k_experts,
+        {"normalize": True},
+        {"expert_scale": _attr("per_expert_scale")},
+    )
+
+
+def _fw_gemma4(self, routing, hidden_states):
+    hidden_states = self.norm(hidden_states)
+    hidden_states = hidden_states * self.scale * self.scalar_root_size
+    expert_scores = self.proj(hidden_states)
+    # Index 0 is what transformers records as `router_logits` (aux loss): the probabilities.
+    router_probabilities = nn.functional.softmax(expert_scores, dim=-1, dtype=torch.float32)
+    ids, weights = routing.route(self, expert_scores)
+    dtype = torch.promote_types(torch.float32, self.per_expert_scale.dtype)
+    return router_probabilities, weights.to(dtype), ids
+
+
+# DeepSeek-V2: softmax -> (group max, greedy) -> top-k, no renormalisation, scale. -------
+
+
+def _cfg_deepseek_v2(module):
+    options: dict[str, Any] = {"normalize": False, **_scale(module.routed_scaling_factor, module)}
+    if module.topk_method == "group_limited_greedy":
+        options.update(_groups(module, module.num_group, module.topk_group, "max"))
+    elif module.topk_method != "greedy":
+        raise UnsupportedRouterError(
+            f"{type(module).__name__}: topk_method={module.topk_method!r} (transformers' "
+            "DeepSeek-V2 router knows 'greedy' and 'group_limited_greedy')"
+        )
+    return module.num_experts, module.top_k, options, {}
+
+
+def _fw_fp32_logits(self, routing, hidden_states):
+    """DeepSeek-style routers: float32 logits, float32 weights."""
+
+    hidden_states = hidden_states.view(-1, self.hidden_dim)
+    router_logits = F.linear(hidden_states.type(torch.float32), self.weight.type(torch.float32))
+    ids, weights = routing.route(self, router_logits)
+    return router_logits, weights, ids
+
+
+# DeepSeek-V3 and its many descendants: sigmoid + selection bias, top-2-sum groups. ------
+
+
+def _cfg_deepseek_v3(module):
+    options: dict[str, Any] = {
+        "scoring": "sigmoid",
+        "normalize": bool(module.norm_topk_prob),
+        **_scale(module.routed_scaling_factor, module),
+        **_groups(module, module.num_group, module.topk_group, "top2_sum"),
+    }
+    tensors = {"correction_bias": _attr("e_score_correction_bias")}
+    return module.num_experts, module.top_k, options, tensors
+
+
+# Mistral4: softmax, top-2-sum groups without a bias, renormalise, scale. ----------------
+
+
+def _cfg_mistral4(module):
+    options: dict[str, Any] = {
+        "normalize": bool(module.norm_topk_prob),
+        **_scale(module.routed_scaling_factor, module),
+        **_groups(module, module.num_group, module.topk_group, "top2_sum"),
+    }
+    return module.num_experts, module.top_k, options, {}
+
+
+def _fw_mistral4(self, routing, hidden_states):
+    hidden_states = hidden_states.view(-1, self.hidden_dim)
+    router_logits = F.linear(hidden_states, self.weight)
+    ids, weights = routing.route(self, router_logits)
+    return router_logits, weights.to(router_logits.dtype), ids
+
+
+# Ernie4.5: softmax + selection bias -> top-k -> renormalise (clamped). ------------------
+
+
+def _cfg_ernie(module):
+    bias = module.moe_statics.e_score_correction_bias
+    if bias.shape[0] != 1:
+        raise UnsupportedRouterError(
+            f"{type(module).__name__}: {bias.shape[0]} bias groups (colibri takes one [E] "
+            "correction bias per router)"
+        )
+    tensors = {"correction_bias": lambda m: m.moe_statics.e_score_correction_bias[0]}
+    return module.num_experts, module.top_k, {"normalize": True}, tensors
+
+
+def _fw_ernie(self, routing, hidden_states):
+    router_logits = F.linear(hidden_states.float(), self.weight.float())
+    ids, weights = routing.route(self, router_logits)
+    return router_logits, weights.to(hidden_states.dtype), ids
+
+
+# Sigmoid + selection bias given by the block (MiniMax-M2, HY-V3, AFMoE). ---------------
+
+
+def _cfg_sigmoid_bias(scale_attr: str | None) -> Callable:
+    def configure(module):
+        options: dict[str, Any] = {"scoring": "sigmoid", "normalize": True}
+        if scale_attr is not None:
+            options.update(_scale(getattr(module, scale_attr), module, scale_attr))
+        num_experts = getattr(module, "num_experts", None) or module.config.num_experts
+        return num_experts, module.top_k, options, {}
+
+    return configure
+
+
+def _fw_minimax_m2(self, routing, hidden_states, e_score_correction_bias):
+    hidden_states = hidden_states.reshape(-1, self.hidden_dim)
+    router_logits = F.linear(hidden_states.to(self.weight.dtype), self.weight)
+    ids, weights = routing.route(self, router_logits, correction_bias=e_score_correction_bias)
+    return router_logits, weights, ids
+
+
+def _fw_hy_v3(self, routing, hidden_states, e_score_correction_bias):
+    hidden_states = hidden_states.reshape(-1, self.hidden_dim)
+    router_logits = F.linear(hidden_states.float(), self.weight.float())
+    ids, weights = routing.route(self, router_logits, correction_bias=e_score_correction_bias)
+    return router_logits, weights, ids
+
+
+def _fw_afmoe(self, routing, hidden_states, expert_bias):
+    hidden_states = hidden_states.view(-1, hidden_states.shape[-1])
+    router_logits = self.gate(hidden_states).to(torch.float32)
+    ids, weights = routing.route(self, router_logits, correction_bias=expert_bias)
+    return router_logits, weights, ids
+
+
+# Longcat-Flash: softmax + selection bias, no renormalisation, scale. --------------------
+
+
+def _cfg_longcat(module):
+    options = {"normalize": False, **_scale(module.routed_scaling_factor, module)}
+    tensors = {"correction_bias": _attr("e_score_correction_bias")}
+    return module.n_routed_experts, module.top_k, options, tensors
+
+
+def _fw_longcat(self, routing, hidden_states):
+    hidden_states = hidden_states.view(-1, self.hidden_dim)
+    router_logits = F.linear(
+        hidden_states.type(torch.float32), self.classifier.weight.type(torch.float32)
+    )
+    ids, weights = routing.route(self, router_logits)
+    return router_logits, weights.to(router_logits.dtype), ids
+
+
+# Laguna: optional tanh soft-capping of the logits, sigmoid + bias, renormalise. ---------
+
+
+def _cfg_laguna(module):
+    options = {"scoring": "sigmoid", "normalize": True}
+    tensors = {"correction_bias": _attr("e_score_correction_bias")}
+    return module.num_experts, module.top_k, options, tensors
+
+
+def _fw_laguna(self, routing, hidden_states):
+    hidden_states = hidden_states.reshape(-1, self.hidden_dim)
+    router_logits = F.linear(hidden_states, self.weight).float()
+    if self.router_logit_softcapping > 0.0:
+        cap = self.router_logit_softcapping
+        router_logits = torch.tanh(router_logits / cap) * cap
+    ids, weights = routing.route(self, router_logits)
+    return router_logits, weights.to(hidden_states.dtype), ids
+
+
+# DeepSeek-V4 (learned router): sigmoid or sqrt-softplus + bias, renormalise, scale. -----
+
+
+def _cfg_deepseek_v4(module):
+    scoring = {"Sigmoid": "sigmoid", "SqrtSoftplusActivation": "sqrtsoftplus"}.get(
+        type(module.score_fn).__name__
+    )
+    if scoring is None:
+        raise UnsupportedRouterError(
+            f"{type(module).__name__}: scoring_func {type(module.score_fn).__name__} "
+            "(colibri has 'sigmoid' and 'sqrtsoftplus')"
+        )
+    options = {
+        "scoring": scoring,
+        "normalize": True,
+        **_scale(module.routed_scaling_factor, module),
+    }
+    tensors = {"correction_bias": _attr("e_score_correction_bias")}
+    return module.num_experts, module.top_k, options, tensors
+
+
+def _fw_deepseek_v4(self, routing, hidden_states):
+    flat = hidden_states.reshape(-1, self.hidden_dim)
+    logits = F.linear(flat, self.weight)
+    ids, weights = routing.route(self, logits)
+    return logits, weights.to(logits.dtype), ids
+
+
+# Aria: top-k of the logits -> softmax over the k, weights in the logits' dtype. ---------
+
+
+def _fw_aria(self, routing, hidden_states):
+    router_logits = F.linear(hidden_states, self.weight)
+    ids, weights = routing.route(self, router_logits)
+    return router_logits, weights.to(router_logits.dtype), ids
+
+
+# Mistral-Large-4: float32 logits, softmax, top-2-sum groups, always renormalise, scale. --
+
+
+def _cfg_mistral_large4(module):
+    options: dict[str, Any] = {
+        "normalize": True,
+        **_scale(module.routed_scaling_factor, module),
+        **_groups(module, module.num_group, module.topk_group, "top2_sum"),
+    }
+    return module.num_experts, module.top_k, options, {}
+
+
+# MiniMax-M3-VL, Step-3.7: sigmoid + the router's own bias, renormalise. -----------------
+
+
+def _cfg_sigmoid_own_bias(module):
+    options = {"scoring": "sigmoid", "normalize": True}
+    tensors = {"correction_bias": _attr("e_score_correction_bias")}
+    return module.num_experts, module.top_k, options, tensors
+
+
+def _fw_minimax_m3(self, routing, hidden_states):
+    hidden_states = hidden_states.reshape(-1, self.hidden_dim)
+    router_logits = F.linear(hidden_states.to(self.weight.dtype), self.weight)
+    ids, weights = routing.route(self, router_logits)
+    return router_logits, weights, ids
+
+
+# Beam: DeepSeek-V3 routing with the scale applied by the block, not the router. ---------
+
+
+def _cfg_beam(module):
+    options: dict[str, Any] = {
+        "scoring": "sigmoid",
+        "normalize": bool(module.norm_topk_prob),
+        **_groups(module, module.num_group, module.topk_group, "top2_sum"),
+    }
+    tensors = {"correction_bias": _attr("e_score_correction_bias")}
+    return module.num_experts, module.top_k, options, tensors
+
+
+# Flint: float32 logits, sigmoid without a bias, optional renormalisation. ---------------
+
+
+def _cfg_flint(module):
+    options = {"scoring": "sigmoid", "normalize": bool(module.norm_topk_prob)}
+    return module.num_experts, module.top_k, options, {}
+
+
+def _fw_float32_logits_reshape(self, routing, hidden_states):
+    hidden_states = hidden_states.reshape(-1, self.hidden_dim)
+    router_logits = F.linear(hidden_states.float(), self.weight.float())
+    ids, weights = routing.route(self, router_logits)
+    return router_logits, weights, ids
+
+
+def _kind(name, method, fingerprints, configure, forward) -> _Kind:
+    return _Kind(name, method, frozenset(fingerprints.split()), configure, forward)
+
+
+# Fingerprints of transformers 5.23's routing methods (see _fingerprint), with the
+# classes that carry each one.
+_KINDS: tuple[_Kind, ...] = (
+    # Mixtral, MiniMax: always renormalise, float32 weights.
+    _kind("softmax_topk_renorm_fp32", "forward", "acac3352d4cf",
+          _softmax_topk(lambda m: True), _fw_linear_softmax("float32")),
+    # Qwen2-MoE, Qwen3-MoE, Qwen3-Next, OLMoE, FlexOlmo, Mellum, Qwen3-Omni, Qwen4-Exp.
+    _kind("softmax_topk_norm_topk_prob", "forward", "c8bd844d7629",
+          _softmax_topk(_attr("norm_topk_prob")), _fw_linear_softmax("logits")),
+    # Qwen3.5-MoE, Qwen3-VL-MoE, Qwen3-Omni text: always renormalise.
+    _kind("softmax_topk_renorm", "forward", "29f329118d25",
+          _softmax_topk(lambda m: True), _fw_linear_softmax("logits")),
+    # Jamba: no renormalisation.
+    _kind("softmax_topk", "forward", "0f1f39244f2b",
+          _softmax_topk(lambda m: False), _fw_jamba),
+    # HunYuan-MoE-V1.
+    _kind("softmax_topk_renorm_hunyuan", "forward", "c86a511c187b",
+          _softmax_topk(lambda m: True), _fw_hunyuan),
+    # gpt-oss: router linear with a bias.
+    _kind("topk_logits_softmax_bias", "forward", "4508a4a10b89", _cfg_topk_softmax, _fw_gpt_oss),
+    # GraniteMoE, GraniteMoeShared, GraniteMoeHybrid, GraniteMoE-SWA.
+    _kind("topk_logits_softmax", "forward", "20b9b7f45ac3", _cfg_topk_softmax, _fw_granite),
+    # Cohere2-MoE.
+    _kind("topk_logits_softmax_or_sigmoid", "forward", "7da871f4b550", _cfg_cohere2, _fw_cohere2),
+    # Llama4.
+    _kind("topk_logits_sigmoid_dense", "forward", "65d84fbc7537", _cfg_llama4, _fw_llama4),
+    # DBRX (DbrxFFN.route_tokens_to_experts).
+    _kind("softmax_topk_pnorm", "route_tokens_to_experts", "0439fea25dfc", _cfg_dbrx, _fw_dbrx),
+    # Gemma4, DiffusionGemma.
+    _kind("softmax_topk_renorm_expert_scale", "forward", "57c3a333883c", _cfg_gemma4, _fw_gemma4),
+    # DeepSeek-V2, DeepSeek-OCR-2, UnlimitedOCR.
+    _kind("softmax_group_max_scale", "forward", "638283574ab3",
+          _cfg_deepseek_v2, _fw_fp32_logits),
+    # DeepSeek-V3/V3.2, GLM-4.5/4.6 (Glm4Moe, Glm4MoeLite, Glm4vMoe, GlmMoeDsa, Glm5Next),
+    # Kimi-Linear, dots1, dots3, EXAONE-MoE, MiMo-V2-Flash, Solar-Open, Nemotron-H,
+    # BailingHybrid, HY-V4, AXK1.
+    _kind("sigmoid_bias_group_top2_scale", "forward", "254368df33b8",
+          _cfg_deepseek_v3, _fw_fp32_logits),
+    # Mistral4.
+    _kind("softmax_group_top2_scale", "forward", "157fffaf926c", _cfg_mistral4, _fw_mistral4),
+    # Ernie4.5-MoE, Ernie4.5-VL-MoE.
+    _kind("softmax_bias_renorm", "forward", "e212e7a76de2", _cfg_ernie, _fw_ernie),
+    # MiniMax-M2.
+    _kind("sigmoid_block_bias_renorm", "forward", "8bd9aee097d7",
+          _cfg_sigmoid_bias(None), _fw_minimax_m2),
+    # HY-V3, dots3 vision.
+    _kind("sigmoid_block_bias_renorm_scale", "forward", "4d3c5ff8a1aa",
+          _cfg_sigmoid_bias("router_scaling_factor"), _fw_hy_v3),
+    # AFMoE.
+    _kind("sigmoid_block_bias_renorm_route_scale", "forward", "466fbbf6a011",
+          _cfg_sigmoid_bias("route_scale"), _fw_afmoe),
+    # Longcat-Flash.
+    _kind("softmax_bias_scale", "forward", "a3c5d3e07c8d", _cfg_longcat, _fw_longcat),
+    # Laguna.
+    _kind("softcap_sigmoid_bias_renorm", "forward", "f395da3a5039", _cfg_laguna, _fw_laguna),
+    # DeepSeek-V4 learned router.
+    _kind("score_fn_bias_renorm_scale", "forward", "f8915089a044",
+          _cfg_deepseek_v4, _fw_deepseek_v4),
+    # Aria.
+    _kind("topk_logits_softmax_aria", "forward", "b8f5a0bdc62b", _cfg_topk_softmax, _fw_aria),
+    # Mistral-Large-4.
+    _kind("softmax_fp32_group_top2_renorm_scale", "forward", "99d68baf9a42",
+          _cfg_mistral_large4, _fw_fp32_logits),
+    # MiniMax-M3-VL, Step-3.7.
+    _kind("sigmoid_bias_renorm", "forward", "3c2e7930d431",
+          _cfg_sigmoid_own_bias, _fw_minimax_m3),
+    # Beam.
+    _kind("sigmoid_bias_group_top2", "forward", "1d199881acd1", _cfg_beam, _fw_fp32_logits),
+    # Flint.
+    _kind("sigmoid_topk_norm_topk_prob", "forward", "9481bf5ddeae",
+          _cfg_flint, _fw_float32_logits_reshape),
+)  # fmt: skip
+
+# Routers that are recognised but whose routing colibri cannot express; why, precisely.
+_UNSUPPORTED: dict[str, str] = {
+    "2866c431cb6d": (
+        "PhiMoE's sparsemixer masks every logit more than 2*router_jitter_noise (relative) "
+        "below the maximum before a softmax, separately for the first and second choice; "
+        "colibri has no relative-threshold masking option"
+    ),
+    "65e2a986e26e": (
+        "DeepSeek-V4's hash router selects experts from a fixed token-id table "
+        "(tid2eid[input_ids]); there is no routing decision for colibri to make"
+    ),
+    "9e0ccf5e45e6": (
+        "LFM2-MoE renormalises by sum + 1e-6, an epsilon large enough to change the "
+        "weights at float32 precision; colibri's renormalisation has no epsilon option"
+    ),
+    "d28139c8518f": (
+        "Kolibri1 adds its e_score_correction_bias to the logits (not to the sigmoid "
+        "scores) to select; colibri's correction_bias is added to the scores"
+    ),
+    "2ea991c3d360": (
+        "Zaya's router is an MLP over carried router states with a skip expert "
+        "(index num_experts) whose weight is zeroed; not a top-k over gate logits"
+    ),
+    "945740df260a": (
+        "JetMoE's router returns expert-sorted token slots (index_sorted_experts, "
+        "batch_index, batch_gates, expert_size) instead of per-token ids and weights"
+    ),
+}
+
+
+def _family(cls: type) -> str:
+    parts = cls.__module__.split(".")
+    if len(parts) >= 3 and parts[0] == "transformers" and parts[1] == "models":
+        return parts[2]
+    return cls.__module__
+
+
+def _method_fingerprint(cls: type, method: str) -> str | None:
+    func = getattr(cls, method, None)
+    if func is None or not callable(func):
+        return None
+    try:
+        return _fingerprint(func)
+    except (OSError, TypeError):
+        return None
+
+
+_BY_FINGERPRINT: dict[tuple[str, str], _Kind] = {
+    (kind.method, fp): kind for kind in _KINDS for fp in kind.fingerprints
+}
+_METHODS = tuple(dict.fromkeys(kind.method for kind in _KINDS))
+
+
+def _classify(cls: type) -> tuple[_Kind | None, str | None]:
+    """(kind, None) for a supported router class, (None, reason) for an unsupported one,
+    (None, None) for anything else."""
+    if not cls.__module__.startswith("transformers.models."):
+        return None, None
+    for method in _METHODS:
+        fp = _method_fingerprint(cls, method)
+        if fp is None:
+            continue
+        kind = _BY_FINGERPRINT.get((method, fp))
+        if kind is not None:
+            return kind, None
+        if fp in _UNSUPPORTED:
+            return None, _UNSUPPORTED[fp]
+    if _looks_like_router(cls):
+        import transformers
+
+        return None, (
+            "its routing code is not one colibri was checked against (colibri maps the "
+            f"routers of transformers {CHECKED_VERSION}; this is transformers "
+            f"{transformers.__version__}, whose router may have changed)"
+        )
+    return None, None
+
+
+def _looks_like_router(cls: type) -> bool:
+    name = cls.__name__
+    if not any(word in name for word in ("Router", "TopK", "Topk", "Gating", "MoEV1Gate")):
+        return False
+    func = getattr(cls, "forward", None)
+    try:
+        source = inspect.getsource(func) if func is not None else ""
+    except (OSError, TypeError):
+        return False
+    return "topk" in source or "top_k" in source
+
+
+# --------------------------------------------------------------------------------------
+# Public API.
+
+_STATE = "_colibri_routing"
+
+
+@dataclass
+class _State:
+    kind: _Kind
+    routing: _Routing
+    record: PatchedRouter
+
+
+def _patched_call(self, *args, **kwargs):
+    state = self.__dict__[_STATE]
+    return state.kind.forward(self, state.routing, *args, **kwargs)
+
+
+def supported_routers() -> dict[str, str]:
+    """The routing implementations colibri maps, by kind, with the transformers router
+    classes (importable in this environment) that use each.
+
+    Returns
+    -------
+    dict
+        ``{kind: "Class1 Class2 ..."}``. Walks ``transformers.models``: slow (seconds).
+    """
+    import importlib
+    import pkgutil
+
+    import transformers.models
+
+    found: dict[str, list[str]] = {kind.name: [] for kind in _KINDS}
+    for info in pkgutil.iter_modules(transformers.models.__path__):
+        try:
+            module = importlib.import_module(
+                f"transformers.models.{info.name}.modeling_{info.name}"
+            )
+        except Exception:  # a family whose optional dependencies are missing: not listed
+            continue
+        for obj in vars(module).values():
+            if inspect.isclass(obj) and obj.__module__ == module.__name__:
+                kind, _ = _classify(obj)
+                if kind is not None:
+                    found[kind.name].append(obj.__name__)
+    return {name: " ".join(classes) for name, classes in found.items()}
+
+
+def patch(
+    model: torch.nn.Module,
+    *,
+    routing_threads: int | None = None,
+    skip_unsupported: bool = False,
+) -> list[PatchedRouter]:
+    """Route every MoE block of ``model`` with colibri.
+
+    Parameters
+    ----------
+    model : torch.nn.Module
+        A loaded transformers model (any head: ``AutoModelForCausalLM``, base model,
+        vision-language model...), on the CPU.
+    routing_threads : int, optional
+        Threads for colibri's routing (default: colibri's default).
+    skip_unsupported : bool
+        Leave routers colibri cannot reproduce (e.g. PhiMoE's sparsemixer) on
+        transformers' own code instead of raising; they are not in the result.
+
+    Returns
+    -------
+    list of PatchedRouter
+        One entry per patched router, in module order (also ``patched_routers(model)``).
+
+    Raises
+    ------
+    UnsupportedRouterError
+        A router (or its configuration) colibri cannot reproduce exactly; the message
+        names the module, the family and the reason. Nothing is patched then.
+    ValueError
+        The model has no MoE router colibri knows, or lives off the CPU.
+    """
+    plan: list[tuple[str, Any, _Kind, tuple]] = []
+    problems: list[str] = []
+    for name, module in model.named_modules():
+        kind, reason = _classify(type(module))
+        label = f"{name or '<model>'} ({type(module).__name__}, family {_family(type(module))})"
+        if kind is None:
+            if reason is not None and not skip_unsupported:
+                problems.append(f"{label}: {reason}")
+            continue
+        try:
+            config = kind.configure(module)
+        except UnsupportedRouterError as err:
+            if not skip_unsupported:
+                problems.append(f"{label}: {err}")
+            continue
+        plan.append((name, module, kind, config))
+    if problems:
+        raise UnsupportedRouterError(
+            "colibri cannot route these MoE routers exactly:\n  "
+            + "\n  ".join(problems)
+            + "\nPass skip_unsupported=True to leave them on transformers' own routing."
+        )
+    if not plan:
+        raise ValueError(
+            f"no MoE router colibri knows in {type(model).__name__}; supported kinds: "
+            + ", ".join(kind.name for kind in _KINDS)
+        )
+    for name, module, _, _ in plan:
+        for tensor in itertools.chain(module.parameters(), module.buffers()):
+            if tensor.device.type != "cpu":
+                raise ValueError(
+                    f"{name or '<model>'}: tensors on {tensor.device}; colibri routes on the "
+                    "CPU (move the model with model.to('cpu') first)"
+                )
+
+    # Every context first (colibri validates the options), then install: all or nothing.
+    routings = []
+    for name, module, _, (num_experts, top_k, options, tensors) in plan:
+        try:
+            routing = _Routing(
+                int(num_experts), int(top_k), options, tensors, routing_threads, module
+            )
+        except (TypeError, ValueError) as err:
+            raise UnsupportedRouterError(
+                f"{name or '<model>'} ({type(module).__name__}, family "
+                f"{_family(type(module))}): colibri refuses its configuration: {err}"
+            ) from err
+        routings.append(routing)
+
+    patched = []
+    for (name, module, kind, (num_experts, top_k, options, tensors)), routing in zip(
+        plan, routings, strict=True
+    ):
+        _remove(module)
+        shown = dict(options)
+        shown.update({option: f"<{option} tensor>" for option in tensors})
+        record = PatchedRouter(
+            name=name,
+            family=_family(type(module)),
+            router_class=type(module).__name__,
+            kind=kind.name,
+            num_experts=int(num_experts),
+            top_k=int(top_k),
+            options=shown,
+        )
+        # Plain instance attributes: the state dict, hooks and the class stay untouched;
+        # a bound method (not a closure) so that copy.deepcopy rebinds it to the copy.
+        module.__dict__[_STATE] = _State(kind, routing, record)
+        module.__dict__[kind.method] = types.MethodType(_patched_call, module)
+        patched.append(record)
+    return patched
+
+
+def patched_routers(model: torch.nn.Module) -> list[PatchedRouter]:
+    """The routers of ``model`` currently routed by colibri, in module order."""
+    return [
+        module.__dict__[_STATE].record
+        for _, module in model.named_modules()
+        if _STATE in module.__dict__
+    ]
+
+
+def unpatch(model: torch.nn.Module) -> int:
+    """Give every patched router back its transformers routing; returns how many."""
+    return sum(_remove(module) for _, module in model.named_modules())
+
+
+def _remove(module: Any) -> bool:
+    state = module.__dict__.pop(_STATE, None)
+    if state is None:
+        return False
+    module.__dict__.pop(state.kind.method, None)
+    return True

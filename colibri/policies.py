@@ -1,0 +1,525 @@
+"""Expert cache policies, a routing-trace recorder, and offline replay against Belady's MIN.
+
+The cache unit is one expert, keyed ``(layer, expert)``; every expert takes one slot of the
+pager's pool, so the problem is unit-size paging and Belady's MIN is the exact offline optimum
+(for demand paging: every expert of a step must be resident at once, none is bypassed).
+
+A policy only orders keys; the pager (or :func:`replay`) owns residency. Protocol:
+
+``insert(key)`` after a miss made ``key`` resident; ``touch(key)`` on a hit; ``remove(key)`` when
+it leaves; ``victim(evictable)`` names the key to evict among those for which
+``evictable(key)`` is true (pinned experts are skipped), or ``None``.
+
+Policies: ``fifo`` (the seed's default), ``lru``, ``lfu`` (frequencies kept across evictions,
+ties to the least recent), ``lrfu`` (exponentially decayed frequency: recency and frequency in
+one score), ``nextuse`` (an online estimate of Belady: evict the expert whose next use, predicted
+from its layer's step cycle and its recent per-step use rate, is furthest away) and ``hot`` (a
+hot set learned from saved usage counts stays pinned in part of the cache, the rest is LRU).
+"""
+
+from __future__ import annotations
+
+import heapq
+import json
+import math
+import os
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+
+import numpy as np
+
+__all__ = [
+    "POLICIES",
+    "CachePolicy",
+    "FIFOPolicy",
+    "HotSetPolicy",
+    "LFUPolicy",
+    "LRFUPolicy",
+    "LRUPolicy",
+    "NextUsePolicy",
+    "ReplayResult",
+    "Trace",
+    "belady",
+    "make_policy",
+    "replay",
+]
+
+Key = tuple[int, int]
+
+
+class CachePolicy:
+    """Base class: orders resident keys for eviction (see the module docstring)."""
+
+    name = "base"
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = int(capacity)
+
+    def begin_step(self, layer: int, keys: list[Key]) -> None:
+        """A step of ``layer`` needing ``keys`` starts (before its touches and inserts)."""
+
+    def insert(self, key: Key) -> None:
+        raise NotImplementedError
+
+    def touch(self, key: Key) -> None:
+        raise NotImplementedError
+
+    def remove(self, key: Key) -> None:
+        raise NotImplementedError
+
+    def victim(self, evictable: Callable[[Key], bool]) -> Key | None:
+        raise NotImplementedError
+
+    def eviction_order(self) -> list[Key]:
+        """Resident keys, the next victim first (used when switching policies)."""
+        raise NotImplementedError
+
+
+class FIFOPolicy(CachePolicy):
+    """Evict the expert that became resident first; hits change nothing."""
+
+    name = "fifo"
+
+    def __init__(self, capacity: int) -> None:
+        super().__init__(capacity)
+        self._order: OrderedDict[Key, None] = OrderedDict()
+
+    def insert(self, key: Key) -> None:
+        self._order[key] = None
+
+    def touch(self, key: Key) -> None:
+        pass
+
+    def remove(self, key: Key) -> None:
+        self._order.pop(key, None)
+
+    def victim(self, evictable):
+        return next((k for k in self._order if evictable(k)), None)
+
+    def eviction_order(self):
+        return list(self._order)
+
+
+class LRUPolicy(FIFOPolicy):
+    """Evict the least recently used expert."""
+
+    name = "lru"
+
+    def touch(self, key: Key) -> None:
+        self._order.move_to_end(key)
+
+
+class _HeapPolicy(CachePolicy):
+    """Evict the resident key of lowest score; a lazy heap keeps victim() cheap."""
+
+    def __init__(self, capacity: int) -> None:
+        super().__init__(capacity)
+        self._score: dict[Key, tuple] = {}  # resident keys -> current score
+        self._heap: list[tuple] = []
+
+    def _push(self, key: Key, score: tuple) -> None:
+        self._score[key] = score
+        heapq.heappush(self._heap, (*score, key))
+        if len(self._heap) > 4 * len(self._score) + 64:  # drop stale entries now and then
+            self._heap = [(*s, k) for k, s in self._score.items()]
+            heapq.heapify(self._heap)
+
+    def remove(self, key: Key) -> None:
+        self._score.pop(key, None)
+
+    def victim(self, evictable):
+        skipped, found = [], None
+        while self._heap:
+            entry = heapq.heappop(self._heap)
+            key = entry[-1]
+            if self._score.get(key) != entry[:-1]:
+                continue  # stale
+            skipped.append(entry)
+            if evictable(key):
+                found = key
+                break
+        for entry in skipped:
+            heapq.heappush(self._heap, entry)
+        return found
+
+    def eviction_order(self):
+        return sorted(self._score, key=self._score.__getitem__)
+
+
+class LFUPolicy(_HeapPolicy):
+    """Evict the least frequently used expert; counts survive eviction ("perfect" LFU), ties
+    go to the least recently used."""
+
+    name = "lfu"
+
+    def __init__(self, capacity: int) -> None:
+        super().__init__(capacity)
+        self._count: dict[Key, int] = {}
+        self._clock = 0
+
+    def _access(self, key: Key) -> None:
+        self._clock += 1
+        self._count[key] = self._count.get(key, 0) + 1
+        self._push(key, (self._count[key], self._clock))
+
+    insert = touch = _access
+
+
+class LRFUPolicy(_HeapPolicy):
+    """Least Recently/Frequently Used: score = sum over past accesses of ``2**(-age/half_life)``
+    (age in accesses). Small ``half_life`` behaves like LRU, large like LFU.
+
+    Scores are kept as ``log2`` of the undecayed sum, so they never need rescaling and the heap
+    order stays valid between accesses.
+    """
+
+    name = "lrfu"
+
+    def __init__(self, capacity: int, half_life: float | None = None) -> None:
+        super().__init__(capacity)
+        # Default: a few cache turnovers, long enough to learn popularity, short enough to drift.
+        self.half_life = float(half_life) if half_life else 4.0 * max(capacity, 1)
+        self._log: dict[Key, float] = {}
+        self._clock = 0
+
+    def _access(self, key: Key) -> None:
+        self._clock += 1
+        t = self._clock / self.half_life
+        old = self._log.get(key)
+        self._log[key] = t if old is None else max(old, t) + math.log2(1 + 2 ** -abs(old - t))
+        self._push(key, (self._log[key],))
+
+    insert = touch = _access
+
+
+class HotSetPolicy(LRUPolicy):
+    """Pin a hot set learned from saved usage counts; LRU for the rest of the cache.
+
+    Parameters
+    ----------
+    capacity : int
+        Cache slots.
+    counts : mapping, array or UsageStats
+        ``{(layer, expert): count}``, an array ``[L, E]`` of counts, or an object with such a
+        ``.counts`` array. Typically
+        :meth:`colibri.Pager.usage` saved from an earlier run.
+    hot_fraction : float
+        Share of the slots reserved for the hottest experts (default 0.5).
+    """
+
+    name = "hot"
+
+    def __init__(self, capacity: int, counts=None, hot_fraction: float = 0.5) -> None:
+        super().__init__(capacity)
+        if counts is None:
+            raise ValueError(
+                "the 'hot' policy needs usage counts: set_cache_policy('hot', counts=...) with "
+                "Pager.usage() from an earlier run"
+            )
+        if not 0.0 <= hot_fraction <= 1.0:
+            raise ValueError(f"hot_fraction must be in [0, 1] (got {hot_fraction!r})")
+        ranked = sorted(_counts_mapping(counts).items(), key=lambda kv: (-kv[1], kv[0]))
+        size = int(hot_fraction * capacity)
+        self.hot = frozenset(k for k, c in ranked[:size] if c > 0)
+
+    def victim(self, evictable):
+        cold = next((k for k in self._order if k not in self.hot and evictable(k)), None)
+        return cold if cold is not None else super().victim(evictable)
+
+
+class NextUsePolicy(CachePolicy):
+    """Online estimate of Belady's MIN: evict the expert expected to be needed furthest ahead.
+
+    A layer's steps recur (once per token during decoding), so the time to an expert's next
+    use is estimated as the time until its layer's next step, ``d``, plus whole periods while
+    it is not picked: ``E[next use] = d + period * (1 - p) / p``, where ``p`` is the expert's
+    share of its layer's recent steps (an exponential average over ``window`` steps of that
+    layer, kept across evictions) and ``period`` the layer's average step interval.
+
+    Within a layer the order by ``p`` does not change between that layer's steps, so each
+    layer keeps a heap and a victim costs one heap look-up per layer, not a scan of the cache.
+
+    Parameters
+    ----------
+    capacity : int
+        Cache slots.
+    window : float
+        Memory of the per-layer use rate, in steps of that layer (default 32).
+    """
+
+    name = "nextuse"
+
+    def __init__(self, capacity: int, window: float = 32.0) -> None:
+        super().__init__(capacity)
+        if window < 1:
+            raise ValueError(f"window must be >= 1 (got {window!r})")
+        self.decay = 1.0 - 1.0 / float(window)
+        self._log_decay = math.log(self.decay) if window > 1 else -math.inf
+        self._clock = 0
+        self._visits: dict[int, int] = {}  # layer -> steps seen
+        self._last_step: dict[int, int] = {}  # layer -> clock of its last step
+        self._period: dict[int, float] = {}  # layer -> mean interval between its steps
+        self._rate: dict[Key, tuple[float, int]] = {}  # key -> (rate, visit it was set at)
+        # Resident keys per layer: time-invariant order key log(p) - visits * log(decay).
+        self._score: dict[Key, float] = {}
+        self._heaps: dict[int, list[tuple[float, Key]]] = {}
+
+    def _invariant(self, key: Key) -> float:
+        rate, at = self._rate.get(key, (0.0, 0))
+        if rate <= 0.0:
+            return -math.inf
+        return math.log(rate) - at * self._log_decay
+
+    def _push(self, key: Key) -> None:
+        score = self._invariant(key)
+        self._score[key] = score
+        heap = self._heaps.setdefault(key[0], [])
+        heapq.heappush(heap, (score, key))
+        if len(heap) > 64 and len(heap) > 4 * sum(1 for k in self._score if k[0] == key[0]):
+            heap[:] = [(v, k) for k, v in self._score.items() if k[0] == key[0]]
+            heapq.heapify(heap)
+
+    def begin_step(self, layer: int, keys: list[Key]) -> None:
+        self._clock += 1
+        last = self._last_step.get(layer)
+        if last is not None:
+            gap = self._clock - last
+            old = self._period.get(layer)
+            self._period[layer] = gap if old is None else 0.9 * old + 0.1 * gap
+        self._last_step[layer] = self._clock
+        visit = self._visits[layer] = self._visits.get(layer, 0) + 1
+        for key in keys:
+            rate, at = self._rate.get(key, (0.0, visit))
+            self._rate[key] = (rate * self.decay ** (visit - at) + (1.0 - self.decay), visit)
+            if key in self._score:
+                self._push(key)
+
+    def insert(self, key: Key) -> None:
+        self._push(key)
+
+    def touch(self, key: Key) -> None:
+        pass
+
+    def remove(self, key: Key) -> None:
+        self._score.pop(key, None)
+
+    def _expected_next_use(self, key: Key) -> float:
+        layer = key[0]
+        period = self._period.get(layer, 1.0)
+        d = self._last_step.get(layer, self._clock) + period - self._clock
+        score = self._score.get(key, self._invariant(key))
+        if score == -math.inf:
+            return math.inf
+        p = math.exp(min(0.0, score + self._visits.get(layer, 0) * self._log_decay))
+        return max(d, 0.0) + period * (1.0 - p) / max(p, 1e-300)
+
+    def victim(self, evictable):
+        best, best_t = None, -1.0
+        for heap in self._heaps.values():
+            skipped, found = [], None
+            while heap:
+                entry = heapq.heappop(heap)
+                score, key = entry
+                if self._score.get(key) != score:
+                    continue  # stale
+                skipped.append(entry)
+                if evictable(key):
+                    found = key
+                    break
+            for entry in skipped:
+                heapq.heappush(heap, entry)
+            if found is not None:
+                t = self._expected_next_use(found)
+                if t > best_t:
+                    best, best_t = found, t
+        return best
+
+    def eviction_order(self):
+        return sorted(self._score, key=self._expected_next_use, reverse=True)
+
+
+def _counts_mapping(counts) -> dict[Key, float]:
+    if isinstance(counts, Mapping):
+        return {(int(k[0]), int(k[1])): float(v) for k, v in counts.items()}
+    arr = np.asarray(getattr(counts, "counts", counts))
+    if arr.ndim != 2:
+        raise ValueError(
+            f"counts must be a mapping {{(layer, expert): count}} or an array [L, E] "
+            f"(got shape {arr.shape})"
+        )
+    return {(int(layer), int(e)): float(arr[layer, e]) for layer, e in np.ndindex(arr.shape)}
+
+
+POLICIES: dict[str, type[CachePolicy]] = {
+    p.name: p for p in (FIFOPolicy, LRUPolicy, LFUPolicy, LRFUPolicy, NextUsePolicy, HotSetPolicy)
+}
+
+
+def make_policy(name: str | CachePolicy, capacity: int, **options) -> CachePolicy:
+    """Build a policy by name (``fifo``, ``lru``, ``lfu``, ``lrfu``, ``hot``)."""
+    if isinstance(name, CachePolicy):
+        return name
+    try:
+        cls = POLICIES[name]
+    except KeyError:
+        raise ValueError(
+            f"unknown cache policy {name!r}; available: {', '.join(sorted(POLICIES))}"
+        ) from None
+    return cls(capacity, **options)
+
+
+# -- traces, replay, Belady ---------------------------------------------------------------------
+
+
+class Trace:
+    """A routing trace: the ordered ``(layer, expert ids)`` steps a pager served.
+
+    Steps hold each call's unique ids, ascending. Save with :meth:`save`, read with
+    :meth:`load`; replay with :func:`replay` and :func:`belady`.
+    """
+
+    def __init__(self, steps: Iterable[tuple[int, Iterable[int]]] = ()) -> None:
+        self.steps: list[tuple[int, tuple[int, ...]]] = []
+        for layer, ids in steps:
+            self.append(layer, ids)
+
+    def append(self, layer: int, ids) -> None:
+        """Record one step (duplicate ids collapse; order does not matter)."""
+        unique = np.unique(np.asarray(ids, dtype=np.int64).ravel())
+        self.steps.append((int(layer), tuple(int(e) for e in unique)))
+
+    def __len__(self) -> int:
+        return len(self.steps)
+
+    def __iter__(self):
+        return iter(self.steps)
+
+    @property
+    def accesses(self) -> int:
+        """Expert accesses (sum of unique ids per step)."""
+        return sum(len(ids) for _, ids in self.steps)
+
+    def counts(self) -> dict[Key, int]:
+        """Accesses per ``(layer, expert)``, usable as the ``hot`` policy's counts."""
+        out: dict[Key, int] = {}
+        for layer, ids in self.steps:
+            for e in ids:
+                out[(layer, e)] = out.get((layer, e), 0) + 1
+        return out
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Write the trace as JSON."""
+        with open(path, "w") as f:
+            json.dump({"steps": [[layer, list(ids)] for layer, ids in self.steps]}, f)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> Trace:
+        """Read a trace written by :meth:`save`."""
+        with open(path) as f:
+            data = json.load(f)
+        try:
+            return cls((int(layer), ids) for layer, ids in data["steps"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"{path}: not a colibri trace ({exc})") from None
+
+
+@dataclass(frozen=True)
+class ReplayResult:
+    """Outcome of replaying a trace through a cache of ``capacity`` slots."""
+
+    policy: str
+    capacity: int
+    hits: int
+    misses: int
+    evictions: int
+
+    @property
+    def hit_rate(self) -> float:
+        total = self.hits + self.misses
+        return self.hits / total if total else 0.0
+
+
+def _check_capacity(trace: Trace, capacity: int) -> None:
+    widest = max((len(ids) for _, ids in trace.steps), default=0)
+    if capacity < widest:
+        raise ValueError(f"capacity {capacity} is below the widest step ({widest} experts)")
+
+
+def replay(trace: Trace, capacity: int, policy: str | CachePolicy = "lru", **options):
+    """Replay ``trace`` through ``policy`` exactly as a :class:`~colibri.Pager` would serve it.
+
+    Per step: ``begin_step``, then hits are touched (ascending id), then misses are inserted
+    (ascending id), each evicting the policy's victim among keys not used by the step.
+    """
+    _check_capacity(trace, capacity)
+    pol = make_policy(policy, capacity, **options)
+    resident: set[Key] = set()
+    hits = misses = evictions = 0
+    for layer, ids in trace.steps:
+        keys = [(layer, e) for e in ids]
+        step = set(keys)
+        pol.begin_step(layer, keys)
+        for key in keys:
+            if key in resident:
+                hits += 1
+                pol.touch(key)
+        for key in keys:
+            if key in resident:
+                continue
+            misses += 1
+            if len(resident) >= capacity:
+                victim = pol.victim(lambda k, step=step: k not in step)
+                pol.remove(victim)
+                resident.discard(victim)
+                evictions += 1
+            resident.add(key)
+            pol.insert(key)
+    return ReplayResult(pol.name, capacity, hits, misses, evictions)
+
+
+def belady(trace: Trace, capacity: int) -> ReplayResult:
+    """Belady's MIN: on a miss evict the resident expert whose next use is furthest away.
+
+    The optimum hit count for this trace and capacity (unit-size experts, demand paging).
+    """
+    _check_capacity(trace, capacity)
+    steps = [[(layer, e) for e in ids] for layer, ids in trace.steps]
+    never = len(steps)
+    next_use: list[list[int]] = [[never] * len(keys) for keys in steps]
+    last: dict[Key, int] = {}
+    for i in range(len(steps) - 1, -1, -1):
+        for j, key in enumerate(steps[i]):
+            next_use[i][j] = last.get(key, never)
+            last[key] = i
+    resident: dict[Key, int] = {}  # key -> its next use
+    heap: list[tuple[int, Key]] = []  # (-next use, key), lazily invalidated
+    hits = misses = evictions = 0
+    for i, keys in enumerate(steps):
+        step = set(keys)
+        for j, key in enumerate(keys):
+            if key in resident:
+                hits += 1
+                resident[key] = next_use[i][j]
+                heapq.heappush(heap, (-next_use[i][j], key))
+        for j, key in enumerate(keys):
+            if key in resident:
+                continue
+            misses += 1
+            if len(resident) >= capacity:
+                kept = []
+                while True:
+                    neg, victim = heapq.heappop(heap)
+                    if resident.get(victim) != -neg:
+                        continue  # stale entry
+                    if victim in step:
+                        kept.append((neg, victim))
+                        continue
+                    break
+                for entry in kept:
+                    heapq.heappush(heap, entry)
+                del resident[victim]
+                evictions += 1
+            resident[key] = next_use[i][j]
+            heapq.heappush(heap, (-next_use[i][j], key))
+    return ReplayResult("belady", capacity, hits, misses, evictions)

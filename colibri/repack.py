@@ -1,0 +1,134 @@
+"""Repack expert weights so each group of a partition is contiguous on disk.
+
+``repack(source, dest, partition)`` writes a colibri raw file in which, per layer, the experts
+of group 0 come first, then group 1, ...; each expert's ``gate``, ``up`` and ``down`` are
+adjacent (one read per expert). The manifest records the partition (``metadata["groups"]``)
+and every expert's offsets, so ``(layer, expert)`` still names the same weights. The source is
+only read; the output is written to a temporary file, checked byte for byte against the
+source, then renamed into place.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import Mapping
+
+import numpy as np
+
+from colibri.formats import WeightSource, open_weights
+from colibri.formats._io import FileReader
+from colibri.formats.raw import RawWriter
+
+__all__ = ["repack"]
+
+
+def _groups(partition, layer: int, experts: set[int]) -> list[list[int]]:
+    if isinstance(partition, Mapping):
+        if layer not in partition:
+            raise ValueError(f"repack(): the partition mapping has no entry for layer {layer}")
+        partition = partition[layer]
+    groups = getattr(partition, "groups", partition)
+    try:
+        groups = [[int(e) for e in g] for g in groups]
+    except TypeError:
+        raise TypeError(
+            "repack(): partition must have .groups or be a list of lists of expert ids "
+            f"(got {type(partition).__name__})"
+        ) from None
+    flat = [e for g in groups for e in g]
+    if len(flat) != len(set(flat)) or set(flat) != experts or any(not g for g in groups):
+        seen = set()
+        dup = sorted({e for e in flat if e in seen or seen.add(e)})
+        raise ValueError(
+            f"repack(): layer {layer}: the partition must list every expert "
+            f"{sorted(experts)} exactly once in non-empty groups (missing "
+            f"{sorted(experts - set(flat))}, unknown {sorted(set(flat) - experts)}, "
+            f"repeated {dup})"
+        )
+    return groups
+
+
+def _read_expert(reader: FileReader, layout) -> list[tuple[str, tuple, np.ndarray]]:
+    out = []
+    for ref in layout.matrices:
+        buf = np.empty(ref.nbytes, dtype=np.uint8)
+        reader.readinto(ref.path, ref.offset, memoryview(buf))
+        out.append((ref.dtype, ref.shape, buf))
+    return out
+
+
+def repack(
+    source: str | os.PathLike | WeightSource,
+    dest: str | os.PathLike,
+    partition,
+    *,
+    alignment: int = 4096,
+    overwrite: bool = False,
+) -> WeightSource:
+    """Write ``source``'s experts to ``dest`` with each partition group contiguous.
+
+    Parameters
+    ----------
+    source : path-like or WeightSource
+        Any weight file ``open_weights`` reads (never modified).
+    dest : path-like
+        New colibri raw file (manifest at ``<dest>.json``).
+    partition : Partition, list of lists, or mapping
+        Object with ``.groups`` (a tuple of tuples of expert ids) or a list of lists, used for
+        every layer; or ``{layer: partition}`` for per-layer partitions.
+    alignment : int
+        Byte alignment of each expert (power of two).
+    overwrite : bool
+        Replace an existing ``dest`` (never a source file).
+
+    Returns
+    -------
+    WeightSource
+        The new file, opened and validated.
+    """
+    src = open_weights(source)
+    dest = os.path.abspath(os.fspath(dest))
+    for f in src.files:
+        if os.path.exists(dest) and os.path.samefile(f, dest):
+            raise ValueError(f"repack(): {dest} is the source file; write to a new path")
+    per_layer = {}
+    for layer in src.layers:
+        ids = {e for (lay, e) in src.experts if lay == layer}
+        per_layer[layer] = _groups(partition, layer, ids)
+    digests: dict[tuple[int, int], bytes] = {}
+    meta = {"groups": {str(k): v for k, v in per_layer.items()}, "source_format": src.format}
+    with FileReader(src.files) as reader:
+        writer = RawWriter(dest, alignment=alignment, overwrite=overwrite, metadata=meta)
+        try:
+            for layer, groups in per_layer.items():
+                for group in groups:
+                    for e in group:
+                        mats = _read_expert(reader, src.experts[(layer, e)])
+                        h = hashlib.blake2b(digest_size=32)
+                        for _, _, buf in mats:
+                            h.update(buf)
+                        digests[(layer, e)] = h.digest()
+                        writer.add(layer, e, mats)
+        except BaseException:
+            writer.abort()
+            raise
+
+    def check(tmp: str, entries: list[dict]) -> None:
+        with FileReader([tmp]) as written:
+            for entry in entries:
+                h = hashlib.blake2b(digest_size=32)
+                for proj in ("gate", "up", "down"):
+                    m = entry["matrices"][proj]
+                    buf = np.empty(m["nbytes"], dtype=np.uint8)
+                    written.readinto(tmp, m["offset"], memoryview(buf))
+                    h.update(buf)
+                key = (entry["layer"], entry["expert"])
+                if h.digest() != digests[key]:
+                    raise OSError(
+                        f"repack(): layer {key[0]} expert {key[1]} reads back different from "
+                        f"the source; {dest} was not written"
+                    )
+
+    writer.commit(check)
+    return open_weights(dest)

@@ -1,0 +1,404 @@
+"""The Pager: budget, pinning, policies against replay and Belady, prefetch, lifecycle."""
+
+import gc
+import itertools
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+from functools import cache
+
+import numpy as np
+import pytest
+
+import colibri
+from colibri.formats._io import FileReader
+from colibri.formats.raw import write_experts
+from colibri.pager import BudgetError, Pager
+from colibri.policies import POLICIES, Trace, belady, replay
+
+L, E, I, H = 3, 8, 16, 32  # one expert: 3 * 16 * 32 * 2 = 3072 bytes -> one 4 KiB slot
+SLOT = 4096
+
+
+@pytest.fixture(scope="module")
+def weights(tmp_path_factory):
+    rng = np.random.default_rng(0)
+    experts = {
+        (lay, e): (
+            rng.standard_normal((I, H)).astype(np.float16),
+            rng.standard_normal((I, H)).astype(np.float16),
+            rng.standard_normal((H, I)).astype(np.float16),
+        )
+        for lay in range(L)
+        for e in range(E)
+    }
+    path = write_experts(tmp_path_factory.mktemp("w") / "experts.colibri", experts)
+    return path, experts
+
+
+def check(batch, experts, layer):
+    for e, w in batch.items():
+        ref = experts[(layer, e)]
+        np.testing.assert_array_equal(w.gate, ref[0])
+        np.testing.assert_array_equal(w.up, ref[1])
+        np.testing.assert_array_equal(w.down, ref[2])
+        assert not w.gate.flags.writeable
+
+
+def random_trace(steps, k=3, seed=0):
+    rng = np.random.default_rng(seed)
+    popularity = 1.0 / np.arange(1, E + 1)
+    popularity /= popularity.sum()
+    return Trace(
+        (s % L, rng.choice(E, size=(2, k), p=popularity)) for s in range(steps)
+    )  # [T=2, k] ids per step, as ctx.route returns them
+
+
+def test_exported():
+    assert colibri.Pager is Pager
+
+
+def test_load_returns_the_weights_and_reads_each_expert_once(weights):
+    path, experts = weights
+    with Pager(path, budget_bytes=8 * SLOT, page_size_kb=4) as pager:
+        ids = np.array([[3, 1], [1, 3], [5, 3]])
+        with pager.load(1, ids) as batch:
+            assert sorted(batch) == [1, 3, 5]
+            check(batch, experts, 1)
+        s = pager.stats
+        assert (s.misses, s.hits, s.bytes_read) == (3, 0, 3 * 3072)
+        with pager.load(1, [5, 6]) as batch:
+            check(batch, experts, 1)
+        s = pager.stats
+        assert (s.misses, s.hits, s.bytes_read) == (4, 1, 4 * 3072)
+        assert s.per_layer[1].hits == 1 and s.read_throughput > 0
+
+
+def test_budget_is_hard(weights):
+    path, experts = weights
+    with Pager(path, budget_bytes=6 * SLOT + 100, page_size_kb=4, policy="lru") as pager:
+        assert pager.capacity == 6 and pager.stats.pool_bytes == 6 * SLOT
+        for layer, ids in random_trace(200):
+            with pager.load(layer, ids) as batch:
+                check(batch, experts, layer)
+            s = pager.stats
+            assert s.resident_bytes <= s.pool_bytes <= pager.budget_bytes
+        assert s.peak_resident_bytes == 6 * 3072 and s.evictions > 0
+        with pytest.raises(BudgetError, match="7 unique experts"):
+            pager.load(0, range(7))
+    with pytest.raises(BudgetError, match="cannot hold one expert"):
+        Pager(path, budget_bytes=SLOT - 1, page_size_kb=4)
+    with pytest.raises(ValueError, match="power of two"):
+        Pager(path, budget_bytes=SLOT, page_size_kb=6)
+
+
+def test_page_size_sets_slot_size(weights):
+    path, _ = weights
+    with Pager(path, budget_bytes=1 << 20, page_size_kb=64) as pager:
+        assert pager.slot_bytes == 65536 and pager.capacity == 16
+
+
+@pytest.mark.parametrize("policy", sorted(set(POLICIES) - {"hot"}))
+def test_pager_hits_equal_offline_replay(weights, policy):
+    path, _ = weights
+    trace = random_trace(300, seed=3)
+    with Pager(path, budget_bytes=7 * SLOT, page_size_kb=4, policy=policy) as pager:
+        for layer, ids in trace:
+            pager.load(layer, ids).release()
+        s = pager.stats
+    expected = replay(trace, 7, policy)
+    assert (s.hits, s.misses, s.evictions) == (expected.hits, expected.misses, expected.evictions)
+    assert expected.hits <= belady(trace, 7).hits
+
+
+def test_hot_policy_from_saved_usage(weights):
+    path, _ = weights
+    trace = random_trace(300, seed=4)
+    with Pager(path, budget_bytes=7 * SLOT, page_size_kb=4, record_trace=True) as pager:
+        for layer, ids in trace:
+            pager.load(layer, ids).release()
+        usage = pager.usage()
+        assert usage == trace.counts() and pager.trace.steps == trace.steps
+        pager.set_cache_policy("hot", counts=usage, hot_fraction=0.5)
+        assert pager.policy == "hot"
+        pager.reset_stats()
+        for layer, ids in trace:
+            pager.load(layer, ids).release()
+        hot = pager._policy.hot
+        assert len(hot) == 3 and all(k in pager.resident() for k in hot)
+    with pytest.raises(ValueError, match="needs usage counts"):
+        replay(trace, 7, "hot")
+    with pytest.raises(ValueError, match="unknown cache policy 'nope'; available"):
+        Pager(path, budget_bytes=7 * SLOT, page_size_kb=4).set_cache_policy("nope")
+
+
+def brute_force_optimum(trace, capacity):
+    steps = [[(lay, e) for e in ids] for lay, ids in trace.steps]
+
+    @cache
+    def best(i, resident):
+        if i == len(steps):
+            return 0
+        keys = steps[i]
+        hits = sum(k in resident for k in keys)
+        others = [k for k in resident if k not in keys]
+        need = max(0, len(resident) + sum(k not in resident for k in keys) - capacity)
+        return hits + max(
+            best(i + 1, frozenset((set(resident) - set(ev)) | set(keys)))
+            for ev in itertools.combinations(others, need)
+        )
+
+    return best(0, frozenset())
+
+
+def test_belady_is_the_optimum():
+    rng = np.random.default_rng(1)
+    for _ in range(60):
+        trace = Trace(
+            (int(rng.integers(2)), rng.choice(5, size=int(rng.integers(1, 3)), replace=False))
+            for _ in range(9)
+        )
+        capacity = int(rng.integers(2, 5))
+        optimum = belady(trace, capacity).hits
+        assert optimum == brute_force_optimum(trace, capacity)
+        for policy in ("fifo", "lru", "lfu", "lrfu", "nextuse"):
+            assert replay(trace, capacity, policy).hits <= optimum
+
+
+def test_trace_save_load(tmp_path):
+    trace = random_trace(20)
+    trace.save(tmp_path / "t.json")
+    assert Trace.load(tmp_path / "t.json").steps == trace.steps
+    (tmp_path / "bad.json").write_text('{"nope": 1}')
+    with pytest.raises(ValueError, match="not a colibri trace"):
+        Trace.load(tmp_path / "bad.json")
+
+
+def test_views_kept_alive_stay_pinned_and_correct(weights):
+    path, experts = weights
+    with Pager(path, budget_bytes=4 * SLOT, page_size_kb=4, policy="fifo") as pager:
+        with pager.load(0, [2]) as batch:
+            kept = batch[2].gate[1:]  # derived view outlives the batch
+            derived = kept.T
+        with pytest.raises(RuntimeError, match="released"):
+            batch[2]
+        for layer, ids in random_trace(100, k=1):
+            with pager.load(layer, ids) as b:
+                check(b, experts, layer)
+            np.testing.assert_array_equal(derived.T, experts[(0, 2)][0][1:])
+        assert (0, 2) in pager.resident()
+        with pytest.raises(BudgetError, match="pinned"):  # 3 free slots, 4 experts
+            pager.load(1, [0, 1, 3, 4])
+        del kept, derived
+        gc.collect()
+        pager.load(1, [0, 1, 3, 4]).release()
+        assert (0, 2) not in pager.resident()
+
+
+def test_torch_dlpack_is_zero_copy(weights):
+    torch = pytest.importorskip("torch")
+    path, experts = weights
+    with Pager(path, budget_bytes=4 * SLOT, page_size_kb=4) as pager, pager.load(2, [7]) as b:
+        t = torch.from_dlpack(b[7].down)
+        assert t.data_ptr() == b[7].down.ctypes.data
+        np.testing.assert_array_equal(t.numpy(), experts[(2, 7)][2])
+
+
+def test_bad_ids(weights):
+    path, _ = weights
+    with Pager(path, budget_bytes=4 * SLOT, page_size_kb=4) as pager:
+        with pytest.raises(KeyError, match="has 8 experts"):
+            pager.load(0, [8])
+        with pytest.raises(KeyError, match="layer 5 holds no experts"):
+            pager.load(5, [0])
+        with pytest.raises(TypeError, match="integers"):
+            pager.load(0, [0.5])
+
+
+def open_fds():
+    return len(os.listdir("/proc/self/fd")) if os.path.isdir("/proc/self/fd") else None
+
+
+def test_close_in_any_order_with_views_alive(weights):
+    path, experts = weights
+    before = open_fds()
+    pager = Pager(path, budget_bytes=4 * SLOT, page_size_kb=4)
+    batch = pager.load(0, [1, 2])
+    view = batch[1].up
+    pager.prefetch(1, [3, 4])
+    pager.close()
+    pager.close()
+    np.testing.assert_array_equal(view, experts[(0, 1)][1])  # still valid after close
+    batch.release()
+    with pytest.raises(ValueError, match="closed"):
+        pager.load(0, [1])
+    with pytest.raises(ValueError, match="closed"):
+        pager.prefetch(0, [1])
+    del view, batch
+    gc.collect()
+    # A pager dropped without close() releases its files too, prefetch thread included.
+    pager = Pager(path, budget_bytes=4 * SLOT, page_size_kb=4)
+    pager.prefetch(0, [1])
+    keep = pager.load(0, [2])[2].gate
+    del pager
+    gc.collect()
+    np.testing.assert_array_equal(keep, experts[(0, 2)][0])
+    if before is not None:
+        assert open_fds() == before
+    assert not [t for t in threading.enumerate() if t.name == "colibri-prefetch" and t.is_alive()]
+
+
+class GatedReader(FileReader):
+    """Blocks reads until the test opens the gate; counts reads."""
+
+    def __init__(self, paths, gate):
+        super().__init__(paths)
+        self.gate, self.reads = gate, 0
+
+    def readinto(self, path, offset, buffer):
+        self.reads += 1
+        self.gate.wait(10)
+        super().readinto(path, offset, buffer)
+
+
+def test_prefetch_in_flight_is_waited_for_not_read_twice(weights):
+    path, experts = weights
+    gate = threading.Event()
+    with Pager(path, budget_bytes=8 * SLOT, page_size_kb=4) as pager:
+        pager._reader.close()
+        pager._reader = reader = GatedReader(pager.source.files, gate)
+        assert pager.prefetch(2, [4, 5]) == 2
+        assert pager.prefetch(2, [4]) == 0  # already in flight
+        threading.Timer(0.2, gate.set).start()
+        with pager.load(2, [4, 5, 6]) as batch:
+            check(batch, experts, 2)
+        s = pager.stats
+        assert reader.reads == 3 and s.bytes_read == 3 * 3072
+        assert (s.prefetched, s.prefetch_hits, s.inflight_waits, s.misses) == (2, 2, 2, 1)
+
+
+def test_prefetch_queue_is_bounded(weights):
+    path, _ = weights
+    gate = threading.Event()
+    with Pager(path, budget_bytes=16 * SLOT, page_size_kb=4, prefetch_queue=2) as pager:
+        pager._reader.close()
+        pager._reader = GatedReader(pager.source.files, gate)
+        queued = pager.prefetch(0, range(8))
+        assert 2 <= queued <= 3  # the queue holds 2; the worker may already hold one
+        gate.set()
+
+
+def test_read_error_names_the_file_and_pager_recovers(tmp_path, weights):
+    _, experts = weights
+    path = write_experts(tmp_path / "t.colibri", experts)
+    with Pager(path, budget_bytes=4 * SLOT, page_size_kb=4) as pager:
+        size = os.path.getsize(path)
+        with open(path, "r+b") as f:
+            f.truncate(size - 4096)  # the last expert loses its bytes after validation
+        last = max(pager.source.experts, key=lambda k: pager.source.experts[k].gate.offset)
+        with pytest.raises(OSError, match="t.colibri: unexpected end of file"):
+            pager.load(last[0], [last[1], (last[1] + 1) % E])
+        # The expert read before the failure stays; the failed one left no trace.
+        assert pager.resident() == [(2, 0)] and pager.stats.resident_bytes == 3072
+        assert all(x.pins == 0 for x in pager._cache.slots)
+        with pager.load(0, [0, 1, 2, 3]) as batch:  # every slot usable again
+            check(batch, experts, 0)
+
+
+def test_threads_share_one_pager(weights):
+    path, experts = weights
+    errors = []
+    with Pager(path, budget_bytes=12 * SLOT, page_size_kb=4, policy="lru") as pager:
+
+        def work(seed):
+            try:
+                for layer, ids in random_trace(150, k=1, seed=seed):
+                    if seed % 2:
+                        pager.prefetch((layer + 1) % L, ids)
+                    with pager.load(layer, ids) as batch:
+                        check(batch, experts, layer)
+            except Exception as exc:  # pragma: no cover - reported below
+                errors.append(exc)
+
+        threads = [threading.Thread(target=work, args=(s,)) for s in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        s = pager.stats
+        assert not errors
+        assert s.hits + s.misses == sum(
+            len(ids) for t in range(4) for _, ids in random_trace(150, 1, t)
+        )
+        assert s.resident_bytes <= s.pool_bytes and all(x.pins == 0 for x in pager._cache.slots)
+
+
+MEMORY_SCRIPT = textwrap.dedent(
+    """
+    import os, sys, numpy as np
+    from colibri.formats.raw import write_experts
+    from colibri.pager import Pager
+
+    def peak_rss():
+        with open("/proc/self/status") as f:
+            return next(int(l.split()[1]) * 1024 for l in f if l.startswith("VmHWM"))
+
+    path, budget = sys.argv[1], int(sys.argv[2])
+    pager = Pager(path, budget_bytes=budget, page_size_kb=64, policy="lru")
+    before = peak_rss()
+    total = 0
+    for layer in range(8):
+        for e in range(16):
+            with pager.load(layer, [e, (e + 5) % 16]) as b:
+                total += int(b[e].gate[0, 0] != 0)
+    s = pager.stats
+    assert s.bytes_read > 8 * budget, s
+    print(before, peak_rss(), s.peak_resident_bytes)
+    """
+)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc VmHWM")
+def test_streaming_8x_the_budget_keeps_peak_rss_bounded(tmp_path):
+    # 8 layers x 16 experts x 512 KiB = 64 MiB of experts; budget 8 MiB.
+    rows = 512
+    expert = (np.ones((rows, 256), np.float16),) * 2 + (np.ones((256, rows), np.float16),)
+    writer_experts = (((lay, e), expert) for lay in range(8) for e in range(16))
+    path = write_experts(tmp_path / "big.colibri", writer_experts, alignment=65536)
+    budget = 8 << 20
+    assert os.path.getsize(path) >= 8 * budget
+    out = subprocess.run(
+        [sys.executable, "-c", MEMORY_SCRIPT, path, str(budget)],
+        capture_output=True, text=True, timeout=120, check=True,
+    )  # fmt: skip
+    before, after, resident = map(int, out.stdout.split())
+    assert resident <= budget
+    assert after - before <= budget + (4 << 20), (before, after)
+
+
+hypothesis = pytest.importorskip("hypothesis")
+st = hypothesis.strategies
+
+
+@hypothesis.settings(max_examples=25, deadline=None)
+@hypothesis.given(
+    steps=st.lists(
+        st.tuples(st.integers(0, L - 1), st.lists(st.integers(0, E - 1), min_size=1, max_size=3)),
+        min_size=1,
+        max_size=40,
+    ),
+    capacity=st.integers(3, 8),
+    policy=st.sampled_from(sorted(set(POLICIES) - {"hot"})),
+)
+def test_property_pager_matches_replay_and_never_beats_belady(weights, steps, capacity, policy):
+    path, experts = weights
+    trace = Trace(steps)
+    with Pager(path, budget_bytes=capacity * SLOT, page_size_kb=4, policy=policy) as pager:
+        for layer, ids in trace:
+            with pager.load(layer, ids) as batch:
+                check(batch, experts, layer)
+            assert pager.stats.resident_bytes <= capacity * SLOT
+        hits = pager.stats.hits
+    assert hits == replay(trace, capacity, policy).hits <= belady(trace, capacity).hits
