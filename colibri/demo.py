@@ -162,22 +162,26 @@ def _router_weights(layers: int, hidden: int, seed: int) -> list[tuple[np.ndarra
     ]
 
 
-def _token_stream(tokens: int, hidden: int, seed: int) -> np.ndarray:
-    """[tokens, H] float32 hidden states with topic drift: runs of related tokens."""
-    rng = np.random.default_rng(seed + 2)
-    topics = rng.standard_normal((8, hidden), np.float32) * 2.0
+def _token_stream(tokens: int, hidden: int, seed: int, draw: int = 0) -> np.ndarray:
+    """[tokens, H] float32 hidden states with topic drift: runs of 16 tokens on one of 8
+    topics (fixed by ``seed``), plus noise; ``draw`` picks another stream of the same topics."""
+    topics = np.random.default_rng(seed + 2).standard_normal((8, hidden), np.float32) * 2.0
+    rng = np.random.default_rng([seed + 3, draw])
     which = np.repeat(rng.integers(0, len(topics), -(-tokens // 16)), 16)[:tokens]
     return topics[which] + rng.standard_normal((tokens, hidden), np.float32)
 
 
-def _partition(num_groups: int, gates: list[np.ndarray], warmup: np.ndarray):
-    """Groups of experts that co-occur, from usage on a warm-up stream (first layer)."""
+def _partitions(num_groups: int, gates: list, warmup: np.ndarray) -> list:
+    """One partition per layer: experts that co-occur on a warm-up stream grouped together
+    (``Partition.from_usage`` on that layer's routing statistics)."""
     import colibri
 
-    ctx = colibri.init(NUM_EXPERTS, TOP_K, collect_stats=True)
-    weight, bias = gates[0]
-    ctx.route(warmup @ weight.T + bias)
-    return colibri.Partition.from_usage(ctx.stats, num_groups)
+    partitions = []
+    for weight, bias in gates:
+        ctx = colibri.init(NUM_EXPERTS, TOP_K, collect_stats=True)
+        ctx.route(warmup @ weight.T + bias)
+        partitions.append(colibri.Partition.from_usage(ctx.stats, num_groups))
+    return partitions
 
 
 def run(args: argparse.Namespace) -> int:
@@ -203,10 +207,10 @@ def run(args: argparse.Namespace) -> int:
     gates = _router_weights(args.layers, args.hidden, args.seed)
     stream = _token_stream(args.tokens, args.hidden, args.seed)
 
-    route_options = {}
+    partitions = [None] * args.layers
     if args.partition is not None:
-        warmup = _token_stream(512, args.hidden, args.seed + 100)
-        route_options["partition"] = _partition(args.partition, gates, warmup)
+        warmup = _token_stream(512, args.hidden, args.seed, draw=1)
+        partitions = _partitions(args.partition, gates, warmup)
 
     process = psutil.Process()
     rss_before = process.memory_info().rss
@@ -223,9 +227,9 @@ def run(args: argparse.Namespace) -> int:
                 gate_bias=bias,
                 activation="gelu_tanh",
                 num_threads=args.threads,
-                **route_options,
+                **({} if partition is None else {"partition": partition}),
             )
-            for i, (weight, bias) in enumerate(gates)
+            for i, ((weight, bias), partition) in enumerate(zip(gates, partitions, strict=True))
         ]
         peak_rss = process.memory_info().rss
         bar = _progress(args.tokens, "tokens", "tok", progress)
