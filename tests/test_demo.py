@@ -88,7 +88,8 @@ def test_paged_layer_matches_in_memory(tmp_path):
         layer = colibri.MoELayer(weight, pager, 2, layer=1, gate_bias=bias, activation="gelu_tanh")
         out = np.concatenate([layer(stream[t : t + 1]) for t in range(len(stream))])
         assert pager.stats.misses > 0
-    np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-6)
+    # one token at a time (gemv) vs the whole batch (gemm): same math, other rounding
+    np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5)
 
 
 def test_too_small_file_is_refused():
