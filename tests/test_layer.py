@@ -349,3 +349,22 @@ def test_linear_converts_weight_blocks_exactly(rows, storage):
 
 def test_exported():
     assert colibri.MoELayer is MoELayer and colibri.InMemoryExperts is InMemoryExperts
+
+
+def test_jax_input_and_expert_fn():
+    jax = pytest.importorskip("jax")
+    jnp = jax.numpy
+    w = make_weights(13)
+    x = np.random.default_rng(14).standard_normal((6, H)).astype(np.float32)
+    gate, up, down = (jnp.asarray(w[n].numpy()) for n in ("gate", "up", "down"))
+
+    def jax_expert(e, rows, _):
+        assert isinstance(rows, jax.Array)
+        return (jax.nn.silu(rows @ gate[e].T) * (rows @ up[e].T)) @ down[e].T
+
+    layer = MoELayer(w["router"], None, K, expert_fn=jax_expert)
+    out = layer(jnp.asarray(x))
+    assert isinstance(out, jax.Array)
+    np.testing.assert_allclose(
+        np.asarray(out), reference(torch.from_numpy(x), w).numpy(), rtol=1e-4, atol=1e-4
+    )
