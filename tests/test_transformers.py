@@ -42,11 +42,13 @@ EXPECTED: dict[str, tuple[str, dict]] = {
     "deepseek_v3": (
         "sigmoid_bias_group_top2_scale",
         {"scoring": "sigmoid", "normalize": True, "scale": 2.5, "num_groups": 4,
-         "topk_groups": 2, "group_score": "top2_sum", "correction_bias": BIAS},
+         "topk_groups": 2, "group_score": "top2_sum", "correction_bias": BIAS,
+         "normalize_eps": 1e-20},
     ),
     "glm4_moe": (
         "sigmoid_bias_group_top2_scale",
-        {"scoring": "sigmoid", "normalize": True, "scale": 1.8, "correction_bias": BIAS},
+        {"scoring": "sigmoid", "normalize": True, "scale": 1.8, "correction_bias": BIAS,
+         "normalize_eps": 1e-20},
     ),
     "gpt_oss": ("topk_logits_softmax_bias", {"normalize": True}),
     "llama4_text": ("topk_logits_sigmoid_dense", {"scoring": "sigmoid", "normalize": False}),

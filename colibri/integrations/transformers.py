@@ -455,10 +455,11 @@ def _cfg_deepseek_v3(module):
     options: dict[str, Any] = {
         "scoring": "sigmoid",
         "normalize": bool(module.norm_topk_prob),
-        "normalize_eps": 1e-20,  # topk_weights.sum() + 1e-20
         **_scale(module.routed_scaling_factor, module),
         **_groups(module, module.num_group, module.topk_group, "top2_sum"),
     }
+    if module.norm_topk_prob:
+        options["normalize_eps"] = 1e-20  # topk_weights.sum() + 1e-20
     tensors = {"correction_bias": _attr("e_score_correction_bias")}
     return module.num_experts, module.top_k, options, tensors
 
