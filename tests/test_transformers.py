@@ -42,11 +42,13 @@ EXPECTED: dict[str, tuple[str, dict]] = {
     "deepseek_v3": (
         "sigmoid_bias_group_top2_scale",
         {"scoring": "sigmoid", "normalize": True, "scale": 2.5, "num_groups": 4,
-         "topk_groups": 2, "group_score": "top2_sum", "correction_bias": BIAS},
+         "topk_groups": 2, "group_score": "top2_sum", "correction_bias": BIAS,
+         "normalize_eps": 1e-20},
     ),
     "glm4_moe": (
         "sigmoid_bias_group_top2_scale",
-        {"scoring": "sigmoid", "normalize": True, "scale": 1.8, "correction_bias": BIAS},
+        {"scoring": "sigmoid", "normalize": True, "scale": 1.8, "correction_bias": BIAS,
+         "normalize_eps": 1e-20},
     ),
     "gpt_oss": ("topk_logits_softmax_bias", {"normalize": True}),
     "llama4_text": ("topk_logits_sigmoid_dense", {"scoring": "sigmoid", "normalize": False}),
@@ -697,62 +699,45 @@ def test_supported_routers_lists_the_covered_families():
 
 
 # --------------------------------------------------------------------------------------
-# Routing options the core lacks: refused today (above); these strict xfails turn into
-# failures the day colibri.init accepts the option, so that the mapping gets wired in.
+# Routers that needed core options: LFM2-MoE (normalize_eps) and Kolibri1 (bias_on).
 
 
-def test_lfm2_moe_is_refused_for_its_renormalisation_epsilon():
-    router = _router(
-        "lfm2_moe", "Lfm2MoeConfig", "Lfm2MoeTopKRouter", hidden_size=32, num_experts=8,
-        num_experts_per_tok=2, norm_topk_prob=True,
-    )  # fmt: skip
-    with pytest.raises(UnsupportedRouterError, match=r"(?s)lfm2_moe.*1e-6"):
-        patch(router)
-
-
-@pytest.mark.xfail(raises=TypeError, strict=True, reason="core option: normalize_eps")
-def test_lfm2_moe_needs_normalize_eps():
-    """LFM2-MoE: w = sigmoid(x)[ids]; w / (sum(w) + 1e-6) * routed_scaling_factor. The
+@pytest.mark.parametrize("use_expert_bias", [True, False])
+def test_lfm2_moe_renormalisation_epsilon(use_expert_bias):
+    """LFM2-MoE: w = sigmoid(x)[ids]; w / (sum(w) + 1e-6) * routed_scaling_factor; the
     epsilon moves the weights by ~1e-6/sum, above float32 rounding."""
-    import colibri
-
     router = _router(
         "lfm2_moe", "Lfm2MoeConfig", "Lfm2MoeTopKRouter", hidden_size=32, num_experts=8,
-        num_experts_per_tok=2, norm_topk_prob=True, use_expert_bias=True,
-        routed_scaling_factor=1.0,
+        num_experts_per_tok=2, norm_topk_prob=True, use_expert_bias=use_expert_bias,
+        routed_scaling_factor=1.5,
     )  # fmt: skip
     randomise_routers(router, [""])
     bias = torch.randn(8, generator=torch.Generator().manual_seed(1)) * 0.3
     hidden = torch.randn(64, 32, generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
-        logits, ref_w, ref_ids = router(hidden, bias)
-    ctx = colibri.init(
-        8, 2, scoring="sigmoid", correction_bias=bias.numpy(), normalize_eps=1e-6,
-        ids_dtype="int64",
-    )  # fmt: skip
-    ids, w = ctx.route(logits)
+        _, ref_w, ref_ids = router(hidden, bias if use_expert_bias else None)
+        (info,) = patch(router)
+        _, w, ids = router(hidden, bias if use_expert_bias else None)
+    assert info.options["normalize_eps"] == 1e-6
     _assert_same_routing([(ref_ids, ref_w)], [(ids, w)], ordered=True)
+    unpatch(router)
 
 
-@pytest.mark.xfail(raises=TypeError, strict=True, reason="core option: bias on the logits")
-def test_kolibri1_needs_bias_on_logits():
-    """Kolibri1: ids = top-k(logits + bias); w = sigmoid(logits)[ids], renormalised.
-    colibri's correction_bias is added to the scores (sigmoid(logits) + bias)."""
-    import colibri
-
+def test_kolibri1_bias_on_logits():
+    """Kolibri1: ids = top-k(logits + bias); w = sigmoid(logits)[ids], renormalised."""
     router = _router(
         "kolibri1", "Kolibri1Config", "Kolibri1TopKRouter", hidden_size=32, num_experts=8,
         num_experts_per_tok=2, norm_topk_prob=True,
     )  # fmt: skip
-    with pytest.raises(UnsupportedRouterError, match=r"(?s)kolibri1.*logits"):
-        patch(router)
     randomise_routers(router, [""])
+    with torch.no_grad():
+        router.e_score_correction_bias.copy_(
+            torch.randn(8, generator=torch.Generator().manual_seed(3)) * 2.0
+        )
     hidden = torch.randn(64, 32, generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
-        logits, ref_w, ref_ids = router(hidden)
-    ctx = colibri.init(
-        8, 2, scoring="sigmoid", correction_bias=router.e_score_correction_bias.numpy(),
-        bias_on="logits", ids_dtype="int64",
-    )  # fmt: skip
-    ids, w = ctx.route(logits)
+        _, ref_w, ref_ids = router(hidden)
+        (info,) = patch(router)
+        _, w, ids = router(hidden)
+    assert info.options["bias_on"] == "logits"
     _assert_same_routing([(ref_ids, ref_w)], [(ids, w)], ordered=True)

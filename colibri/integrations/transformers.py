@@ -82,9 +82,10 @@ DIFFERENCES: dict[str, str] = {
         "differ by the rounding of that dtype."
     ),
     "renormalisation epsilon": (
-        "DeepSeek-V3-style routers divide by sum + 1e-20 and Ernie4.5 by max(sum, 1e-12); "
-        "colibri divides by the sum. The results differ only when the k selected scores "
-        "sum to less than about 1e-13."
+        "Ernie4.5 divides by max(sum, 1e-12) (a clamp, not an added epsilon); colibri divides "
+        "by the sum. The results differ only when the k selected scores sum to less than "
+        "1e-12. (DeepSeek-V3's sum + 1e-20 and LFM2-MoE's sum + 1e-6 are reproduced with "
+        "normalize_eps.)"
     ),
     "masked groups": (
         "DeepSeek-V2 and Mistral4 fill the scores of dropped groups with 0.0 before the "
@@ -457,6 +458,8 @@ def _cfg_deepseek_v3(module):
         **_scale(module.routed_scaling_factor, module),
         **_groups(module, module.num_group, module.topk_group, "top2_sum"),
     }
+    if module.norm_topk_prob:
+        options["normalize_eps"] = 1e-20  # topk_weights.sum() + 1e-20
     tensors = {"correction_bias": _attr("e_score_correction_bias")}
     return module.num_experts, module.top_k, options, tensors
 
@@ -665,6 +668,35 @@ def _fw_float32_logits_reshape(self, routing, hidden_states):
     return router_logits, weights, ids
 
 
+# LFM2-MoE: sigmoid (+ the block's expert bias, for selection), renormalise by sum + 1e-6,
+# scale. ---------------------------------------------------------------------------------
+
+
+def _cfg_lfm2(module):
+    options: dict[str, Any] = {"scoring": "sigmoid", "normalize": bool(module.norm_topk_prob)}
+    if module.norm_topk_prob:
+        options["normalize_eps"] = 1e-6
+    options.update(_scale(module.routed_scaling_factor, module))
+    return module.num_experts, module.top_k, options, {}
+
+
+def _fw_lfm2(self, routing, hidden_states, expert_bias=None):
+    router_logits = F.linear(hidden_states, self.weight)
+    given = {"correction_bias": expert_bias} if self.use_expert_bias else {}
+    ids, weights = routing.route(self, router_logits, **given)
+    return router_logits, weights.type_as(router_logits), ids
+
+
+# Kolibri1: select on logits + bias, weights sigmoid(logits), optional renormalisation. --
+
+
+def _cfg_kolibri1(module):
+    options = {"scoring": "sigmoid", "normalize": bool(module.norm_topk_prob),
+               "bias_on": "logits"}  # fmt: skip
+    tensors = {"correction_bias": _attr("e_score_correction_bias")}
+    return module.num_experts, module.top_k, options, tensors
+
+
 def _kind(name, method, fingerprints, configure, forward) -> _Kind:
     return _Kind(name, method, frozenset(fingerprints.split()), configure, forward)
 
@@ -740,6 +772,11 @@ _KINDS: tuple[_Kind, ...] = (
     # Flint.
     _kind("sigmoid_topk_norm_topk_prob", "forward", "9481bf5ddeae",
           _cfg_flint, _fw_float32_logits_reshape),
+    # LFM2-MoE.
+    _kind("sigmoid_block_bias_renorm_eps_scale", "forward", "9e0ccf5e45e6", _cfg_lfm2, _fw_lfm2),
+    # Kolibri1.
+    _kind("logits_bias_sigmoid_renorm", "forward", "d28139c8518f",
+          _cfg_kolibri1, _fw_float32_logits_reshape),
 )  # fmt: skip
 
 # Routers that are recognised but whose routing colibri cannot express; why, precisely.
@@ -752,14 +789,6 @@ _UNSUPPORTED: dict[str, str] = {
     "65e2a986e26e": (
         "DeepSeek-V4's hash router selects experts from a fixed token-id table "
         "(tid2eid[input_ids]); there is no routing decision for colibri to make"
-    ),
-    "9e0ccf5e45e6": (
-        "LFM2-MoE renormalises by sum + 1e-6, an epsilon large enough to change the "
-        "weights at float32 precision; colibri's renormalisation has no epsilon option"
-    ),
-    "d28139c8518f": (
-        "Kolibri1 adds its e_score_correction_bias to the logits (not to the sigmoid "
-        "scores) to select; colibri's correction_bias is added to the scores"
     ),
     "2ea991c3d360": (
         "Zaya's router is an MLP over carried router states with a skip expert "
