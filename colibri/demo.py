@@ -260,7 +260,11 @@ def run(args: argparse.Namespace) -> int:
         f"tokens/s  : {args.tokens / elapsed:,.1f} ({args.tokens} tokens in {elapsed:.2f} s, "
         f"batch {args.batch_size})"
     )
-    print(f"hit rate  : {stats.hit_rate:.1%} ({stats.hits} hits, {stats.misses} misses)")
+    cached = (stats.hits - stats.prefetch_hits) / max(stats.hits + stats.misses, 1)
+    print(
+        f"hit rate  : {stats.hit_rate:.1%} ({stats.hits} hits, {stats.misses} misses; "
+        f"{cached:.1%} already cached, the rest read ahead while earlier experts ran)"
+    )
     print(f"read/token: {_mib(stats.bytes_read / args.tokens)}")
     print(
         f"peak RSS  : {_mib(peak_rss)} (before paging {_mib(rss_before)}; "

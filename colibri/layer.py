@@ -393,8 +393,14 @@ class MoELayer:
                 self._run_expert(e, None, plan, rows, expert_out, like, compute)
             return
         # A provider with a fixed number of slots (Pager.capacity) gets the step's experts
-        # in chunks it can hold; each chunk stays pinned while it runs.
+        # in chunks it can hold; each chunk stays pinned while it runs. One that can read
+        # ahead (Pager.prefetch) is asked for the rest of the step first and then loaded one
+        # expert at a time, so computing an expert overlaps reading the next ones.
         chunk = getattr(self.experts, "capacity", None) or len(active) or 1
+        prefetch = getattr(self.experts, "prefetch", None)
+        if prefetch is not None and len(active) > 1:
+            prefetch(self.layer, active[1:chunk])
+            chunk = 1
         for lo in range(0, len(active), chunk):
             group = active[lo : lo + chunk]
             with self.experts.load(self.layer, group) as weights:

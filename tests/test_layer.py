@@ -200,6 +200,25 @@ def test_provider_capacity_loads_in_chunks():
     )
 
 
+def test_provider_prefetch_overlaps_reads():
+    """A provider that reads ahead (Pager.prefetch) is told the step's other experts first,
+    then asked for one expert at a time."""
+    w = make_weights(15)
+    provider = RecordingProvider(w)
+    provider.capacity = 5
+    provider.prefetched = []
+    provider.prefetch = lambda layer, ids: provider.prefetched.append((layer, list(ids)))
+    x = torch.randn(40, H, generator=torch.Generator().manual_seed(3)).numpy()
+    out = MoELayer(w["router"], provider, K, layer=2, router=numpy_router(K))(x)
+    assert provider.prefetched == [(2, [1, 2, 3, 4])]  # within capacity
+    assert provider.requests == [(2, [e]) for e in range(E)]
+    w16 = {k: torch.from_numpy(v.astype(np.float32)) for k, v in provider.w.items()}
+    w16["router"] = w["router"]
+    np.testing.assert_allclose(
+        out, reference(torch.from_numpy(x), w16).numpy(), rtol=1e-4, atol=1e-4
+    )
+
+
 def test_multi_layer_in_memory_store_and_empty_batch():
     w0, w1 = make_weights(8), make_weights(9)
     experts = InMemoryExperts(*(torch.stack([w0[n], w1[n]]) for n in ("gate", "up", "down")))
