@@ -175,6 +175,8 @@ def _float32_to_bf16(x: np.ndarray) -> np.ndarray:
 # between its conversion and its GEMM (a whole converted matrix would go to DRAM and back).
 _BLOCK_BYTES = 1 << 18
 _HALF_KINDS = {"float16": 1, "bfloat16": 2}
+# Read ahead (overlap reads with compute) only for experts at least this large by default.
+_READ_AHEAD_MIN_BYTES = 1 << 20
 
 
 def linear(x: np.ndarray, w: Any, dtype: np.dtype) -> np.ndarray:
@@ -250,6 +252,11 @@ class MoELayer:
         Scales the shared expert by ``sigmoid(hidden @ shared_expert_gate.T)`` (Qwen2-MoE).
     num_threads : int or None
         Threads for dispatch/gather/combine.
+    read_ahead : bool or None
+        With a provider that has ``prefetch`` (``Pager``): announce a step's experts, then
+        load them one at a time so computing one overlaps reading the next. None (default):
+        only when the provider's ``slot_bytes`` is at least 1 MiB (small experts read faster
+        than the hand-off to the read-ahead thread costs).
     **route_options
         Passed to ``colibri.init`` when ``router`` is None (scoring, normalize, ...).
     """
@@ -268,6 +275,7 @@ class MoELayer:
         shared_expert: ExpertFFN | None = None,
         shared_expert_gate: Any = None,
         num_threads: int | None = None,
+        read_ahead: bool | None = None,
         **route_options: Any,
     ) -> None:
         self.gate_weight = np.ascontiguousarray(_host_array(gate_weight, "gate"), np.float32)
@@ -306,6 +314,7 @@ class MoELayer:
                     f" (got {sg.shape})"
                 )
         self.num_threads = num_threads
+        self.read_ahead = read_ahead
         self._route = self._make_router(router, route_options)
 
     def _make_router(self, router: Any, options: dict) -> Router:
@@ -397,7 +406,11 @@ class MoELayer:
         # ahead (Pager.prefetch) is asked for the rest of the step first and then loaded one
         # expert at a time, so computing an expert overlaps reading the next ones.
         chunk = getattr(self.experts, "capacity", None) or len(active) or 1
-        prefetch = getattr(self.experts, "prefetch", None)
+        prefetch = None if self.read_ahead is False else getattr(self.experts, "prefetch", None)
+        if self.read_ahead is None and prefetch is not None:
+            # small experts read faster than a hand-off to the read-ahead thread costs
+            slot = getattr(self.experts, "slot_bytes", None)
+            prefetch = prefetch if slot is None or slot >= _READ_AHEAD_MIN_BYTES else None
         if prefetch is not None and len(active) > 1:
             prefetch(self.layer, active[1:chunk])
             chunk = 1

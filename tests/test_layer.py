@@ -212,6 +212,13 @@ def test_provider_prefetch_overlaps_reads():
     out = MoELayer(w["router"], provider, K, layer=2, router=numpy_router(K))(x)
     assert provider.prefetched == [(2, [1, 2, 3, 4])]  # within capacity
     assert provider.requests == [(2, [e]) for e in range(E)]
+    provider.requests, provider.slot_bytes = [], 1 << 16  # small experts: no read-ahead
+    MoELayer(w["router"], provider, K, layer=2, router=numpy_router(K))(x)
+    assert provider.requests == [(2, [0, 1, 2, 3, 4]), (2, [5, 6, 7])]
+    assert len(provider.prefetched) == 1
+    provider.requests = []
+    MoELayer(w["router"], provider, K, layer=2, router=numpy_router(K), read_ahead=True)(x)
+    assert len(provider.requests) == E and len(provider.prefetched) == 2
     w16 = {k: torch.from_numpy(v.astype(np.float32)) for k, v in provider.w.items()}
     w16["router"] = w["router"]
     np.testing.assert_allclose(
