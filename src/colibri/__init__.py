@@ -23,11 +23,12 @@ def get_include() -> str:
     """The directory holding colibri's C headers (``colibri/route.h``, ``dlpack.h``, ...)."""
     import os
 
-    here = os.path.join(os.path.dirname(__file__), "include")
-    if os.path.isdir(here):
-        return here
-    # editable installs: the headers stay in the source tree
-    return os.path.join(os.path.dirname(os.path.dirname(__file__)), "include")
+    here = os.path.dirname(os.path.abspath(__file__))
+    installed = os.path.join(here, "include")
+    if os.path.isdir(installed):
+        return installed
+    # an editable install imports src/colibri: the headers stay at the repository's top
+    return os.path.join(os.path.dirname(os.path.dirname(here)), "include")
 
 
 __all__ = [
