@@ -67,7 +67,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--policy",
         default="lru",
-        help="pager cache policy: fifo, lru, lfu, lrfu, hot (default: lru)",
+        choices=("fifo", "lru", "lfu", "lrfu", "nextuse"),
+        help="pager cache policy (default: lru; 'hot' needs saved usage counts, so it is "
+        "available from the Pager API, not here)",
     )
     parser.add_argument(
         "--threads",
