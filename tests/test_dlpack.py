@@ -259,6 +259,10 @@ def test_out_buffer_errors(logits):
         ctx.route(logits, out=(ok_ids, ro))
     with pytest.raises(TypeError, match="tuple"):
         ctx.route(logits, out=[ok_ids, ok_w])
+    one_row = np.zeros(3, np.float32)
+    stuck = np.lib.stride_tricks.as_strided(one_row, shape=(9, 3), strides=(0, 4))
+    with pytest.raises(ValueError, match="zero stride"):
+        ctx.route(logits, out=(ok_ids, stuck))
     both = np.empty((9, 3), np.float32)
     with pytest.raises(ValueError, match="overlap"):
         ctx.route(logits, out=(both.view(np.int32), both))

@@ -165,6 +165,14 @@ cdef void _count_span(const RowJob *job, Py_ssize_t start, Py_ssize_t stop, int6
                 coact[ia * E + ib] += 1
 
 
+cdef inline bint _self_overlapping(HostTensor t) noexcept:
+    cdef int i
+    for i in range(t.ndim):
+        if t.steps[i] == 0 and t.dims[i] > 1:
+            return True
+    return False
+
+
 cdef inline bint _has_shape(HostTensor t, int ndim, Py_ssize_t T, Py_ssize_t k) noexcept:
     if ndim == 2:
         return t.ndim == 2 and t.dims[0] == T and t.dims[1] == k
@@ -319,6 +327,9 @@ cdef class Router:
             if w_t.dtype != FLOAT32:
                 raise TypeError(f"route(out=...): weights must be float32, got "
                                 f"{DTYPE_NAMES[w_t.dtype]}")
+            if _self_overlapping(ids_t) or _self_overlapping(w_t):
+                raise ValueError("route(out=...): an out buffer has a zero stride, so its "
+                                 "elements overlap; pass a buffer with one slot per result")
             if x.span(&lo, &hi):
                 for o in (ids_t, w_t):
                     if (<HostTensor>o).span(&olo, &ohi) and olo < hi and lo < ohi:
