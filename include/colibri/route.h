@@ -289,32 +289,13 @@ static inline int32_t colibri_find(const float *v, int32_t n, float m)
     return -1;
 }
 
-/* Top-k of the candidates in work[0..E) (keys; NaN marks "not a candidate", keys are never
- * NaN) into vals/ids, descending, equal keys to the lower id. work is consumed;
- * bmax: E / 16 + 1 floats. Returns how many were found. */
-static inline int32_t colibri_topk(float *work, int32_t E, int32_t k, float *bmax, float *vals,
-                                   int32_t *ids)
+/* k argmax passes over work[0..E), given the maximum of each block of 16 in bmax: each
+ * pass takes the largest key, its first occurrence, and hides it behind NaN. */
+static inline int32_t colibri_passes(float *work, int32_t E, int32_t k, float *bmax,
+                                     float *vals, int32_t *ids)
 {
-    int32_t n = 0, e, b;
-    if (k > COLIBRI_PASSES_MAX_K || E < 4 * k) {
-        /* insertion: fill k slots, then only a key above the k-th best gets in */
-        for (e = 0; e < E && n < k; e++)
-            if (work[e] == work[e])
-                colibri_push(vals, ids, &n, k, work[e], e);
-        float threshold = n == k ? vals[k - 1] : -INFINITY;
-        for (; e < E; e++) {
-            if (work[e] > threshold) { /* NaN never is */
-                colibri_push(vals, ids, &n, k, work[e], e);
-                threshold = vals[k - 1];
-            }
-        }
-        return n;
-    }
     const int32_t nb = (E + COLIBRI_BLOCK - 1) / COLIBRI_BLOCK;
-    for (b = 0; b < nb; b++) {
-        int32_t len = E - b * COLIBRI_BLOCK < COLIBRI_BLOCK ? E - b * COLIBRI_BLOCK : COLIBRI_BLOCK;
-        bmax[b] = colibri_max(work + b * COLIBRI_BLOCK, len);
-    }
+    int32_t n = 0, b;
     for (; n < k; n++) {
         float m = colibri_max(bmax, nb);
         int32_t found = -1, start = 0;
@@ -341,6 +322,96 @@ static inline int32_t colibri_topk(float *work, int32_t E, int32_t k, float *bma
         ids[n] = found;
     }
     return n;
+}
+
+/* The plain path's single pass over a row of logits: copy it to work, take its block
+ * maxima, and report whether it holds a NaN. */
+static inline int colibri_stage(const float *x, int32_t E, float *work, float *bmax)
+{
+    int32_t b, e, nb = (E + COLIBRI_BLOCK - 1) / COLIBRI_BLOCK;
+    int nan = 0;
+#ifdef COLIBRI_SSE2
+    __m128 unordered = _mm_setzero_ps();
+#endif
+    for (b = 0; b < nb; b++) {
+        const float *src = x + b * COLIBRI_BLOCK;
+        float *dst = work + b * COLIBRI_BLOCK;
+        int32_t len = E - b * COLIBRI_BLOCK < COLIBRI_BLOCK ? E - b * COLIBRI_BLOCK
+                                                            : COLIBRI_BLOCK;
+#ifdef COLIBRI_SSE2
+        if (len == COLIBRI_BLOCK) {
+            __m128 v0 = _mm_loadu_ps(src), v1 = _mm_loadu_ps(src + 4);
+            __m128 v2 = _mm_loadu_ps(src + 8), v3 = _mm_loadu_ps(src + 12);
+            unordered = _mm_or_ps(unordered, _mm_or_ps(_mm_cmpunord_ps(v0, v1),
+                                                       _mm_cmpunord_ps(v2, v3)));
+            _mm_storeu_ps(dst, v0);
+            _mm_storeu_ps(dst + 4, v1);
+            _mm_storeu_ps(dst + 8, v2);
+            _mm_storeu_ps(dst + 12, v3);
+            __m128 m = _mm_max_ps(_mm_max_ps(v0, v1), _mm_max_ps(v2, v3));
+            m = _mm_max_ps(m, _mm_shuffle_ps(m, m, _MM_SHUFFLE(2, 3, 0, 1)));
+            m = _mm_max_ps(m, _mm_shuffle_ps(m, m, _MM_SHUFFLE(1, 0, 3, 2)));
+            bmax[b] = _mm_cvtss_f32(m);
+            continue;
+        }
+#endif
+        float m = -INFINITY;
+        e = 0;
+#ifdef COLIBRI_SSE2
+        if (len >= 4) { /* the last, partial block: whole vectors first */
+            __m128 mv = _mm_loadu_ps(src);
+            for (; e + 4 <= len; e += 4) {
+                __m128 v = _mm_loadu_ps(src + e);
+                unordered = _mm_or_ps(unordered, _mm_cmpunord_ps(v, v));
+                _mm_storeu_ps(dst + e, v);
+                mv = _mm_max_ps(v, mv);
+            }
+            mv = _mm_max_ps(mv, _mm_shuffle_ps(mv, mv, _MM_SHUFFLE(2, 3, 0, 1)));
+            mv = _mm_max_ps(mv, _mm_shuffle_ps(mv, mv, _MM_SHUFFLE(1, 0, 3, 2)));
+            m = _mm_cvtss_f32(mv);
+        }
+#endif
+        for (; e < len; e++) {
+            float v = src[e];
+            nan |= v != v;
+            dst[e] = v;
+            m = v > m ? v : m;
+        }
+        bmax[b] = m;
+    }
+#ifdef COLIBRI_SSE2
+    nan |= _mm_movemask_ps(unordered);
+#endif
+    return nan;
+}
+
+/* Top-k of the candidates in work[0..E) (keys; NaN marks "not a candidate", keys are never
+ * NaN) into vals/ids, descending, equal keys to the lower id. work is consumed;
+ * bmax: E / 16 + 1 floats. Returns how many were found. */
+static inline int32_t colibri_topk(float *work, int32_t E, int32_t k, float *bmax, float *vals,
+                                   int32_t *ids)
+{
+    int32_t n = 0, e, b;
+    if (k > COLIBRI_PASSES_MAX_K || E < 4 * k) {
+        /* insertion: fill k slots, then only a key above the k-th best gets in */
+        for (e = 0; e < E && n < k; e++)
+            if (work[e] == work[e])
+                colibri_push(vals, ids, &n, k, work[e], e);
+        float threshold = n == k ? vals[k - 1] : -INFINITY;
+        for (; e < E; e++) {
+            if (work[e] > threshold) { /* NaN never is */
+                colibri_push(vals, ids, &n, k, work[e], e);
+                threshold = vals[k - 1];
+            }
+        }
+        return n;
+    }
+    const int32_t nb = (E + COLIBRI_BLOCK - 1) / COLIBRI_BLOCK;
+    for (b = 0; b < nb; b++) {
+        int32_t len = E - b * COLIBRI_BLOCK < COLIBRI_BLOCK ? E - b * COLIBRI_BLOCK : COLIBRI_BLOCK;
+        bmax[b] = colibri_max(work + b * COLIBRI_BLOCK, len);
+    }
+    return colibri_passes(work, E, k, bmax, vals, ids);
 }
 
 /* Whether x[0..E) holds a NaN. */
@@ -407,69 +478,76 @@ static inline int colibri_route_row(const colibri_router_t *r, const float *x, v
     float *tval = (float *)(gid + 2 * G);
     int32_t *tid = (int32_t *)(tval + k);
     int32_t e, j, g, n = 0;
-
-    if (colibri_has_nan(x, E))
-        return COLIBRI_ROW_NAN;
+    int normalized = 0;
 
     /* Selection keys: the logits, unless a bias or top-2-sum group scores need true scores. */
     const float *key = x;
     int have_scores = r->bias != NULL || (G > 1 && r->group_score == COLIBRI_GROUP_TOP2_SUM);
-    if (have_scores) {
-        if (r->scoring == COLIBRI_SOFTMAX) {
-            if (colibri_softmax(x, E, scores) != COLIBRI_OK)
-                return COLIBRI_ROW_ALL_NEG_INF;
-        } else if (r->scoring == COLIBRI_SIGMOID) {
-            colibri_sigmoid_all(x, scores, E);
-        } else {
-            for (e = 0; e < E; e++)
-                scores[e] = colibri_sqrtsoftplus(x[e]);
-        }
-        key = scores;
-        if (r->bias != NULL) {
-            const float *base = r->bias_on_logits ? x : scores;
-            for (e = 0; e < E; e++)
-                keys[e] = base[e] + r->bias[e];
-            key = keys;
-        }
-    }
-
-    if (G > 1) {
-        int32_t ng = 0, kg = r->topk_groups;
-        const float *gkey = key;
-        if (!r->groups_in_order) {
-            for (e = 0; e < E; e++)
-                grouped[e] = key[r->group_members[e]];
-            gkey = grouped;
-        }
-        for (g = 0; g < G; g++) {
-            const float *member = gkey + r->group_start[g];
-            int32_t size = r->group_start[g + 1] - r->group_start[g];
-            float score = colibri_max(member, size);
-            if (r->group_score == COLIBRI_GROUP_TOP2_SUM) {
-                /* plus the best of the others (groups have >= 2 experts here) */
-                int32_t i = colibri_find(member, size, score);
-                float left = colibri_max(member, i), right = colibri_max(member + i + 1,
-                                                                         size - i - 1);
-                score += left > right ? left : right;
-            }
-            colibri_push(gval, gid, &ng, kg, score, g);
-        }
-        /* candidates: the kept groups' keys; NaN marks everything else */
-        for (e = 0; e < E; e++)
-            work[e] = NAN;
-        for (j = 0; j < ng; j++) {
-            int32_t first = r->group_start[gid[j]], last = r->group_start[gid[j] + 1];
-            if (r->groups_in_order) {
-                memcpy(work + first, key + first, (size_t)(last - first) * sizeof(float));
-            } else {
-                for (e = first; e < last; e++)
-                    work[r->group_members[e]] = key[r->group_members[e]];
-            }
-        }
+    if (G == 1 && !have_scores && k <= COLIBRI_PASSES_MAX_K && E >= 4 * k) {
+        /* the plain path: one pass checks for NaN, stages the logits and takes block maxima */
+        if (colibri_stage(x, E, work, bmax))
+            return COLIBRI_ROW_NAN;
+        n = colibri_passes(work, E, k, bmax, tval, tid);
     } else {
-        memcpy(work, key, (size_t)E * sizeof(float));
+        if (colibri_has_nan(x, E))
+            return COLIBRI_ROW_NAN;
+        if (have_scores) {
+            if (r->scoring == COLIBRI_SOFTMAX) {
+                if (colibri_softmax(x, E, scores) != COLIBRI_OK)
+                    return COLIBRI_ROW_ALL_NEG_INF;
+            } else if (r->scoring == COLIBRI_SIGMOID) {
+                colibri_sigmoid_all(x, scores, E);
+            } else {
+                for (e = 0; e < E; e++)
+                    scores[e] = colibri_sqrtsoftplus(x[e]);
+            }
+            key = scores;
+            if (r->bias != NULL) {
+                const float *base = r->bias_on_logits ? x : scores;
+                for (e = 0; e < E; e++)
+                    keys[e] = base[e] + r->bias[e];
+                key = keys;
+            }
+        }
+
+        if (G > 1) {
+            int32_t ng = 0, kg = r->topk_groups;
+            const float *gkey = key;
+            if (!r->groups_in_order) {
+                for (e = 0; e < E; e++)
+                    grouped[e] = key[r->group_members[e]];
+                gkey = grouped;
+            }
+            for (g = 0; g < G; g++) {
+                const float *member = gkey + r->group_start[g];
+                int32_t size = r->group_start[g + 1] - r->group_start[g];
+                float score = colibri_max(member, size);
+                if (r->group_score == COLIBRI_GROUP_TOP2_SUM) {
+                    /* plus the best of the others (groups have >= 2 experts here) */
+                    int32_t i = colibri_find(member, size, score);
+                    float left = colibri_max(member, i), right = colibri_max(member + i + 1,
+                                                                             size - i - 1);
+                    score += left > right ? left : right;
+                }
+                colibri_push(gval, gid, &ng, kg, score, g);
+            }
+            /* candidates: the kept groups' keys; NaN marks everything else */
+            for (e = 0; e < E; e++)
+                work[e] = NAN;
+            for (j = 0; j < ng; j++) {
+                int32_t first = r->group_start[gid[j]], last = r->group_start[gid[j] + 1];
+                if (r->groups_in_order) {
+                    memcpy(work + first, key + first, (size_t)(last - first) * sizeof(float));
+                } else {
+                    for (e = first; e < last; e++)
+                        work[r->group_members[e]] = key[r->group_members[e]];
+                }
+            }
+        } else {
+            memcpy(work, key, (size_t)E * sizeof(float));
+        }
+        n = colibri_topk(work, E, k, bmax, tval, tid);
     }
-    n = colibri_topk(work, E, k, bmax, tval, tid);
     if (n < k) /* the caller validates k against the smallest groups: never happens */
         return COLIBRI_ROW_SHORT;
 
@@ -478,15 +556,29 @@ static inline int colibri_route_row(const colibri_router_t *r, const float *x, v
         for (j = 0; j < k; j++)
             weights[j] = scores[tid[j]];
     } else if (r->scoring == COLIBRI_SOFTMAX && r->normalize) {
-        /* renormalised softmax over the k chosen = exp(x - max chosen), normalised below */
-        float m = -INFINITY;
-        for (j = 0; j < k; j++)
-            m = x[tid[j]] > m ? x[tid[j]] : m;
+        /* renormalised softmax over the k chosen = exp(x - max chosen) / sum; the keys are
+         * the logits here, so the first chosen is the max */
+        const float m = x[tid[0]];
         if (m == -INFINITY)
             return COLIBRI_ROW_ALL_NEG_INF;
-        for (j = 0; j < k; j++)
-            weights[j] = m == INFINITY ? (x[tid[j]] == INFINITY ? 1.0f : 0.0f)
-                                       : colibri_exp(x[tid[j]] - m);
+        if (m == INFINITY) {
+            for (j = 0; j < k; j++)
+                weights[j] = x[tid[j]] == INFINITY ? 1.0f : 0.0f;
+        } else if (r->norm_p == 1.0f) {
+            /* the common case, done here: terms in (0, 1], the first is 1, no overflow */
+            float sum = 0.0f;
+            for (j = 0; j < k; j++) {
+                weights[j] = colibri_exp(x[tid[j]] - m);
+                sum += weights[j];
+            }
+            sum += r->norm_eps;
+            for (j = 0; j < k; j++)
+                weights[j] /= sum;
+            normalized = 1;
+        } else {
+            for (j = 0; j < k; j++)
+                weights[j] = colibri_exp(x[tid[j]] - m);
+        }
     } else if (r->scoring == COLIBRI_SOFTMAX) {
         if (colibri_softmax(x, E, scores) != COLIBRI_OK)
             return COLIBRI_ROW_ALL_NEG_INF;
@@ -497,7 +589,7 @@ static inline int colibri_route_row(const colibri_router_t *r, const float *x, v
             weights[j] = colibri_score(r->scoring, x[tid[j]]);
     }
 
-    if (r->normalize) {
+    if (r->normalize && !normalized) {
         /* weights are >= 0: divide by their p-norm, computed on w / max so that no power
          * overflows (sqrt-softplus of 3e38 squared would) */
         float largest = 0.0f, norm = 0.0f;
