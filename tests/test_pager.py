@@ -307,6 +307,15 @@ def test_read_error_names_the_file_and_pager_recovers(tmp_path, weights):
             check(batch, experts, 0)
 
 
+def test_drain_waits_for_queued_prefetches(weights):
+    path, _ = weights
+    with Pager(path, budget_bytes=12 * SLOT, page_size_kb=4) as pager:
+        queued = pager.prefetch(0, list(range(8)))
+        assert queued > 0 and pager.drain(timeout=30)
+        assert all(x.pins == 0 for x in pager._cache.slots)
+        assert pager.stats.prefetched == queued and len(pager.resident()) == queued
+
+
 def test_threads_share_one_pager(weights):
     path, experts = weights
     errors = []
@@ -327,6 +336,7 @@ def test_threads_share_one_pager(weights):
             t.start()
         for t in threads:
             t.join()
+        assert pager.drain(timeout=30)  # prefetches still queued hold their slot's pin
         s = pager.stats
         assert not errors
         assert s.hits + s.misses == sum(

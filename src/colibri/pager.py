@@ -687,6 +687,22 @@ class Pager:
                 queued += 1
         return queued
 
+    def drain(self, timeout: float | None = None) -> bool:
+        """Wait until every queued prefetch has been read (or has failed).
+
+        Returns False if ``timeout`` seconds passed first. Useful before reading
+        :attr:`stats` or checking residency: prefetches run in the background.
+        """
+        cache = self._cache
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with cache.changed:
+            while any(s.state == _LOADING and s.prefetched for s in cache.slots):
+                left = 0.1 if deadline is None else min(0.1, deadline - time.monotonic())
+                if left <= 0:
+                    return False
+                cache.changed.wait(left)
+        return True
+
     # -- lifecycle ----------------------------------------------------------------------------
 
     def close(self) -> None:
