@@ -157,6 +157,15 @@ class WeightSource:
     experts: dict[tuple[int, int], ExpertLayout]
     metadata: dict = field(default_factory=dict)
 
+    def __repr__(self) -> str:  # the expert table can hold thousands of entries
+        layers = self.layers
+        span = f"{layers[0]}..{layers[-1]}" if layers else "none"
+        return (
+            f"WeightSource(format={self.format!r}, files={len(self.files)}, "
+            f"experts={len(self.experts)} in layers {span}, "
+            f"metadata keys={sorted(self.metadata)})"
+        )
+
     @property
     def layers(self) -> tuple[int, ...]:
         """Layer indices that hold experts, ascending."""
