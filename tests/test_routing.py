@@ -270,9 +270,11 @@ def test_usage_counts_match_the_routes_and_failed_calls_count_nothing():
     ids, _ = ctx.route(x)
     one, _ = ctx.route(x[0])
     bad = x[:700].copy()
-    bad[650, 3] = np.nan
+    bad[650, 3] = np.nan  # two chunks: rows routed in both are counted, then taken back
     with pytest.raises(ValueError, match="row 650"):
         ctx.route(bad)
+    with pytest.raises(ValueError, match="row 50"):
+        ctx.route(bad[600:700])  # one chunk, the latency path
     counts, coactivation, tokens = ctx._usage_arrays()
     all_ids = np.concatenate([ids, one[None]])
     assert tokens == 5001

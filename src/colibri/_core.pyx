@@ -117,11 +117,26 @@ ctypedef struct RowJob:
     size_t scratch_bytes
 
 
-cdef void _route_span(const RowJob *job, Py_ssize_t start, Py_ssize_t stop, char *scratch,
-                      Py_ssize_t *bad_row, int *bad_code) noexcept nogil:
-    """Route rows [start, stop) with one scratch block.
+cdef inline void _count_row(const int32_t *ids, Py_ssize_t k, Py_ssize_t E, int64_t *counts,
+                            int64_t *pairs, int64_t sign) noexcept nogil:
+    """Add sign x one routed row to counts [E] and the pairs' upper triangle [E, E]."""
+    cdef Py_ssize_t a, b
+    cdef int32_t lo, hi
+    for a in range(k):
+        counts[ids[a]] += sign
+        for b in range(a + 1, k):  # a row's ids are distinct: each pair once, as (low, high)
+            lo = ids[a] if ids[a] < ids[b] else ids[b]
+            hi = ids[a] + ids[b] - lo
+            pairs[lo * E + hi] += sign
 
-    The first failing row and its status go to bad_row / bad_code (left alone if none)."""
+
+cdef void _route_span(const RowJob *job, Py_ssize_t start, Py_ssize_t stop, char *scratch,
+                      int64_t *counts, int64_t *pairs, Py_ssize_t *bad_row,
+                      int *bad_code) noexcept nogil:
+    """Route rows [start, stop) with one scratch block; count usage when counts != NULL.
+
+    The first failing row and its status go to bad_row / bad_code (left alone if none); the
+    rows before it are routed and counted."""
     cdef Py_ssize_t t, j, k = job.k
     cdef int32_t *row_ids = <int32_t *>(scratch + job.scratch_bytes)
     cdef float *row_w = <float *>(scratch + job.scratch_bytes + k * 4)
@@ -145,24 +160,22 @@ cdef void _route_span(const RowJob *job, Py_ssize_t start, Py_ssize_t stop, char
             else:
                 (<int32_t *>ids_out)[j * job.ids_s1] = row_ids[j]
             w_out[j * job.w_s1] = row_w[j]
+        if counts != NULL:
+            _count_row(row_ids, k, job.E, counts, pairs, 1)
 
 
-cdef void _count_span(const RowJob *job, Py_ssize_t start, Py_ssize_t stop, int64_t *counts,
-                      int64_t *coact) noexcept nogil:
-    """Add the routed ids of rows [start, stop) to counts [E] and coact [E, E]."""
-    cdef Py_ssize_t t, a, b, k = job.k, E = job.E
+cdef void _uncount_span(const RowJob *job, Py_ssize_t start, Py_ssize_t stop, char *scratch,
+                        int64_t *counts, int64_t *pairs) noexcept nogil:
+    """Take back the counts of rows [start, stop), read from the results (a failed call)."""
+    cdef Py_ssize_t t, j, k = job.k
+    cdef int32_t *row_ids = <int32_t *>scratch
     cdef char *ids_row
-    cdef int64_t ia, ib
     for t in range(start, stop):
         ids_row = job.ids + t * job.ids_s0 * job.ids_itemsize
-        for a in range(k):
-            ia = (<int64_t *>ids_row)[a * job.ids_s1] if job.ids64 else \
-                (<int32_t *>ids_row)[a * job.ids_s1]
-            counts[ia] += 1
-            for b in range(k):
-                ib = (<int64_t *>ids_row)[b * job.ids_s1] if job.ids64 else \
-                    (<int32_t *>ids_row)[b * job.ids_s1]
-                coact[ia * E + ib] += 1
+        for j in range(k):
+            row_ids[j] = <int32_t>(<int64_t *>ids_row)[j * job.ids_s1] if job.ids64 else \
+                (<int32_t *>ids_row)[j * job.ids_s1]
+        _count_row(row_ids, k, job.E, counts, pairs, -1)
 
 
 cdef inline bint _self_overlapping(HostTensor t) noexcept:
@@ -193,8 +206,9 @@ cdef class Router:
     cdef object _ids_dtype
     cdef readonly bint collect_stats
     cdef object _stats_lock
-    cdef object _counts          # [threads, E] int64, one row per chunk of a call
-    cdef object _coactivation    # [threads, E, E] int64
+    cdef object _counts          # [threads, >= E] int64, one row per chunk of a call
+    cdef object _coactivation    # [threads, >= E * E] int64, pairs (low, high) only
+    cdef Py_ssize_t _counts_stride, _pairs_stride  # rows padded: no cache line shared
     cdef readonly int64_t tokens_routed
     cdef size_t _scratch_bytes
 
@@ -248,14 +262,23 @@ cdef class Router:
         self._scratch_bytes = colibri_scratch_bytes(&self.r)
         self.collect_stats = collect_stats
         self._stats_lock = threading.Lock()
-        self._counts = np.zeros((routing_threads, num_experts), np.int64)
-        self._coactivation = np.zeros((routing_threads, num_experts, num_experts), np.int64)
+        # each thread's rows start on their own cache lines (8 int64 = 64 bytes), else two
+        # threads counting the experts at a row boundary fight over one line
+        self._counts_stride = (num_experts + 7) // 8 * 8 + 8
+        self._pairs_stride = (num_experts * num_experts + 7) // 8 * 8 + 8
+        self._counts = np.zeros((routing_threads, self._counts_stride), np.int64)
+        self._coactivation = np.zeros((routing_threads, self._pairs_stride), np.int64)
         self.tokens_routed = 0
 
     def _usage_arrays(self):
         """(counts [E], coactivation [E, E], tokens) copied under the statistics lock."""
         with self._stats_lock:
-            return self._counts.sum(axis=0), self._coactivation.sum(axis=0), self.tokens_routed
+            E = self.num_experts
+            counts = self._counts[:, :E].sum(axis=0)
+            pairs = self._coactivation[:, : E * E].sum(axis=0).reshape(E, E)  # each pair once
+            coactivation = pairs + pairs.T
+            np.fill_diagonal(coactivation, counts)
+            return counts, coactivation, self.tokens_routed
 
     def reset_stats(self):
         """Zero the usage statistics."""
@@ -372,39 +395,62 @@ cdef class Router:
         cdef Py_ssize_t *bad_rows = NULL
         cdef int *bad_codes = NULL
         cdef int64_t[:, ::1] counts
-        cdef int64_t[:, :, ::1] coact
-        cdef int64_t *cnt
-        cdef int64_t *co
+        cdef int64_t[:, ::1] coact
+        cdef Py_ssize_t cs = self._counts_stride, ps = self._pairs_stride
+        cdef int64_t *cnt = NULL
+        cdef int64_t *co = NULL
         if T > ROWS_PER_THREAD and self.routing_threads > 1:
             chunks = min(<Py_ssize_t>self.routing_threads,
                          (T + ROWS_PER_THREAD - 1) // ROWS_PER_THREAD)
-        if chunks == 1 and slot <= sizeof(stack_scratch):
-            # the latency path: no allocation, no parallel region
-            _route_span(&job, 0, T, scratch, &bad, &status)
-        else:
-            scratch = <char *>malloc(slot * chunks)
-            bad_rows = <Py_ssize_t *>malloc(sizeof(Py_ssize_t) * chunks)
-            bad_codes = <int *>malloc(sizeof(int) * chunks)
-            if scratch == NULL or bad_rows == NULL or bad_codes == NULL:
+        if self.collect_stats:
+            # counted while routing, into per-chunk accumulators the context keeps (one
+            # statistics-collecting call at a time); a failed call takes its counts back
+            self._stats_lock.acquire()
+            counts = self._counts
+            coact = self._coactivation
+            cnt = &counts[0, 0]
+            co = &coact[0, 0]
+        try:
+            if chunks == 1 and slot <= sizeof(stack_scratch):
+                # the latency path: no allocation, no parallel region
+                _route_span(&job, 0, T, scratch, cnt, co, &bad, &status)
+                if status != COLIBRI_OK and cnt != NULL:
+                    _uncount_span(&job, 0, bad, scratch, cnt, co)
+            else:
+                scratch = <char *>malloc(slot * chunks)
+                bad_rows = <Py_ssize_t *>malloc(sizeof(Py_ssize_t) * chunks)
+                bad_codes = <int *>malloc(sizeof(int) * chunks)
+                if scratch == NULL or bad_rows == NULL or bad_codes == NULL:
+                    free(scratch)
+                    free(bad_rows)
+                    free(bad_codes)
+                    raise MemoryError("route(): could not allocate routing scratch")
+                for c in range(chunks):
+                    bad_rows[c] = (c + 1) * T // chunks  # the chunk's end: all rows routed
+                    bad_codes[c] = COLIBRI_OK
+                # one contiguous block of rows per chunk, one chunk per thread
+                for c in prange(chunks, nogil=True, num_threads=chunks, schedule="static",
+                                chunksize=1):
+                    _route_span(&job, c * T // chunks, (c + 1) * T // chunks,
+                                scratch + slot * c, cnt + c * cs if cnt != NULL else NULL,
+                                co + c * ps if co != NULL else NULL,
+                                bad_rows + c, bad_codes + c)
+                for c in range(chunks):
+                    if bad_codes[c] != COLIBRI_OK and bad_rows[c] < bad:
+                        bad = bad_rows[c]
+                        status = bad_codes[c]
+                if status != COLIBRI_OK and cnt != NULL:
+                    for c in range(chunks):  # bad_rows[c]: where chunk c stopped routing
+                        _uncount_span(&job, c * T // chunks, bad_rows[c], scratch,
+                                      cnt + c * cs, co + c * ps)
                 free(scratch)
                 free(bad_rows)
                 free(bad_codes)
-                raise MemoryError("route(): could not allocate routing scratch")
-            for c in range(chunks):
-                bad_rows[c] = T
-                bad_codes[c] = COLIBRI_OK
-            # one contiguous block of rows per chunk, one chunk per thread
-            for c in prange(chunks, nogil=True, num_threads=chunks, schedule="static",
-                            chunksize=1):
-                _route_span(&job, c * T // chunks, (c + 1) * T // chunks, scratch + slot * c,
-                            bad_rows + c, bad_codes + c)
-            for c in range(chunks):
-                if bad_rows[c] < bad:
-                    bad = bad_rows[c]
-                    status = bad_codes[c]
-            free(scratch)
-            free(bad_rows)
-            free(bad_codes)
+            if cnt != NULL and status == COLIBRI_OK:
+                self.tokens_routed += T
+        finally:
+            if cnt != NULL:
+                self._stats_lock.release()
         if status == COLIBRI_ROW_NAN:
             raise ValueError(f"route(logits): row {bad} contains NaN; colibri refuses to route "
                              "NaN logits (check the gate's input, or replace NaN with "
@@ -415,20 +461,4 @@ cdef class Router:
         if status == COLIBRI_ROW_SHORT:
             raise RuntimeError(f"route(): row {bad} kept fewer than top_k={self.top_k} "
                                "experts; this is a colibri bug, please report it")
-        if self.collect_stats:
-            # counted from the results, only once the whole call succeeded, into per-chunk
-            # accumulators that live in the context (no allocation per call)
-            with self._stats_lock:
-                counts = self._counts
-                coact = self._coactivation
-                cnt = &counts[0, 0]
-                co = &coact[0, 0, 0]
-                if chunks == 1:
-                    _count_span(&job, 0, T, cnt, co)
-                else:
-                    for c in prange(chunks, nogil=True, num_threads=chunks, schedule="static",
-                                    chunksize=1):
-                        _count_span(&job, c * T // chunks, (c + 1) * T // chunks, cnt + c * E,
-                                    co + c * E * E)
-                self.tokens_routed += T
         return 0
