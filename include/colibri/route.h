@@ -461,6 +461,103 @@ static inline float colibri_score(int scoring, float x)
     return scoring == COLIBRI_SIGMOID ? colibri_sigmoid(x) : colibri_sqrtsoftplus(x);
 }
 
+/* Weights of the chosen experts tid[0..k) of row x (scores: the row's scores, or NULL when
+ * the keys were the logits), into weights/ids. scratch: as for colibri_route_row. */
+static inline int colibri_weights(const colibri_router_t *r, const float *x, const float *scores,
+                                  const int32_t *tid, void *scratch, int32_t *ids,
+                                  float *weights)
+{
+    const int32_t E = r->num_experts, k = r->top_k;
+    int32_t j;
+    int normalized = 0;
+    const int have_scores = scores != NULL;
+    float *softmax = (float *)scratch + E; /* the scores area, free when scores == NULL */
+
+    /* Weights from the unbiased scores of the chosen experts. */
+    if (have_scores) {
+        for (j = 0; j < k; j++)
+            weights[j] = scores[tid[j]];
+    } else if (r->scoring == COLIBRI_SOFTMAX && r->normalize) {
+        /* renormalised softmax over the k chosen = exp(x - max chosen) / sum; the keys are
+         * the logits here, so the first chosen is the max */
+        const float m = x[tid[0]];
+        if (m == -INFINITY)
+            return COLIBRI_ROW_ALL_NEG_INF;
+        if (m == INFINITY) {
+            for (j = 0; j < k; j++)
+                weights[j] = x[tid[j]] == INFINITY ? 1.0f : 0.0f;
+        } else if (r->norm_p == 1.0f) {
+            /* the common case, done here: terms in (0, 1], the first is 1, no overflow */
+            float sum = 0.0f;
+            for (j = 0; j < k; j++) {
+                weights[j] = colibri_exp(x[tid[j]] - m);
+                sum += weights[j];
+            }
+            sum += r->norm_eps;
+            for (j = 0; j < k; j++)
+                weights[j] /= sum;
+            normalized = 1;
+        } else {
+            for (j = 0; j < k; j++)
+                weights[j] = colibri_exp(x[tid[j]] - m);
+        }
+    } else if (r->scoring == COLIBRI_SOFTMAX) {
+        if (colibri_softmax(x, E, softmax) != COLIBRI_OK)
+            return COLIBRI_ROW_ALL_NEG_INF;
+        for (j = 0; j < k; j++)
+            weights[j] = softmax[tid[j]];
+    } else {
+        for (j = 0; j < k; j++)
+            weights[j] = colibri_score(r->scoring, x[tid[j]]);
+    }
+
+    if (r->normalize && !normalized) {
+        /* weights are >= 0: divide by their p-norm, computed on w / max so that no power
+         * overflows (sqrt-softplus of 3e38 squared would) */
+        float largest = 0.0f, norm = 0.0f;
+        int32_t infinite = 0;
+        for (j = 0; j < k; j++) {
+            infinite += weights[j] == INFINITY;
+            largest = weights[j] > largest ? weights[j] : largest;
+        }
+        if (infinite) {
+            /* sqrt-softplus of +inf: the infinite weights share the unit norm equally */
+            float share = r->norm_p == 1.0f ? 1.0f / (float)infinite
+                                            : powf((float)infinite, -1.0f / r->norm_p);
+            for (j = 0; j < k; j++)
+                weights[j] = weights[j] == INFINITY ? share : 0.0f;
+        } else if (largest > 0.0f) {
+            if (r->norm_p == 1.0f) {
+                for (j = 0; j < k; j++)
+                    norm += weights[j];
+                norm += r->norm_eps;
+                for (j = 0; j < k; j++) /* divide: 1 / a subnormal sum would overflow */
+                    weights[j] /= norm;
+            } else if (r->norm_eps == 0.0f) {
+                for (j = 0; j < k; j++)
+                    norm += powf(weights[j] / largest, r->norm_p);
+                norm = powf(norm, 1.0f / r->norm_p);
+                for (j = 0; j < k; j++)
+                    weights[j] = weights[j] / largest / norm;
+            } else {
+                for (j = 0; j < k; j++)
+                    norm += powf(weights[j] / largest, r->norm_p);
+                norm = largest * powf(norm, 1.0f / r->norm_p) + r->norm_eps;
+                for (j = 0; j < k; j++)
+                    weights[j] /= norm;
+            }
+        }
+    }
+    for (j = 0; j < k; j++) {
+        float w = weights[j];
+        if (r->expert_scale != NULL)
+            w *= r->expert_scale[tid[j]];
+        weights[j] = w * r->scale;
+        ids[j] = tid[j];
+    }
+    return COLIBRI_OK;
+}
+
 /* Route one row. x: [E] float32 logits; scratch: colibri_scratch_bytes(r) bytes, 4-aligned;
  * ids, weights: [k]. Returns COLIBRI_OK or a row status (nothing useful written then). */
 static inline int colibri_route_row(const colibri_router_t *r, const float *x, void *scratch,
@@ -478,7 +575,6 @@ static inline int colibri_route_row(const colibri_router_t *r, const float *x, v
     float *tval = (float *)(gid + 2 * G);
     int32_t *tid = (int32_t *)(tval + k);
     int32_t e, j, g, n = 0;
-    int normalized = 0;
 
     /* Selection keys: the logits, unless a bias or top-2-sum group scores need true scores. */
     const float *key = x;
@@ -550,90 +646,140 @@ static inline int colibri_route_row(const colibri_router_t *r, const float *x, v
     }
     if (n < k) /* the caller validates k against the smallest groups: never happens */
         return COLIBRI_ROW_SHORT;
+    return colibri_weights(r, x, have_scores ? scores : NULL, tid, scratch, ids, weights);
+}
 
-    /* Weights from the unbiased scores of the chosen experts. */
-    if (have_scores) {
-        for (j = 0; j < k; j++)
-            weights[j] = scores[tid[j]];
-    } else if (r->scoring == COLIBRI_SOFTMAX && r->normalize) {
-        /* renormalised softmax over the k chosen = exp(x - max chosen) / sum; the keys are
-         * the logits here, so the first chosen is the max */
-        const float m = x[tid[0]];
-        if (m == -INFINITY)
-            return COLIBRI_ROW_ALL_NEG_INF;
-        if (m == INFINITY) {
-            for (j = 0; j < k; j++)
-                weights[j] = x[tid[j]] == INFINITY ? 1.0f : 0.0f;
-        } else if (r->norm_p == 1.0f) {
-            /* the common case, done here: terms in (0, 1], the first is 1, no overflow */
-            float sum = 0.0f;
-            for (j = 0; j < k; j++) {
-                weights[j] = colibri_exp(x[tid[j]] - m);
-                sum += weights[j];
-            }
-            sum += r->norm_eps;
-            for (j = 0; j < k; j++)
-                weights[j] /= sum;
-            normalized = 1;
-        } else {
-            for (j = 0; j < k; j++)
-                weights[j] = colibri_exp(x[tid[j]] - m);
-        }
-    } else if (r->scoring == COLIBRI_SOFTMAX) {
-        if (colibri_softmax(x, E, scores) != COLIBRI_OK)
-            return COLIBRI_ROW_ALL_NEG_INF;
-        for (j = 0; j < k; j++)
-            weights[j] = scores[tid[j]];
-    } else {
-        for (j = 0; j < k; j++)
-            weights[j] = colibri_score(r->scoring, x[tid[j]]);
-    }
+/* The 8-row path. Plain routing (the keys are the logits: no bias, no group limit) with
+ * k <= 2 and a modest E routes 8 rows at once, one row per SSE lane in two interleaved sets
+ * of 4 (two independent dependency chains): each lane keeps its k best (key, id) pairs by
+ * compare-and-select, with no horizontal reduction and no branch per element. A strictly
+ * greater key displaces, so equal keys keep the lower id: the same answers as
+ * colibri_route_row. Measured top-k alone: 20 -> 6 ns per row at E=26, 87 -> 18 at E=64;
+ * from E=256 on the per-row passes win. */
+#define COLIBRI_ROWS8_MAX_E 96
 
-    if (r->normalize && !normalized) {
-        /* weights are >= 0: divide by their p-norm, computed on w / max so that no power
-         * overflows (sqrt-softplus of 3e38 squared would) */
-        float largest = 0.0f, norm = 0.0f;
-        int32_t infinite = 0;
-        for (j = 0; j < k; j++) {
-            infinite += weights[j] == INFINITY;
-            largest = weights[j] > largest ? weights[j] : largest;
-        }
-        if (infinite) {
-            /* sqrt-softplus of +inf: the infinite weights share the unit norm equally */
-            float share = r->norm_p == 1.0f ? 1.0f / (float)infinite
-                                            : powf((float)infinite, -1.0f / r->norm_p);
-            for (j = 0; j < k; j++)
-                weights[j] = weights[j] == INFINITY ? share : 0.0f;
-        } else if (largest > 0.0f) {
-            if (r->norm_p == 1.0f) {
-                for (j = 0; j < k; j++)
-                    norm += weights[j];
-                norm += r->norm_eps;
-                for (j = 0; j < k; j++) /* divide: 1 / a subnormal sum would overflow */
-                    weights[j] /= norm;
-            } else if (r->norm_eps == 0.0f) {
-                for (j = 0; j < k; j++)
-                    norm += powf(weights[j] / largest, r->norm_p);
-                norm = powf(norm, 1.0f / r->norm_p);
-                for (j = 0; j < k; j++)
-                    weights[j] = weights[j] / largest / norm;
-            } else {
-                for (j = 0; j < k; j++)
-                    norm += powf(weights[j] / largest, r->norm_p);
-                norm = largest * powf(norm, 1.0f / r->norm_p) + r->norm_eps;
-                for (j = 0; j < k; j++)
-                    weights[j] /= norm;
-            }
-        }
+static inline int colibri_rows8_eligible(const colibri_router_t *r)
+{
+#ifdef COLIBRI_SSE2
+    return r->top_k <= 2 && r->num_experts >= 2 && r->num_experts <= COLIBRI_ROWS8_MAX_E &&
+           r->bias == NULL && r->num_groups <= 1;
+#else
+    (void)r;
+    return 0;
+#endif
+}
+
+#ifdef COLIBRI_SSE2
+static inline __m128 colibri_select4(__m128 mask, __m128 a, __m128 b)
+{
+    return _mm_or_ps(_mm_and_ps(mask, a), _mm_andnot_ps(mask, b));
+}
+
+/* Lanes = 4 rows: the best two (key, id) so far; ids travel as floats (exact below 2^24). */
+typedef struct {
+    __m128 a, b, ia, ib, unordered;
+} colibri_top2x4_t;
+
+/* Start from elements 0 and 1 of the 4 rows, in order (equal: the lower id first). */
+static inline void colibri_top2x4_init(colibri_top2x4_t *s, __m128 v0, __m128 v1)
+{
+    __m128 up = _mm_cmpgt_ps(v1, v0);
+    s->unordered = _mm_or_ps(_mm_cmpunord_ps(v0, v0), _mm_cmpunord_ps(v1, v1));
+    s->a = colibri_select4(up, v1, v0);
+    s->b = colibri_select4(up, v0, v1);
+    s->ia = colibri_select4(up, _mm_set1_ps(1.0f), _mm_setzero_ps());
+    s->ib = colibri_select4(up, _mm_setzero_ps(), _mm_set1_ps(1.0f));
+}
+
+static inline void colibri_top2x4_step(colibri_top2x4_t *s, __m128 v, __m128 id)
+{
+    __m128 g1 = _mm_cmpgt_ps(v, s->a), g2 = _mm_cmpgt_ps(v, s->b);
+    s->unordered = _mm_or_ps(s->unordered, _mm_cmpunord_ps(v, v));
+    s->b = colibri_select4(g1, s->a, colibri_select4(g2, v, s->b));
+    s->ib = colibri_select4(g1, s->ia, colibri_select4(g2, id, s->ib));
+    s->a = colibri_select4(g1, v, s->a);
+    s->ia = colibri_select4(g1, id, s->ia);
+}
+
+/* Element e of 4 rows r[0..4) as one vector. */
+static inline __m128 colibri_column4(const float *const *r, int32_t e)
+{
+    return _mm_set_ps(r[3][e], r[2][e], r[1][e], r[0][e]);
+}
+#endif
+
+/* Route rows x + i stride, i < 8 (float32, stride in floats, 4-byte aligned); row i's
+ * results go to ids + i k, weights + i k. Returns COLIBRI_OK, or nonzero when a row fails
+ * (NaN, undefined softmax): route those rows one by one to name it. */
+static inline int colibri_route_rows8(const colibri_router_t *r, const float *x, int64_t stride,
+                                      void *scratch, int32_t *ids, float *weights)
+{
+    const int32_t E = r->num_experts, k = r->top_k;
+    int32_t i;
+#ifdef COLIBRI_SSE2
+    const float *lo[4], *hi[4];
+    colibri_top2x4_t s0, s1;
+    float first[8], second[8];
+    int32_t e, tid[2];
+    for (i = 0; i < 4; i++) {
+        lo[i] = x + i * stride;
+        hi[i] = x + (i + 4) * stride;
     }
-    for (j = 0; j < k; j++) {
-        float w = weights[j];
-        if (r->expert_scale != NULL)
-            w *= r->expert_scale[tid[j]];
-        weights[j] = w * r->scale;
-        ids[j] = tid[j];
+    colibri_top2x4_init(&s0, colibri_column4(lo, 0), colibri_column4(lo, 1));
+    colibri_top2x4_init(&s1, colibri_column4(hi, 0), colibri_column4(hi, 1));
+    for (e = 2; e < E && (e & 3); e++) {
+        __m128 id = _mm_set1_ps((float)e);
+        colibri_top2x4_step(&s0, colibri_column4(lo, e), id);
+        colibri_top2x4_step(&s1, colibri_column4(hi, e), id);
+    }
+    for (; e + 4 <= E; e += 4) { /* 4x4 tiles, transposed: t_j is element e + j of 4 rows */
+        __m128 t0 = _mm_loadu_ps(lo[0] + e), t1 = _mm_loadu_ps(lo[1] + e);
+        __m128 t2 = _mm_loadu_ps(lo[2] + e), t3 = _mm_loadu_ps(lo[3] + e);
+        __m128 u0 = _mm_loadu_ps(hi[0] + e), u1 = _mm_loadu_ps(hi[1] + e);
+        __m128 u2 = _mm_loadu_ps(hi[2] + e), u3 = _mm_loadu_ps(hi[3] + e);
+        __m128 i0 = _mm_set1_ps((float)e), i1 = _mm_set1_ps((float)(e + 1));
+        __m128 i2 = _mm_set1_ps((float)(e + 2)), i3 = _mm_set1_ps((float)(e + 3));
+        _MM_TRANSPOSE4_PS(t0, t1, t2, t3);
+        _MM_TRANSPOSE4_PS(u0, u1, u2, u3);
+        colibri_top2x4_step(&s0, t0, i0);
+        colibri_top2x4_step(&s1, u0, i0);
+        colibri_top2x4_step(&s0, t1, i1);
+        colibri_top2x4_step(&s1, u1, i1);
+        colibri_top2x4_step(&s0, t2, i2);
+        colibri_top2x4_step(&s1, u2, i2);
+        colibri_top2x4_step(&s0, t3, i3);
+        colibri_top2x4_step(&s1, u3, i3);
+    }
+    for (; e < E; e++) {
+        __m128 id = _mm_set1_ps((float)e);
+        colibri_top2x4_step(&s0, colibri_column4(lo, e), id);
+        colibri_top2x4_step(&s1, colibri_column4(hi, e), id);
+    }
+    if (_mm_movemask_ps(_mm_or_ps(s0.unordered, s1.unordered)))
+        return COLIBRI_ROW_NAN;
+    _mm_storeu_ps(first, s0.ia);
+    _mm_storeu_ps(first + 4, s1.ia);
+    _mm_storeu_ps(second, s0.ib);
+    _mm_storeu_ps(second + 4, s1.ib);
+    for (i = 0; i < 8; i++) {
+        int status;
+        tid[0] = (int32_t)first[i];
+        tid[1] = (int32_t)second[i];
+        status = colibri_weights(r, x + i * stride, NULL, tid, scratch, ids + i * k,
+                                 weights + i * k);
+        if (status != COLIBRI_OK)
+            return status;
     }
     return COLIBRI_OK;
+#else
+    for (i = 0; i < 8; i++) {
+        int status = colibri_route_row(r, x + i * stride, scratch, ids + i * k, weights + i * k);
+        if (status != COLIBRI_OK)
+            return status;
+    }
+    (void)E;
+    return COLIBRI_OK;
+#endif
 }
 
 #endif /* COLIBRI_ROUTE_H */

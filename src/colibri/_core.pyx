@@ -8,7 +8,7 @@ and counts expert usage per thread when asked, merged after the parallel loop.
 
 cimport cython
 from cython.parallel cimport prange
-from libc.stdint cimport int32_t, int64_t
+from libc.stdint cimport int32_t, int64_t, uintptr_t
 from libc.stdlib cimport free, malloc
 
 from colibri._dlpack cimport (BFLOAT16, FLOAT16, FLOAT32, FLOAT64, INT32, INT64, DType,
@@ -46,6 +46,9 @@ cdef extern from "colibri/route.h" nogil:
                                   float *buf) noexcept
     int colibri_route_row(const colibri_router_t *r, const float *x, void *scratch,
                           int32_t *ids, float *weights) noexcept
+    int colibri_rows8_eligible(const colibri_router_t *r) noexcept
+    int colibri_route_rows8(const colibri_router_t *r, const float *x, int64_t stride,
+                            void *scratch, int32_t *ids, float *weights) noexcept
     enum:
         COLIBRI_OK
         COLIBRI_ROW_NAN
@@ -115,6 +118,7 @@ ctypedef struct RowJob:
     int64_t w_s0, w_s1
     Py_ssize_t k, E
     size_t scratch_bytes
+    bint rows8                  # route 8 rows at a time (colibri_route_rows8)
 
 
 cdef inline void _count_row(const int32_t *ids, Py_ssize_t k, Py_ssize_t E, int64_t *counts,
@@ -130,6 +134,20 @@ cdef inline void _count_row(const int32_t *ids, Py_ssize_t k, Py_ssize_t E, int6
             pairs[lo * E + hi] += sign
 
 
+cdef inline void _store_row(const RowJob *job, Py_ssize_t t, const int32_t *ids,
+                            const float *weights) noexcept nogil:
+    """Write one routed row into the out buffers (any strides, int32 or int64 ids)."""
+    cdef Py_ssize_t j
+    cdef char *ids_out = job.ids + t * job.ids_s0 * job.ids_itemsize
+    cdef float *w_out = job.w + t * job.w_s0
+    for j in range(job.k):
+        if job.ids64:
+            (<int64_t *>ids_out)[j * job.ids_s1] = ids[j]
+        else:
+            (<int32_t *>ids_out)[j * job.ids_s1] = ids[j]
+        w_out[j * job.w_s1] = weights[j]
+
+
 cdef void _route_span(const RowJob *job, Py_ssize_t start, Py_ssize_t stop, char *scratch,
                       int64_t *counts, int64_t *pairs, Py_ssize_t *bad_row,
                       int *bad_code) noexcept nogil:
@@ -137,14 +155,22 @@ cdef void _route_span(const RowJob *job, Py_ssize_t start, Py_ssize_t stop, char
 
     The first failing row and its status go to bad_row / bad_code (left alone if none); the
     rows before it are routed and counted."""
-    cdef Py_ssize_t t, j, k = job.k
+    cdef Py_ssize_t t = start, j, i, k = job.k
     cdef int32_t *row_ids = <int32_t *>(scratch + job.scratch_bytes)
-    cdef float *row_w = <float *>(scratch + job.scratch_bytes + k * 4)
+    cdef float *row_w = <float *>(scratch + job.scratch_bytes + 8 * k * 4)
     cdef const float *row
-    cdef char *ids_out
-    cdef float *w_out
     cdef int status
-    for t in range(start, stop):
+    if job.rows8:
+        while t + 8 <= stop:
+            if colibri_route_rows8(job.router, <const float *>(job.x + t * job.xs0 * 4),
+                                   job.xs0, scratch, row_ids, row_w) != COLIBRI_OK:
+                break  # the rows one by one below name the failing one
+            for i in range(8):
+                _store_row(job, t + i, row_ids + i * k, row_w + i * k)
+                if counts != NULL:
+                    _count_row(row_ids + i * k, k, job.E, counts, pairs, 1)
+            t += 8
+    for t in range(t, stop):
         row = colibri_load_row(job.x + t * job.xs0 * job.x_itemsize, job.x_dtype, job.xs1,
                                <int32_t>job.E, <float *>scratch)
         status = colibri_route_row(job.router, row, scratch, row_ids, row_w)
@@ -152,14 +178,7 @@ cdef void _route_span(const RowJob *job, Py_ssize_t start, Py_ssize_t stop, char
             bad_row[0] = t
             bad_code[0] = status
             return
-        ids_out = job.ids + t * job.ids_s0 * job.ids_itemsize
-        w_out = job.w + t * job.w_s0
-        for j in range(k):
-            if job.ids64:
-                (<int64_t *>ids_out)[j * job.ids_s1] = row_ids[j]
-            else:
-                (<int32_t *>ids_out)[j * job.ids_s1] = row_ids[j]
-            w_out[j * job.w_s1] = row_w[j]
+        _store_row(job, t, row_ids, row_w)
         if counts != NULL:
             _count_row(row_ids, k, job.E, counts, pairs, 1)
 
@@ -386,8 +405,11 @@ cdef class Router:
         job.k = self.top_k
         job.E = self.num_experts
         job.scratch_bytes = self._scratch_bytes
+        job.rows8 = (colibri_rows8_eligible(&self.r) and x.dtype == FLOAT32 and xs1 == 1
+                     and (<uintptr_t>x.data) % 4 == 0)
         cdef Py_ssize_t E = self.num_experts
-        cdef size_t slot = (self._scratch_bytes + <size_t>self.top_k * 8 + 63) & ~(<size_t>63)
+        # scratch, then 8 rows of ids and weights (the 8-row path)
+        cdef size_t slot = (self._scratch_bytes + <size_t>self.top_k * 64 + 63) & ~(<size_t>63)
         cdef Py_ssize_t chunks = 1, c, bad = T
         cdef int status = COLIBRI_OK
         cdef char stack_scratch[8192]
