@@ -250,6 +250,11 @@ def test_one_shot_route_and_route_from_dlpack():
     assert np.array_equal(i1, i2) and np.array_equal(w1, w2)
     with pytest.raises(TypeError, match="colibri.Context"):
         colibri.route_from_dlpack(x, "ctx")
+    i3, w3 = colibri.route(x.__dlpack__(max_version=(1, 0)), 3, scoring="sigmoid")
+    assert np.array_equal(i1, i3) and np.array_equal(w1, w3)  # a capsule, consumed once
+    torch = pytest.importorskip("torch")
+    i4, _ = colibri.route(torch.from_numpy(x), 3, scoring="sigmoid")
+    assert isinstance(i4, torch.Tensor) and np.array_equal(i1, i4.numpy())
 
 
 def test_config_object_and_overrides():

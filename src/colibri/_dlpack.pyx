@@ -408,6 +408,10 @@ cdef tuple new_result(object like, tuple shape, DType dtype):
 
 cdef HostTensor import_tensor(object obj, bint writable, str what):
     """Import ``obj`` (array, tensor or capsule) as a HostTensor; ``writable`` for outputs."""
+    if type(obj) is HostTensor:  # imported already (a capsule can be consumed only once)
+        if writable and (<HostTensor>obj).readonly:
+            raise ValueError(f"{what}: the tensor is read-only; pass a writable buffer")
+        return <HostTensor>obj
     cdef HostTensor t = HostTensor.__new__(HostTensor)
     t.source = obj
     if type(obj) is _ndarray:
@@ -448,7 +452,7 @@ def to_caller(arr, like):
     ``like`` is the caller's input; capsules and numpy arrays give ``arr`` itself.
     """
     tp = type(like)
-    if tp is _ndarray or PyCapsule_CheckExact(like):
+    if tp is _ndarray or tp is HostTensor or PyCapsule_CheckExact(like):
         return arr
     fn = _from_dlpack_cache.get(tp, False)
     if fn is False:

@@ -124,7 +124,10 @@ def route(logits: Any, top_k: int, **options: Any):
     The number of experts is the last dimension of ``logits``. For repeated calls, build a
     context once with :func:`init`.
     """
-    shape = host_tensor(logits).shape if not isinstance(logits, np.ndarray) else logits.shape
+    shape = getattr(logits, "shape", None)  # arrays of every framework: no import needed
+    if shape is None:  # a raw capsule: import it here, once (it can be consumed only once)
+        logits = host_tensor(logits)
+        shape = logits.shape
     if len(shape) not in (1, 2):
         raise ValueError(f"route(): logits must be [E] or [T, E], got shape {tuple(shape)}")
     return init(shape[-1], top_k, **options).route(logits)
