@@ -348,3 +348,17 @@ def test_device_tensor_is_copied_through_the_producer(logits):
     assert producer.calls == [((1, 0), True)]
     with pytest.raises(BufferError, match=r"lives on cuda.*\.cpu\(\)"):
         colibri.init(12, 3).route(DeviceProducer(logits, can_copy=False))
+
+
+def test_out_buffers_on_a_device_or_copied_are_refused(logits):
+    """Results written into a host copy of a device buffer would be lost: refuse them."""
+    ctx = colibri.init(12, 3)
+    ids, w = ctx.buffers(9)
+    device_w = DeviceProducer(np.zeros((9, 3), np.float32), can_copy=True)
+    with pytest.raises(BufferError, match=r"lives on cuda.*device='cpu'"):
+        ctx.route(logits, out=(ids, device_w))
+    assert device_w.calls == []  # not even asked for a copy
+    copied = Capsule(np.zeros((9, 3), np.float32), shape=(9, 3), flags=2)  # IS_COPIED
+    with pytest.raises(BufferError, match="IS_COPIED"):
+        ctx.route(logits, out=(ids, copied.capsule))
+    assert_route(ctx.route(logits, out=(ids, w)), logits)

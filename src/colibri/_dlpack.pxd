@@ -55,6 +55,7 @@ cdef extern from "colibri/dlpack.h" nogil:
         int (*current_work_stream)(int device_type, int32_t device_id, void **out_stream)
 
     uint64_t DLPACK_FLAG_BITMASK_READ_ONLY
+    uint64_t DLPACK_FLAG_BITMASK_IS_COPIED
     int COLIBRI_DLPACK_MAJOR
     int COLIBRI_DLPACK_MINOR
 
@@ -87,6 +88,7 @@ cdef class HostTensor:
     cdef DType dtype
     cdef int itemsize
     cdef bint readonly
+    cdef bint copied              # the producer exported a copy (DLPack IS_COPIED)
     cdef object source            # the object the tensor came from (for the caller's framework)
     cdef void *managed
     cdef bint versioned

@@ -228,6 +228,7 @@ cdef int _take_capsule(HostTensor t, object capsule, str what) except -1:
                               f"not supported (colibri reads {COLIBRI_DLPACK_MAJOR}.x)")
         dl = &mv.dl_tensor
         t.readonly = (mv.flags & DLPACK_FLAG_BITMASK_READ_ONLY) != 0
+        t.copied = (mv.flags & DLPACK_FLAG_BITMASK_IS_COPIED) != 0
     elif PyCapsule_IsValid(capsule, b"dltensor"):
         ml = <DLManagedTensor *>PyCapsule_GetPointer(capsule, b"dltensor")
         PyCapsule_SetName(capsule, b"used_dltensor")
@@ -271,8 +272,12 @@ cdef int _take_buffer(HostTensor t, object obj, bint writable, str what) except 
     return 0
 
 
-def _export(obj, what):
-    """Ask a producer for a host capsule: negotiate the version, copy from devices."""
+def _export(obj, what, bint writable):
+    """Ask a producer for a host capsule: negotiate the version, copy inputs from devices.
+
+    An output (``writable``) on a device is refused: results written into a host copy
+    would be lost.
+    """
     try:
         device, _ = obj.__dlpack_device__()
     except AttributeError:
@@ -281,6 +286,11 @@ def _export(obj, what):
     device = int(device)
     kwargs = {"max_version": (COLIBRI_DLPACK_MAJOR, COLIBRI_DLPACK_MINOR)}
     if device not in _HOST_DEVICES:
+        if writable:
+            name = _DEVICE_NAMES.get(device, f"device type {device}")
+            raise BufferError(f"{what}: the buffer lives on {name}, but colibri writes its "
+                              "results on the host; pass CPU buffers (torch: device='cpu', "
+                              "pinned if you copy them on) or leave out= unset")
         kwargs.update(dl_device=(1, 0), copy=True)
     try:
         try:
@@ -421,10 +431,13 @@ cdef HostTensor import_tensor(object obj, bint writable, str what):
         ex = _exchange_for(type(obj))
         if ex is not None and _take_exchange(t, obj, ex, what):
             return t
-    _take_capsule(t, obj if PyCapsule_CheckExact(obj) else _export(obj, what), what)
+    _take_capsule(t, obj if PyCapsule_CheckExact(obj) else _export(obj, what, writable), what)
     if writable and t.readonly:
         raise ValueError(f"{what}: the tensor is read-only (DLPack READ_ONLY flag); pass a "
                          "writable buffer")
+    if writable and t.copied:
+        raise BufferError(f"{what}: the producer exported a copy (DLPack IS_COPIED flag), so "
+                          "results written there would be lost; pass the buffer itself")
     return t
 
 
@@ -463,7 +476,7 @@ def to_caller(arr, like):
 
 def _namespace_from_dlpack(like):
     module = type(like).__module__.partition(".")[0]
-    if module == "numpy":
+    if module in ("numpy", "cupy"):  # cupy arrays live on the GPU only: numpy results
         return None
     try:
         import array_api_compat
