@@ -24,6 +24,10 @@
 
 #include "colibri/half.h"
 
+#if defined(_MSC_VER)
+#include <intrin.h>
+#endif
+
 #if defined(__SSE2__) || defined(_M_X64) || (defined(_M_IX86_FP) && _M_IX86_FP >= 2)
 #include <emmintrin.h>
 #define COLIBRI_SSE2 1
@@ -385,6 +389,129 @@ static inline int colibri_stage(const float *x, int32_t E, float *work, float *b
     return nan;
 }
 
+/* Index of the lowest set bit of m != 0. */
+static inline int32_t colibri_ctz64(uint64_t m)
+{
+#if defined(__GNUC__) || defined(__clang__)
+    return (int32_t)__builtin_ctzll(m);
+#elif defined(_MSC_VER) && defined(_M_X64)
+    unsigned long i;
+    _BitScanForward64(&i, m);
+    return (int32_t)i;
+#else
+    int32_t i = 0;
+    for (; !(m & 1); m >>= 1)
+        i++;
+    return i;
+#endif
+}
+
+/* The two largest values of x[0..E), E >= 2, into *first >= *second (equal when tied, -inf
+ * when absent); returns nonzero when x holds a NaN. Each lane keeps its best two, merged at
+ * the end: no branch per element. */
+static inline int colibri_top2_values(const float *x, int32_t E, float *first, float *second)
+{
+    int32_t e = 0;
+    int nan = 0;
+    float m1 = -INFINITY, m2 = -INFINITY;
+#ifdef COLIBRI_SSE2
+    if (E >= 8) {
+        /* two sets of lanes (even and odd vectors): two dependency chains */
+        __m128 a = _mm_set1_ps(-INFINITY), b = a, a2 = a, b2 = a;
+        __m128 unordered = _mm_setzero_ps();
+        for (; e + 8 <= E; e += 8) {
+            __m128 v = _mm_loadu_ps(x + e), w = _mm_loadu_ps(x + e + 4);
+            unordered = _mm_or_ps(unordered, _mm_cmpunord_ps(v, w));
+            b = _mm_max_ps(_mm_min_ps(v, a), b);
+            a = _mm_max_ps(v, a);
+            b2 = _mm_max_ps(_mm_min_ps(w, a2), b2);
+            a2 = _mm_max_ps(w, a2);
+        }
+        if (e + 4 <= E) {
+            __m128 v = _mm_loadu_ps(x + e);
+            unordered = _mm_or_ps(unordered, _mm_cmpunord_ps(v, v));
+            b = _mm_max_ps(_mm_min_ps(v, a), b);
+            a = _mm_max_ps(v, a);
+            e += 4;
+        }
+        /* merge: the best two of {a >= b} and {a' >= b'} are max(a, a') and
+         * max(min(a, a'), max(b, b')); the two sets, then lane pairs twice */
+        b = _mm_max_ps(_mm_min_ps(a, a2), _mm_max_ps(b, b2));
+        a = _mm_max_ps(a, a2);
+        a2 = _mm_shuffle_ps(a, a, _MM_SHUFFLE(1, 0, 3, 2));
+        b2 = _mm_shuffle_ps(b, b, _MM_SHUFFLE(1, 0, 3, 2));
+        b = _mm_max_ps(_mm_min_ps(a, a2), _mm_max_ps(b, b2));
+        a = _mm_max_ps(a, a2);
+        a2 = _mm_shuffle_ps(a, a, _MM_SHUFFLE(2, 3, 0, 1));
+        b2 = _mm_shuffle_ps(b, b, _MM_SHUFFLE(2, 3, 0, 1));
+        b = _mm_max_ps(_mm_min_ps(a, a2), _mm_max_ps(b, b2));
+        a = _mm_max_ps(a, a2);
+        m1 = _mm_cvtss_f32(a);
+        m2 = _mm_cvtss_f32(b);
+        nan = _mm_movemask_ps(unordered);
+    }
+#endif
+    for (; e < E; e++) {
+        float v = x[e];
+        nan |= v != v;
+        m2 = v > m2 ? (v > m1 ? m1 : v) : m2;
+        m1 = v > m1 ? v : m1;
+    }
+    *first = m1;
+    *second = m2;
+    return nan;
+}
+
+/* The ids of the top two of x[0..E) (no NaN), given their values m1 >= m2: the first
+ * occurrence of m1, then the first occurrence of m2 other than that one. Masks of the
+ * elements equal to each value, 64 elements at a time: no branch per element. */
+static inline void colibri_top2_ids(const float *x, int32_t E, float m1, float m2, int32_t *ids)
+{
+    int32_t base, e, i1 = -1, i2 = -1;
+    for (base = 0; base < E; base += 64) {
+        const float *span = x + base;
+        int32_t n = E - base < 64 ? E - base : 64;
+        uint64_t k1 = 0, k2 = 0;
+        e = 0;
+#ifdef COLIBRI_SSE2
+        __m128 v1 = _mm_set1_ps(m1), v2 = _mm_set1_ps(m2);
+        for (; e + 16 <= n; e += 16) {
+            __m128 x0 = _mm_loadu_ps(span + e), x1 = _mm_loadu_ps(span + e + 4);
+            __m128 x2 = _mm_loadu_ps(span + e + 8), x3 = _mm_loadu_ps(span + e + 12);
+            __m128i lo = _mm_packs_epi32(_mm_castps_si128(_mm_cmpeq_ps(x0, v1)),
+                                         _mm_castps_si128(_mm_cmpeq_ps(x1, v1)));
+            __m128i hi = _mm_packs_epi32(_mm_castps_si128(_mm_cmpeq_ps(x2, v1)),
+                                         _mm_castps_si128(_mm_cmpeq_ps(x3, v1)));
+            k1 |= (uint64_t)(uint32_t)_mm_movemask_epi8(_mm_packs_epi16(lo, hi)) << e;
+            lo = _mm_packs_epi32(_mm_castps_si128(_mm_cmpeq_ps(x0, v2)),
+                                 _mm_castps_si128(_mm_cmpeq_ps(x1, v2)));
+            hi = _mm_packs_epi32(_mm_castps_si128(_mm_cmpeq_ps(x2, v2)),
+                                 _mm_castps_si128(_mm_cmpeq_ps(x3, v2)));
+            k2 |= (uint64_t)(uint32_t)_mm_movemask_epi8(_mm_packs_epi16(lo, hi)) << e;
+        }
+        for (; e + 4 <= n; e += 4) {
+            __m128 v = _mm_loadu_ps(span + e);
+            k1 |= (uint64_t)(uint32_t)_mm_movemask_ps(_mm_cmpeq_ps(v, v1)) << e;
+            k2 |= (uint64_t)(uint32_t)_mm_movemask_ps(_mm_cmpeq_ps(v, v2)) << e;
+        }
+#endif
+        for (; e < n; e++) {
+            k1 |= (uint64_t)(span[e] == m1) << e;
+            k2 |= (uint64_t)(span[e] == m2) << e;
+        }
+        if (i1 < 0 && k1)
+            i1 = base + colibri_ctz64(k1);
+        if (i1 >= base)
+            k2 &= ~((uint64_t)1 << (i1 - base)); /* i1 - base < 64: found in this span */
+        if (i2 < 0 && k2)
+            i2 = base + colibri_ctz64(k2);
+        if (i2 >= 0 && i1 >= 0)
+            break;
+    }
+    ids[0] = i1;
+    ids[1] = i2;
+}
+
 /* Top-k of the candidates in work[0..E) (keys; NaN marks "not a candidate", keys are never
  * NaN) into vals/ids, descending, equal keys to the lower id. work is consumed;
  * bmax: E / 16 + 1 floats. Returns how many were found. */
@@ -487,9 +614,10 @@ static inline int colibri_weights(const colibri_router_t *r, const float *x, con
             for (j = 0; j < k; j++)
                 weights[j] = x[tid[j]] == INFINITY ? 1.0f : 0.0f;
         } else if (r->norm_p == 1.0f) {
-            /* the common case, done here: terms in (0, 1], the first is 1, no overflow */
-            float sum = 0.0f;
-            for (j = 0; j < k; j++) {
+            /* the common case, done here: terms in (0, 1], the first is exp(0) = 1 */
+            float sum = 1.0f;
+            weights[0] = 1.0f;
+            for (j = 1; j < k; j++) {
                 weights[j] = colibri_exp(x[tid[j]] - m);
                 sum += weights[j];
             }
@@ -579,7 +707,13 @@ static inline int colibri_route_row(const colibri_router_t *r, const float *x, v
     /* Selection keys: the logits, unless a bias or top-2-sum group scores need true scores. */
     const float *key = x;
     int have_scores = r->bias != NULL || (G > 1 && r->group_score == COLIBRI_GROUP_TOP2_SUM);
-    if (G == 1 && !have_scores && k <= COLIBRI_PASSES_MAX_K && E >= 4 * k) {
+    if (G == 1 && !have_scores && k <= 2 && E >= 2) {
+        float m1, m2;
+        if (colibri_top2_values(x, E, &m1, &m2))
+            return COLIBRI_ROW_NAN;
+        colibri_top2_ids(x, E, m1, m2, tid);
+        n = k;
+    } else if (G == 1 && !have_scores && k <= COLIBRI_PASSES_MAX_K && E >= 4 * k) {
         /* the plain path: one pass checks for NaN, stages the logits and takes block maxima */
         if (colibri_stage(x, E, work, bmax))
             return COLIBRI_ROW_NAN;
@@ -650,63 +784,14 @@ static inline int colibri_route_row(const colibri_router_t *r, const float *x, v
 }
 
 /* The 8-row path. Plain routing (the keys are the logits: no bias, no group limit) with
- * k <= 2 and a modest E routes 8 rows at once, one row per SSE lane in two interleaved sets
- * of 4 (two independent dependency chains): each lane keeps its k best (key, id) pairs by
- * compare-and-select, with no horizontal reduction and no branch per element. A strictly
- * greater key displaces, so equal keys keep the lower id: the same answers as
- * colibri_route_row. Measured top-k alone: 20 -> 6 ns per row at E=26, 87 -> 18 at E=64;
- * from E=256 on the per-row passes win. */
-#define COLIBRI_ROWS8_MAX_E 96
-
+ * k <= 2 takes each row's top two by value (colibri_top2_values, colibri_top2_ids), then
+ * the softmax weights of 8 rows at once: their exponentials in two vectors instead of
+ * eight dependent scalar chains. The same IEEE operations in the same order as
+ * colibri_weights, so the answers are colibri_route_row's, bit for bit. */
 static inline int colibri_rows8_eligible(const colibri_router_t *r)
 {
-#ifdef COLIBRI_SSE2
-    return r->top_k <= 2 && r->num_experts >= 2 && r->num_experts <= COLIBRI_ROWS8_MAX_E &&
-           r->bias == NULL && r->num_groups <= 1;
-#else
-    (void)r;
-    return 0;
-#endif
+    return r->top_k <= 2 && r->num_experts >= 2 && r->bias == NULL && r->num_groups <= 1;
 }
-
-#ifdef COLIBRI_SSE2
-static inline __m128 colibri_select4(__m128 mask, __m128 a, __m128 b)
-{
-    return _mm_or_ps(_mm_and_ps(mask, a), _mm_andnot_ps(mask, b));
-}
-
-/* Lanes = 4 rows: the best two (key, id) so far; ids travel as floats (exact below 2^24). */
-typedef struct {
-    __m128 a, b, ia, ib, unordered;
-} colibri_top2x4_t;
-
-/* Start from elements 0 and 1 of the 4 rows, in order (equal: the lower id first). */
-static inline void colibri_top2x4_init(colibri_top2x4_t *s, __m128 v0, __m128 v1)
-{
-    __m128 up = _mm_cmpgt_ps(v1, v0);
-    s->unordered = _mm_or_ps(_mm_cmpunord_ps(v0, v0), _mm_cmpunord_ps(v1, v1));
-    s->a = colibri_select4(up, v1, v0);
-    s->b = colibri_select4(up, v0, v1);
-    s->ia = colibri_select4(up, _mm_set1_ps(1.0f), _mm_setzero_ps());
-    s->ib = colibri_select4(up, _mm_setzero_ps(), _mm_set1_ps(1.0f));
-}
-
-static inline void colibri_top2x4_step(colibri_top2x4_t *s, __m128 v, __m128 id)
-{
-    __m128 g1 = _mm_cmpgt_ps(v, s->a), g2 = _mm_cmpgt_ps(v, s->b);
-    s->unordered = _mm_or_ps(s->unordered, _mm_cmpunord_ps(v, v));
-    s->b = colibri_select4(g1, s->a, colibri_select4(g2, v, s->b));
-    s->ib = colibri_select4(g1, s->ia, colibri_select4(g2, id, s->ib));
-    s->a = colibri_select4(g1, v, s->a);
-    s->ia = colibri_select4(g1, id, s->ia);
-}
-
-/* Element e of 4 rows r[0..4) as one vector. */
-static inline __m128 colibri_column4(const float *const *r, int32_t e)
-{
-    return _mm_set_ps(r[3][e], r[2][e], r[1][e], r[0][e]);
-}
-#endif
 
 /* Route rows x + i stride, i < 8 (float32, stride in floats, 4-byte aligned); row i's
  * results go to ids + i k, weights + i k. Returns COLIBRI_OK, or nonzero when a row fails
@@ -715,71 +800,51 @@ static inline int colibri_route_rows8(const colibri_router_t *r, const float *x,
                                       void *scratch, int32_t *ids, float *weights)
 {
     const int32_t E = r->num_experts, k = r->top_k;
-    int32_t i;
-#ifdef COLIBRI_SSE2
-    const float *lo[4], *hi[4];
-    colibri_top2x4_t s0, s1;
+    int32_t i, tid[16];
     float first[8], second[8];
-    int32_t e, tid[2];
-    for (i = 0; i < 4; i++) {
-        lo[i] = x + i * stride;
-        hi[i] = x + (i + 4) * stride;
-    }
-    colibri_top2x4_init(&s0, colibri_column4(lo, 0), colibri_column4(lo, 1));
-    colibri_top2x4_init(&s1, colibri_column4(hi, 0), colibri_column4(hi, 1));
-    for (e = 2; e < E && (e & 3); e++) {
-        __m128 id = _mm_set1_ps((float)e);
-        colibri_top2x4_step(&s0, colibri_column4(lo, e), id);
-        colibri_top2x4_step(&s1, colibri_column4(hi, e), id);
-    }
-    for (; e + 4 <= E; e += 4) { /* 4x4 tiles, transposed: t_j is element e + j of 4 rows */
-        __m128 t0 = _mm_loadu_ps(lo[0] + e), t1 = _mm_loadu_ps(lo[1] + e);
-        __m128 t2 = _mm_loadu_ps(lo[2] + e), t3 = _mm_loadu_ps(lo[3] + e);
-        __m128 u0 = _mm_loadu_ps(hi[0] + e), u1 = _mm_loadu_ps(hi[1] + e);
-        __m128 u2 = _mm_loadu_ps(hi[2] + e), u3 = _mm_loadu_ps(hi[3] + e);
-        __m128 i0 = _mm_set1_ps((float)e), i1 = _mm_set1_ps((float)(e + 1));
-        __m128 i2 = _mm_set1_ps((float)(e + 2)), i3 = _mm_set1_ps((float)(e + 3));
-        _MM_TRANSPOSE4_PS(t0, t1, t2, t3);
-        _MM_TRANSPOSE4_PS(u0, u1, u2, u3);
-        colibri_top2x4_step(&s0, t0, i0);
-        colibri_top2x4_step(&s1, u0, i0);
-        colibri_top2x4_step(&s0, t1, i1);
-        colibri_top2x4_step(&s1, u1, i1);
-        colibri_top2x4_step(&s0, t2, i2);
-        colibri_top2x4_step(&s1, u2, i2);
-        colibri_top2x4_step(&s0, t3, i3);
-        colibri_top2x4_step(&s1, u3, i3);
-    }
-    for (; e < E; e++) {
-        __m128 id = _mm_set1_ps((float)e);
-        colibri_top2x4_step(&s0, colibri_column4(lo, e), id);
-        colibri_top2x4_step(&s1, colibri_column4(hi, e), id);
-    }
-    if (_mm_movemask_ps(_mm_or_ps(s0.unordered, s1.unordered)))
-        return COLIBRI_ROW_NAN;
-    _mm_storeu_ps(first, s0.ia);
-    _mm_storeu_ps(first + 4, s1.ia);
-    _mm_storeu_ps(second, s0.ib);
-    _mm_storeu_ps(second + 4, s1.ib);
+    int finite = 1;
     for (i = 0; i < 8; i++) {
-        int status;
-        tid[0] = (int32_t)first[i];
-        tid[1] = (int32_t)second[i];
-        status = colibri_weights(r, x + i * stride, NULL, tid, scratch, ids + i * k,
-                                 weights + i * k);
-        if (status != COLIBRI_OK)
-            return status;
+        const float *row = x + i * stride;
+        if (colibri_top2_values(row, E, first + i, second + i))
+            return COLIBRI_ROW_NAN;
+        colibri_top2_ids(row, E, first[i], second[i], tid + 2 * i);
+        finite &= first[i] > -INFINITY && first[i] < INFINITY;
     }
-    return COLIBRI_OK;
-#else
-    for (i = 0; i < 8; i++) {
-        int status = colibri_route_row(r, x + i * stride, scratch, ids + i * k, weights + i * k);
-        if (status != COLIBRI_OK)
-            return status;
+#ifdef COLIBRI_SSE2
+    if (k == 2 && finite && r->scoring == COLIBRI_SOFTMAX && r->normalize &&
+        r->norm_p == 1.0f) {
+        /* colibri_weights' renormalised softmax: 1 / sum and exp(x1 - x0) / sum, with
+         * sum = (1 + exp(x1 - x0)) + eps */
+        float w0[8], w1[8];
+        __m128 one = _mm_set1_ps(1.0f), eps = _mm_set1_ps(r->norm_eps);
+        for (i = 0; i < 8; i += 4) {
+            __m128 e = colibri_exp4(_mm_sub_ps(_mm_loadu_ps(second + i),
+                                               _mm_loadu_ps(first + i)));
+            __m128 sum = _mm_add_ps(_mm_add_ps(one, e), eps);
+            _mm_storeu_ps(w0 + i, _mm_div_ps(one, sum));
+            _mm_storeu_ps(w1 + i, _mm_div_ps(e, sum));
+        }
+        for (i = 0; i < 8; i++) {
+            float a = w0[i], b = w1[i];
+            if (r->expert_scale != NULL) {
+                a *= r->expert_scale[tid[2 * i]];
+                b *= r->expert_scale[tid[2 * i + 1]];
+            }
+            weights[2 * i] = a * r->scale;
+            weights[2 * i + 1] = b * r->scale;
+            ids[2 * i] = tid[2 * i];
+            ids[2 * i + 1] = tid[2 * i + 1];
+        }
+        return COLIBRI_OK;
     }
-    (void)E;
-    return COLIBRI_OK;
 #endif
+    for (i = 0; i < 8; i++) {
+        int status = colibri_weights(r, x + i * stride, NULL, tid + 2 * i, scratch, ids + i * k,
+                                     weights + i * k);
+        if (status != COLIBRI_OK)
+            return status;
+    }
+    return COLIBRI_OK;
 }
 
 #endif /* COLIBRI_ROUTE_H */
