@@ -314,3 +314,35 @@ def test_eight_row_path_equals_row_by_row(E, k, scoring):
     bad[13, E - 1] = np.nan  # inside the second block of 8
     with pytest.raises(ValueError, match="row 13 contains NaN"):
         ctx.route(bad)
+
+
+@pytest.mark.parametrize("E", [5, 8, 26, 64, 256])
+@pytest.mark.parametrize("grouping", ["none", "contiguous", "partition", "partition_bias"])
+def test_exact_ties_pick_exactly_the_reference_ids(E, grouping):
+    """Keys that tie exactly (small integers: exact in float32 and float64) must give exactly
+    the reference's ids: lower id first, lower group first. Rows range from a handful of
+    tied candidates (counted ranks) to whole rows of one value (the insertion fallback)."""
+    rng = np.random.default_rng(E)
+    levels = rng.integers(2, 6, size=(60, 1))
+    x = rng.integers(0, levels, size=(60, E)).astype(np.float32)
+    x[:5] = 1.0  # every key equal
+    options = {}
+    if grouping == "contiguous":
+        options = dict(num_groups=min(4, E), topk_groups=2)
+    elif grouping.startswith("partition"):
+        perm = rng.permutation(E)
+        options = dict(
+            partition=[sorted(g.tolist()) for g in np.array_split(perm, 4)], topk_groups=3
+        )
+        if grouping == "partition_bias":  # keys = logits + bias, still small integers
+            options.update(
+                correction_bias=rng.integers(-2, 3, E).astype(np.float32),
+                bias_on="logits",
+                group_score="top2_sum" if E >= 8 else "max",
+            )
+    sizes = sorted(len(g) for g in colibri.Config(num_experts=E, top_k=1, **options).groups())
+    reachable = sum(sizes[: options.get("topk_groups", 1)])
+    for k in sorted({min(k, reachable) for k in (1, 2, 3, 8, 12)}):
+        ids, _ = colibri.init(E, k, **options).route(x)
+        ref_ids, _, _ = ref.route(x, k, **options)
+        np.testing.assert_array_equal(ids, ref_ids, err_msg=f"k={k}")

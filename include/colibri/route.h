@@ -33,11 +33,10 @@
 #define COLIBRI_SSE2 1
 #endif
 
-/* Up to this k (and for E >= 4k), top-k runs as k argmax passes over block maxima (few
- * data-dependent branches: 1.7-1.9x faster than an insertion pass at E = 64..256, measured);
- * otherwise one insertion pass wins. */
-#define COLIBRI_PASSES_MAX_K 8
-#define COLIBRI_BLOCK 16
+/* Top-k for k <= this runs on candidates above a bound taken from each SIMD lane's best
+ * two; exact ranks are counted among at most COLIBRI_RANK_MAX candidates. */
+#define COLIBRI_BOUND_MAX_K 8
+#define COLIBRI_RANK_MAX 32
 
 enum { COLIBRI_SOFTMAX = 0, COLIBRI_SIGMOID = 1, COLIBRI_SQRTSOFTPLUS = 2 };
 enum { COLIBRI_GROUP_MAX = 0, COLIBRI_GROUP_TOP2_SUM = 1 };
@@ -65,18 +64,30 @@ typedef struct {
     int32_t groups_in_order;      /* group_members is 0, 1, ..., E-1 (contiguous groups) */
 } colibri_router_t;
 
-/* Bytes of per-thread scratch one row needs (aligned to 64). */
+/* Bytes of per-thread scratch one row needs (aligned to 64); colibri_route_row lays it out. */
 static inline size_t colibri_scratch_bytes(const colibri_router_t *r)
 {
     size_t E = (size_t)r->num_experts, G = (size_t)(r->num_groups > 1 ? r->num_groups : 1);
     size_t k = (size_t)r->top_k;
-    size_t bytes = 4 * (E          /* decoded row */
-                        + 4 * E    /* scores, keys, top-k work copy, keys in group order */
-                        + E / COLIBRI_BLOCK + 4 /* block maxima */
-                        + 2 * G    /* group scores, group top list */
-                        + 2 * G    /* group ids */
-                        + 2 * k);  /* top-k values and ids */
+    size_t bytes = 4 * (4 * E      /* decoded row, scores, keys, keys in group order */
+                        + 2 * (E + 4) /* candidates: keys and ids, padded to whole vectors */
+                        + 4 * G + 2 /* group scores and runner-up keys, kept groups */
+                        + 2 * (k + 1)); /* top-k values and ids, plus one spare slot */
     return (bytes + 63) & ~(size_t)63;
+}
+
+/* Ask for bytes [p, p + n) to be brought into the cache (a hint; no effect without SSE).
+ * The batch driver fetches rows ahead: hardware prefetchers alone leave long rows waiting. */
+static inline void colibri_prefetch(const void *p, size_t n)
+{
+#ifdef COLIBRI_SSE2
+    size_t i;
+    for (i = 0; i < n; i += 64)
+        _mm_prefetch((const char *)p + i, _MM_HINT_T0);
+#else
+    (void)p;
+    (void)n;
+#endif
 }
 
 /* Decode one row of E logits (any supported dtype, any element stride) to float32.
@@ -180,11 +191,9 @@ static inline __m128 colibri_sigmoid4(__m128 x)
 {
     __m128 sign = _mm_set1_ps(-0.0f);
     __m128 z = colibri_exp4(_mm_or_ps(x, sign)); /* exp(-|x|) */
-    __m128 one_plus = _mm_add_ps(_mm_set1_ps(1.0f), z);
-    __m128 pos = _mm_div_ps(_mm_set1_ps(1.0f), one_plus);
-    __m128 neg = _mm_div_ps(z, one_plus);
-    __m128 is_pos = _mm_cmpge_ps(x, _mm_setzero_ps());
-    return _mm_or_ps(_mm_and_ps(is_pos, pos), _mm_andnot_ps(is_pos, neg));
+    __m128 one = _mm_set1_ps(1.0f), is_pos = _mm_cmpge_ps(x, _mm_setzero_ps());
+    __m128 num = _mm_or_ps(_mm_and_ps(is_pos, one), _mm_andnot_ps(is_pos, z));
+    return _mm_div_ps(num, _mm_add_ps(one, z)); /* 1 / (1 + z) or z / (1 + z) */
 }
 #endif
 
@@ -211,182 +220,38 @@ static inline float colibri_exp_shifted(const float *x, float m, float *out, int
     return sum;
 }
 
-static inline void colibri_sigmoid_all(const float *x, float *out, int32_t E)
-{
-    int32_t e = 0;
-#ifdef COLIBRI_SSE2
-    for (; e + 4 <= E; e += 4)
-        _mm_storeu_ps(out + e, colibri_sigmoid4(_mm_loadu_ps(x + e)));
-#endif
-    for (; e < E; e++)
-        out[e] = colibri_sigmoid(x[e]);
-}
-
 static inline float colibri_sqrtsoftplus(float x)
 {
     /* softplus as torch computes it: x above 20, log1p(exp(x)) below */
     return sqrtf(x > 20.0f ? x : log1pf(colibri_exp(x)));
 }
 
-/* Insert (v, i) into the descending list (vals, ids) of length *n <= cap. Indices arrive in
- * ascending order, so an equal value stays behind the ones already there (lower id wins). */
+/* Whether (v, i) comes before (w, j) in top-k order: the larger key, equal keys to the
+ * lower id. */
+static inline int colibri_before(float v, int32_t i, float w, int32_t j)
+{
+    return v > w || (v == w && i < j);
+}
+
+/* Insert (v, i) into the list (vals, ids) of length *n <= cap, kept in top-k order. */
 static inline void colibri_push(float *vals, int32_t *ids, int32_t *n, int32_t cap,
                                 float v, int32_t i)
 {
     int32_t j = *n;
     if (j == cap) {
-        if (!(v > vals[cap - 1]))
+        if (!colibri_before(v, i, vals[cap - 1], ids[cap - 1]))
             return;
         j = cap - 1;
     } else {
         *n = j + 1;
     }
-    while (j > 0 && v > vals[j - 1]) {
+    while (j > 0 && colibri_before(v, i, vals[j - 1], ids[j - 1])) {
         vals[j] = vals[j - 1];
         ids[j] = ids[j - 1];
         j--;
     }
     vals[j] = v;
     ids[j] = i;
-}
-
-/* Maximum of v[0..n), NaN entries skipped; -inf when there is none. */
-static inline float colibri_max(const float *v, int32_t n)
-{
-    int32_t e = 0;
-    float m = -INFINITY;
-#ifdef COLIBRI_SSE2
-    if (n >= 8) {
-        /* _mm_max_ps returns its second operand when either is NaN: data goes first */
-        __m128 m0 = _mm_set1_ps(-INFINITY), m1 = m0;
-        for (; e + 8 <= n; e += 8) {
-            m0 = _mm_max_ps(_mm_loadu_ps(v + e), m0);
-            m1 = _mm_max_ps(_mm_loadu_ps(v + e + 4), m1);
-        }
-        m0 = _mm_max_ps(m0, m1);
-        m0 = _mm_max_ps(m0, _mm_shuffle_ps(m0, m0, _MM_SHUFFLE(2, 3, 0, 1)));
-        m0 = _mm_max_ps(m0, _mm_shuffle_ps(m0, m0, _MM_SHUFFLE(1, 0, 3, 2)));
-        m = _mm_cvtss_f32(m0);
-    }
-#endif
-    for (; e < n; e++)
-        m = v[e] > m ? v[e] : m;
-    return m;
-}
-
-/* First index of v[0..n) equal to m (NaN never is); -1 when none. */
-static inline int32_t colibri_find(const float *v, int32_t n, float m)
-{
-    int32_t e = 0;
-#ifdef COLIBRI_SSE2
-    static const signed char first_bit[16] = {0, 0, 1, 0, 2, 0, 1, 0, 3, 0, 1, 0, 2, 0, 1, 0};
-    __m128 mm = _mm_set1_ps(m);
-    for (; e + 4 <= n; e += 4) {
-        int mask = _mm_movemask_ps(_mm_cmpeq_ps(_mm_loadu_ps(v + e), mm));
-        if (mask)
-            return e + first_bit[mask];
-    }
-#endif
-    for (; e < n; e++)
-        if (v[e] == m)
-            return e;
-    return -1;
-}
-
-/* k argmax passes over work[0..E), given the maximum of each block of 16 in bmax: each
- * pass takes the largest key, its first occurrence, and hides it behind NaN. */
-static inline int32_t colibri_passes(float *work, int32_t E, int32_t k, float *bmax,
-                                     float *vals, int32_t *ids)
-{
-    const int32_t nb = (E + COLIBRI_BLOCK - 1) / COLIBRI_BLOCK;
-    int32_t n = 0, b;
-    for (; n < k; n++) {
-        float m = colibri_max(bmax, nb);
-        int32_t found = -1, start = 0;
-        /* the first block whose maximum is m holds the first m, unless m == -inf and that
-         * block's -inf means "no candidate left": then look further */
-        while (found < 0) {
-            int32_t rel = colibri_find(bmax + start, nb - start, m);
-            if (rel < 0)
-                break;
-            b = start + rel;
-            int32_t len = E - b * COLIBRI_BLOCK < COLIBRI_BLOCK ? E - b * COLIBRI_BLOCK
-                                                                : COLIBRI_BLOCK;
-            int32_t i = colibri_find(work + b * COLIBRI_BLOCK, len, m);
-            if (i >= 0) {
-                found = b * COLIBRI_BLOCK + i;
-                work[found] = NAN;
-                bmax[b] = colibri_max(work + b * COLIBRI_BLOCK, len);
-            }
-            start = b + 1;
-        }
-        if (found < 0)
-            break;
-        vals[n] = m;
-        ids[n] = found;
-    }
-    return n;
-}
-
-/* The plain path's single pass over a row of logits: copy it to work, take its block
- * maxima, and report whether it holds a NaN. */
-static inline int colibri_stage(const float *x, int32_t E, float *work, float *bmax)
-{
-    int32_t b, e, nb = (E + COLIBRI_BLOCK - 1) / COLIBRI_BLOCK;
-    int nan = 0;
-#ifdef COLIBRI_SSE2
-    __m128 unordered = _mm_setzero_ps();
-#endif
-    for (b = 0; b < nb; b++) {
-        const float *src = x + b * COLIBRI_BLOCK;
-        float *dst = work + b * COLIBRI_BLOCK;
-        int32_t len = E - b * COLIBRI_BLOCK < COLIBRI_BLOCK ? E - b * COLIBRI_BLOCK
-                                                            : COLIBRI_BLOCK;
-#ifdef COLIBRI_SSE2
-        if (len == COLIBRI_BLOCK) {
-            __m128 v0 = _mm_loadu_ps(src), v1 = _mm_loadu_ps(src + 4);
-            __m128 v2 = _mm_loadu_ps(src + 8), v3 = _mm_loadu_ps(src + 12);
-            unordered = _mm_or_ps(unordered, _mm_or_ps(_mm_cmpunord_ps(v0, v1),
-                                                       _mm_cmpunord_ps(v2, v3)));
-            _mm_storeu_ps(dst, v0);
-            _mm_storeu_ps(dst + 4, v1);
-            _mm_storeu_ps(dst + 8, v2);
-            _mm_storeu_ps(dst + 12, v3);
-            __m128 m = _mm_max_ps(_mm_max_ps(v0, v1), _mm_max_ps(v2, v3));
-            m = _mm_max_ps(m, _mm_shuffle_ps(m, m, _MM_SHUFFLE(2, 3, 0, 1)));
-            m = _mm_max_ps(m, _mm_shuffle_ps(m, m, _MM_SHUFFLE(1, 0, 3, 2)));
-            bmax[b] = _mm_cvtss_f32(m);
-            continue;
-        }
-#endif
-        float m = -INFINITY;
-        e = 0;
-#ifdef COLIBRI_SSE2
-        if (len >= 4) { /* the last, partial block: whole vectors first */
-            __m128 mv = _mm_loadu_ps(src);
-            for (; e + 4 <= len; e += 4) {
-                __m128 v = _mm_loadu_ps(src + e);
-                unordered = _mm_or_ps(unordered, _mm_cmpunord_ps(v, v));
-                _mm_storeu_ps(dst + e, v);
-                mv = _mm_max_ps(v, mv);
-            }
-            mv = _mm_max_ps(mv, _mm_shuffle_ps(mv, mv, _MM_SHUFFLE(2, 3, 0, 1)));
-            mv = _mm_max_ps(mv, _mm_shuffle_ps(mv, mv, _MM_SHUFFLE(1, 0, 3, 2)));
-            m = _mm_cvtss_f32(mv);
-        }
-#endif
-        for (; e < len; e++) {
-            float v = src[e];
-            nan |= v != v;
-            dst[e] = v;
-            m = v > m ? v : m;
-        }
-        bmax[b] = m;
-    }
-#ifdef COLIBRI_SSE2
-    nan |= _mm_movemask_ps(unordered);
-#endif
-    return nan;
 }
 
 /* Index of the lowest set bit of m != 0. */
@@ -512,33 +377,133 @@ static inline void colibri_top2_ids(const float *x, int32_t E, float m1, float m
     ids[1] = i2;
 }
 
-/* Top-k of the candidates in work[0..E) (keys; NaN marks "not a candidate", keys are never
- * NaN) into vals/ids, descending, equal keys to the lower id. work is consumed;
- * bmax: E / 16 + 1 floats. Returns how many were found. */
-static inline int32_t colibri_topk(float *work, int32_t E, int32_t k, float *bmax, float *vals,
-                                   int32_t *ids)
+/* A bound for top-k, k <= 8: a value that at least k elements of x[0..E) reach. Each of 4
+ * lanes keeps its best two; the smallest of the 8 (or of the 4 lane maxima when k <= 4)
+ * is such a value, and usually only a few more elements reach it. -inf where no SIMD.
+ * Sets *nan when x holds a NaN. */
+static inline float colibri_lane_bound(const float *x, int32_t E, int32_t k, int *nan)
 {
-    int32_t n = 0, e, b;
-    if (k > COLIBRI_PASSES_MAX_K || E < 4 * k) {
-        /* insertion: fill k slots, then only a key above the k-th best gets in */
-        for (e = 0; e < E && n < k; e++)
-            if (work[e] == work[e])
-                colibri_push(vals, ids, &n, k, work[e], e);
-        float threshold = n == k ? vals[k - 1] : -INFINITY;
-        for (; e < E; e++) {
-            if (work[e] > threshold) { /* NaN never is */
-                colibri_push(vals, ids, &n, k, work[e], e);
-                threshold = vals[k - 1];
-            }
+    int32_t e = 0;
+    float bound = -INFINITY;
+#ifdef COLIBRI_SSE2
+    if (E >= 8) {
+        __m128 a = _mm_set1_ps(-INFINITY), b = a, unordered = _mm_setzero_ps();
+        for (; e + 4 <= E; e += 4) {
+            __m128 v = _mm_loadu_ps(x + e);
+            unordered = _mm_or_ps(unordered, _mm_cmpunord_ps(v, v));
+            b = _mm_max_ps(_mm_min_ps(v, a), b);
+            a = _mm_max_ps(v, a);
         }
-        return n;
+        __m128 m = k <= 4 ? a : b;
+        m = _mm_min_ps(m, _mm_shuffle_ps(m, m, _MM_SHUFFLE(1, 0, 3, 2)));
+        m = _mm_min_ps(m, _mm_shuffle_ps(m, m, _MM_SHUFFLE(2, 3, 0, 1)));
+        bound = _mm_cvtss_f32(m);
+        *nan |= _mm_movemask_ps(unordered);
     }
-    const int32_t nb = (E + COLIBRI_BLOCK - 1) / COLIBRI_BLOCK;
-    for (b = 0; b < nb; b++) {
-        int32_t len = E - b * COLIBRI_BLOCK < COLIBRI_BLOCK ? E - b * COLIBRI_BLOCK : COLIBRI_BLOCK;
-        bmax[b] = colibri_max(work + b * COLIBRI_BLOCK, len);
+#endif
+    (void)k;
+    for (; e < E; e++)
+        *nan |= x[e] != x[e];
+    return bound;
+}
+
+/* Append to cand the ids first + e of x[first .. last) with x >= bound; returns the new
+ * count. Keys are never NaN here. cand needs 3 spare slots. */
+static inline int32_t colibri_compact(const float *x, int32_t first, int32_t last, float bound,
+                                      int32_t *cand, int32_t c)
+{
+    int32_t e = first;
+#ifdef COLIBRI_SSE2
+    static const int32_t lanes[16][4] = {
+        {0, 0, 0, 0}, {0, 0, 0, 0}, {1, 0, 0, 0}, {0, 1, 0, 0}, {2, 0, 0, 0}, {0, 2, 0, 0},
+        {1, 2, 0, 0}, {0, 1, 2, 0}, {3, 0, 0, 0}, {0, 3, 0, 0}, {1, 3, 0, 0}, {0, 1, 3, 0},
+        {2, 3, 0, 0}, {0, 2, 3, 0}, {1, 2, 3, 0}, {0, 1, 2, 3}};
+    static const signed char count[16] = {0, 1, 1, 2, 1, 2, 2, 3, 1, 2, 2, 3, 2, 3, 3, 4};
+    __m128 b = _mm_set1_ps(bound);
+    for (; e + 4 <= last; e += 4) {
+        int mask = _mm_movemask_ps(_mm_cmpge_ps(_mm_loadu_ps(x + e), b));
+        __m128i at = _mm_add_epi32(_mm_loadu_si128((const __m128i *)lanes[mask]),
+                                   _mm_set1_epi32(e));
+        _mm_storeu_si128((__m128i *)(cand + c), at);
+        c += count[mask];
     }
-    return colibri_passes(work, E, k, bmax, vals, ids);
+#endif
+    for (; e < last; e++) {
+        cand[c] = e;
+        c += x[e] >= bound;
+    }
+    return c;
+}
+
+/* The k best of the candidates cand[0..c) (ids into key; any order, no NaN key), c >= k,
+ * into vals/ids in top-k order. Up to COLIBRI_RANK_MAX candidates each one's rank is
+ * counted (how many come before it) and it goes to that slot: no data-dependent branch.
+ * cv: c + 3 floats of scratch; vals, ids: k + 1 slots (the last one takes the rest). */
+static inline void colibri_select(const float *key, int32_t *cand, int32_t c, int32_t k,
+                                  float *cv, float *vals, int32_t *ids)
+{
+    int32_t i, q, n = 0;
+    if (c > COLIBRI_RANK_MAX) {
+        for (i = 0; i < c; i++)
+            colibri_push(vals, ids, &n, k, key[cand[i]], cand[i]);
+        return;
+    }
+    for (i = 0; i < c; i++)
+        cv[i] = key[cand[i]];
+    for (; i & 3; i++) { /* pad to whole vectors: a NaN key never comes before anything */
+        cv[i] = NAN;
+        cand[i] = 0;
+    }
+    for (i = 0; i < c; i++) {
+        int32_t rank = 0;
+#ifdef COLIBRI_SSE2
+        __m128 v = _mm_set1_ps(cv[i]);
+        __m128i id = _mm_set1_epi32(cand[i]), before = _mm_setzero_si128();
+        for (q = 0; q < c; q += 4) {
+            __m128 w = _mm_loadu_ps(cv + q);
+            __m128i j = _mm_loadu_si128((const __m128i *)(cand + q));
+            __m128 tie = _mm_and_ps(_mm_cmpeq_ps(w, v), _mm_castsi128_ps(_mm_cmplt_epi32(j, id)));
+            before = _mm_sub_epi32(before, _mm_castps_si128(_mm_or_ps(_mm_cmpgt_ps(w, v), tie)));
+        }
+        before = _mm_add_epi32(before, _mm_shuffle_epi32(before, _MM_SHUFFLE(1, 0, 3, 2)));
+        before = _mm_add_epi32(before, _mm_shuffle_epi32(before, _MM_SHUFFLE(2, 3, 0, 1)));
+        rank = _mm_cvtsi128_si32(before);
+#else
+        for (q = 0; q < c; q++)
+            rank += colibri_before(cv[q], cand[q], cv[i], cand[i]);
+#endif
+        rank = rank < k ? rank : k;
+        vals[rank] = cv[i];
+        ids[rank] = cand[i];
+    }
+}
+
+/* scores = sigmoid(x), keys = scores + bias (x + bias when on_logits; no keys without a
+ * bias); returns nonzero when x holds a NaN. */
+static inline int colibri_sigmoid_keys(const float *x, int32_t E, const float *bias,
+                                       int on_logits, float *scores, float *keys)
+{
+    int32_t e = 0;
+    int nan = 0;
+#ifdef COLIBRI_SSE2
+    __m128 unordered = _mm_setzero_ps();
+    for (; e + 4 <= E; e += 4) {
+        __m128 v = _mm_loadu_ps(x + e);
+        __m128 s = colibri_sigmoid4(v);
+        unordered = _mm_or_ps(unordered, _mm_cmpunord_ps(v, v));
+        _mm_storeu_ps(scores + e, s);
+        if (bias != NULL)
+            _mm_storeu_ps(keys + e, _mm_add_ps(on_logits ? v : s, _mm_loadu_ps(bias + e)));
+    }
+    nan = _mm_movemask_ps(unordered);
+#endif
+    for (; e < E; e++) {
+        nan |= x[e] != x[e];
+        scores[e] = colibri_sigmoid(x[e]);
+        if (bias != NULL)
+            keys[e] = (on_logits ? x[e] : scores[e]) + bias[e];
+    }
+    return nan;
 }
 
 /* Whether x[0..E) holds a NaN. */
@@ -695,91 +660,100 @@ static inline int colibri_route_row(const colibri_router_t *r, const float *x, v
     const int32_t G = r->num_groups > 1 ? r->num_groups : 1;
     float *scores = (float *)scratch + E; /* the first E floats hold the decoded row */
     float *keys = scores + E;
-    float *work = keys + E;
-    float *grouped = work + E;
-    float *bmax = grouped + E;
-    float *gval = bmax + E / COLIBRI_BLOCK + 4;
-    int32_t *gid = (int32_t *)(gval + 2 * G);
-    float *tval = (float *)(gid + 2 * G);
-    int32_t *tid = (int32_t *)(tval + k);
-    int32_t e, j, g, n = 0;
+    float *grouped = keys + E;
+    float *cv = grouped + E;
+    int32_t *cand = (int32_t *)(cv + E + 4);
+    float *gscore = (float *)(cand + E + 4);
+    float *grunner = gscore + G;
+    float *gval = grunner + G;
+    int32_t *gid = (int32_t *)(gval + G + 1);
+    float *tval = (float *)(gid + G + 1);
+    int32_t *tid = (int32_t *)(tval + k + 1);
+    int32_t e, j, g, c = 0;
+    int nan = 0;
+    float bound = -INFINITY;
 
     /* Selection keys: the logits, unless a bias or top-2-sum group scores need true scores. */
     const float *key = x;
-    int have_scores = r->bias != NULL || (G > 1 && r->group_score == COLIBRI_GROUP_TOP2_SUM);
+    const int have_scores = r->bias != NULL || (G > 1 && r->group_score == COLIBRI_GROUP_TOP2_SUM);
     if (G == 1 && !have_scores && k <= 2 && E >= 2) {
         float m1, m2;
         if (colibri_top2_values(x, E, &m1, &m2))
             return COLIBRI_ROW_NAN;
         colibri_top2_ids(x, E, m1, m2, tid);
-        n = k;
-    } else if (G == 1 && !have_scores && k <= COLIBRI_PASSES_MAX_K && E >= 4 * k) {
-        /* the plain path: one pass checks for NaN, stages the logits and takes block maxima */
-        if (colibri_stage(x, E, work, bmax))
-            return COLIBRI_ROW_NAN;
-        n = colibri_passes(work, E, k, bmax, tval, tid);
-    } else {
+        return colibri_weights(r, x, NULL, tid, scratch, ids, weights);
+    }
+    if (have_scores && r->scoring == COLIBRI_SIGMOID) {
+        nan = colibri_sigmoid_keys(x, E, r->bias, r->bias_on_logits, scores, keys);
+        key = r->bias != NULL ? keys : scores;
+    } else if (have_scores) {
         if (colibri_has_nan(x, E))
             return COLIBRI_ROW_NAN;
-        if (have_scores) {
-            if (r->scoring == COLIBRI_SOFTMAX) {
-                if (colibri_softmax(x, E, scores) != COLIBRI_OK)
-                    return COLIBRI_ROW_ALL_NEG_INF;
-            } else if (r->scoring == COLIBRI_SIGMOID) {
-                colibri_sigmoid_all(x, scores, E);
-            } else {
-                for (e = 0; e < E; e++)
-                    scores[e] = colibri_sqrtsoftplus(x[e]);
-            }
-            key = scores;
-            if (r->bias != NULL) {
-                const float *base = r->bias_on_logits ? x : scores;
-                for (e = 0; e < E; e++)
-                    keys[e] = base[e] + r->bias[e];
-                key = keys;
-            }
-        }
-
-        if (G > 1) {
-            int32_t ng = 0, kg = r->topk_groups;
-            const float *gkey = key;
-            if (!r->groups_in_order) {
-                for (e = 0; e < E; e++)
-                    grouped[e] = key[r->group_members[e]];
-                gkey = grouped;
-            }
-            for (g = 0; g < G; g++) {
-                const float *member = gkey + r->group_start[g];
-                int32_t size = r->group_start[g + 1] - r->group_start[g];
-                float score = colibri_max(member, size);
-                if (r->group_score == COLIBRI_GROUP_TOP2_SUM) {
-                    /* plus the best of the others (groups have >= 2 experts here) */
-                    int32_t i = colibri_find(member, size, score);
-                    float left = colibri_max(member, i), right = colibri_max(member + i + 1,
-                                                                             size - i - 1);
-                    score += left > right ? left : right;
-                }
-                colibri_push(gval, gid, &ng, kg, score, g);
-            }
-            /* candidates: the kept groups' keys; NaN marks everything else */
-            for (e = 0; e < E; e++)
-                work[e] = NAN;
-            for (j = 0; j < ng; j++) {
-                int32_t first = r->group_start[gid[j]], last = r->group_start[gid[j] + 1];
-                if (r->groups_in_order) {
-                    memcpy(work + first, key + first, (size_t)(last - first) * sizeof(float));
-                } else {
-                    for (e = first; e < last; e++)
-                        work[r->group_members[e]] = key[r->group_members[e]];
-                }
-            }
+        if (r->scoring == COLIBRI_SOFTMAX) {
+            if (colibri_softmax(x, E, scores) != COLIBRI_OK)
+                return COLIBRI_ROW_ALL_NEG_INF;
         } else {
-            memcpy(work, key, (size_t)E * sizeof(float));
+            for (e = 0; e < E; e++)
+                scores[e] = colibri_sqrtsoftplus(x[e]);
         }
-        n = colibri_topk(work, E, k, bmax, tval, tid);
+        key = scores;
+        if (r->bias != NULL) {
+            const float *base = r->bias_on_logits ? x : scores;
+            for (e = 0; e < E; e++)
+                keys[e] = base[e] + r->bias[e];
+            key = keys;
+        }
+    } else if (G == 1 && k > COLIBRI_BOUND_MAX_K) {
+        nan = colibri_has_nan(x, E); /* (group scores check every key for NaN) */
     }
-    if (n < k) /* the caller validates k against the smallest groups: never happens */
+
+    if (G > 1) {
+        /* group scores from each group's best two keys; keep the topk_groups best */
+        const int32_t ng = r->topk_groups;
+        const float *gkey = key;
+        if (!r->groups_in_order) {
+            for (e = 0; e < E; e++)
+                grouped[e] = key[r->group_members[e]];
+            gkey = grouped;
+        }
+        for (g = 0; g < G; g++) {
+            float m1, m2;
+            int32_t first = r->group_start[g];
+            nan |= colibri_top2_values(gkey + first, r->group_start[g + 1] - first, &m1, &m2);
+            grunner[g] = m2;
+            gscore[g] = r->group_score == COLIBRI_GROUP_TOP2_SUM ? m1 + m2 : m1;
+            cand[g] = g;
+        }
+        if (nan)
+            return COLIBRI_ROW_NAN;
+        colibri_select(gscore, cand, G, ng, cv, gval, gid);
+        /* the kept groups' best two are 2 ng distinct keys, all >= the smallest runner-up */
+        if (k <= 2 * ng) {
+            bound = INFINITY;
+            for (j = 0; j < ng; j++)
+                bound = grunner[gid[j]] < bound ? grunner[gid[j]] : bound;
+        }
+        for (j = 0; j < ng; j++) {
+            int32_t first = r->group_start[gid[j]], last = r->group_start[gid[j] + 1];
+            if (r->groups_in_order) {
+                c = colibri_compact(key, first, last, bound, cand, c);
+            } else {
+                for (e = first; e < last; e++) {
+                    cand[c] = r->group_members[e];
+                    c += key[cand[c]] >= bound;
+                }
+            }
+        }
+    } else {
+        if (k <= COLIBRI_BOUND_MAX_K)
+            bound = colibri_lane_bound(key, E, k, &nan);
+        if (nan)
+            return COLIBRI_ROW_NAN;
+        c = colibri_compact(key, 0, E, bound, cand, 0);
+    }
+    if (c < k) /* the caller validates k against the smallest groups: never happens */
         return COLIBRI_ROW_SHORT;
+    colibri_select(key, cand, c, k, cv, tval, tid);
     return colibri_weights(r, x, have_scores ? scores : NULL, tid, scratch, ids, weights);
 }
 
