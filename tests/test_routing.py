@@ -346,3 +346,51 @@ def test_exact_ties_pick_exactly_the_reference_ids(E, grouping):
         ids, _ = colibri.init(E, k, **options).route(x)
         ref_ids, _, _ = ref.route(x, k, **options)
         np.testing.assert_array_equal(ids, ref_ids, err_msg=f"k={k}")
+
+
+@pytest.mark.skipif(not colibri.init(8, 2).use_avx512, reason="this CPU (or build) has no AVX-512F")
+@pytest.mark.parametrize("E", [16, 37, 256])
+@pytest.mark.parametrize("bias_on", ["scores", "logits"])
+def test_avx512_score_pass_equals_sse2_bit_for_bit(E, bias_on):
+    """The sigmoid pass runs 16 lanes wide where the CPU allows: the same bits as 4 lanes."""
+    rng = np.random.default_rng(E)
+    x = rng.standard_normal((300, E)) * rng.choice([0.1, 1.0, 30.0], size=(300, 1))
+    x[::7] = rng.choice([-np.inf, np.inf, -104.5, -90.0, -87.0, 0.0, -0.0, 88.0], (43, E))
+    x = x.astype(np.float32)
+    options = dict(
+        scoring="sigmoid",
+        correction_bias=rng.standard_normal(E).astype(np.float32),
+        bias_on=bias_on,
+        scale=2.5,
+    )
+    if E % 8 == 0:
+        options.update(num_groups=8, topk_groups=4, group_score="top2_sum")
+    ctx = colibri.init(E, 8, **options)
+    wide = ctx.route(x)
+    ctx._set_avx512(False)
+    narrow = ctx.route(x)
+    np.testing.assert_array_equal(wide[0], narrow[0])
+    np.testing.assert_array_equal(wide[1], narrow[1])
+    ref_ids, ref_w, keys = ref.route(x, 8, **options)
+    ref.assert_same_routes(wide[0], wide[1], ref_ids, ref_w, keys)
+    bad = x[:20].copy()
+    bad[11, E - 1] = np.nan  # in the SSE2 tail when E % 16
+    ctx._set_avx512(True)
+    with pytest.raises(ValueError, match="row 11 contains NaN"):
+        ctx.route(bad)
+
+
+def test_undefined_group_score_ranks_last():
+    """inf + -inf (keys on the logits) gives a NaN group score: after every number, as the
+    reference's numpy sort puts it, never a slot taken by accident."""
+    x = np.array([[np.inf, -np.inf, 1, 0, 2, 1, 0, 0]], np.float32)
+    options = dict(
+        num_groups=4,
+        topk_groups=2,
+        group_score="top2_sum",
+        bias_on="logits",
+        correction_bias=np.zeros(8, np.float32),
+    )
+    ids, _ = colibri.init(8, 2, **options).route(x)
+    assert ids.tolist() == [[4, 2]]  # groups 2 (score 3) and 1 (score 1); group 0 last
+    np.testing.assert_array_equal(ids, ref.route(x, 2, **options)[0])

@@ -33,6 +33,14 @@
 #define COLIBRI_SSE2 1
 #endif
 
+/* GCC and Clang on x86-64 also compile an AVX-512F score pass (colibri_sigmoid_keys16),
+ * used when router.use_avx512 is set (colibri_cpu_has_avx512() says whether it may be). */
+#if defined(COLIBRI_SSE2) && defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#include <immintrin.h>
+#define COLIBRI_AVX512 1
+#define COLIBRI_AVX512_FN __attribute__((target("avx512f")))
+#endif
+
 /* Top-k for k <= this runs on candidates above a bound taken from each SIMD lane's best
  * two; exact ranks are counted among at most COLIBRI_RANK_MAX candidates. */
 #define COLIBRI_BOUND_MAX_K 8
@@ -62,6 +70,7 @@ typedef struct {
     const int32_t *group_start;   /* [G + 1] offsets into group_members */
     const int32_t *group_members; /* [E] expert ids, group by group */
     int32_t groups_in_order;      /* group_members is 0, 1, ..., E-1 (contiguous groups) */
+    int32_t use_avx512;           /* score pass in AVX-512F: only if colibri_cpu_has_avx512() */
 } colibri_router_t;
 
 /* Bytes of per-thread scratch one row needs (aligned to 64); colibri_route_row lays it out. */
@@ -220,6 +229,31 @@ static inline float colibri_exp_shifted(const float *x, float m, float *out, int
     return sum;
 }
 
+/* out[j] = exp(x[ids[j]] - m) for j < n, four at a time. */
+static inline void colibri_exp_gathered(const float *x, const int32_t *ids, int32_t n, float m,
+                                        float *out)
+{
+    int32_t j = 0;
+#ifdef COLIBRI_SSE2
+    for (; j + 4 <= n; j += 4) {
+        __m128 v = _mm_set_ps(x[ids[j + 3]], x[ids[j + 2]], x[ids[j + 1]], x[ids[j]]);
+        _mm_storeu_ps(out + j, colibri_exp4(_mm_sub_ps(v, _mm_set1_ps(m))));
+    }
+    if (j < n) { /* the last 1-3 in one vector too, padded with exp(0) */
+        float lanes[4] = {m, m, m, m};
+        int32_t i;
+        for (i = 0; j + i < n; i++)
+            lanes[i] = x[ids[j + i]];
+        _mm_storeu_ps(lanes, colibri_exp4(_mm_sub_ps(_mm_loadu_ps(lanes), _mm_set1_ps(m))));
+        for (i = 0; j + i < n; i++)
+            out[j + i] = lanes[i];
+        return;
+    }
+#endif
+    for (; j < n; j++)
+        out[j] = colibri_exp(x[ids[j]] - m);
+}
+
 static inline float colibri_sqrtsoftplus(float x)
 {
     /* softplus as torch computes it: x above 20, log1p(exp(x)) below */
@@ -227,10 +261,14 @@ static inline float colibri_sqrtsoftplus(float x)
 }
 
 /* Whether (v, i) comes before (w, j) in top-k order: the larger key, equal keys to the
- * lower id. */
+ * lower id; NaN (a group score of inf + -inf) after every number, as numpy sorts it. */
 static inline int colibri_before(float v, int32_t i, float w, int32_t j)
 {
-    return v > w || (v == w && i < j);
+    if (v > w)
+        return 1;
+    if (v == w)
+        return i < j;
+    return v != v ? w != w && i < j : w != w; /* v < w, or unordered */
 }
 
 /* Insert (v, i) into the list (vals, ids) of length *n <= cap, kept in top-k order. */
@@ -435,14 +473,43 @@ static inline int32_t colibri_compact(const float *x, int32_t first, int32_t las
     return c;
 }
 
-/* The k best of the candidates cand[0..c) (ids into key; any order, no NaN key), c >= k,
- * into vals/ids in top-k order. Up to COLIBRI_RANK_MAX candidates each one's rank is
- * counted (how many come before it) and it goes to that slot: no data-dependent branch.
- * cv: c + 3 floats of scratch; vals, ids: k + 1 slots (the last one takes the rest). */
+/* How many of the candidates (cv, cand)[0..c) come before candidate i (cv padded to whole
+ * vectors with NaN, cand with INT32_MAX). */
+static inline int32_t colibri_rank(const float *cv, const int32_t *cand, int32_t c, int32_t i)
+{
+    int32_t q, rank = 0;
+    if (cv[i] != cv[i]) { /* a NaN comes after the numbers and after the NaNs of lower id */
+        for (q = 0; q < c; q++)
+            rank += cv[q] == cv[q] || cand[q] < cand[i];
+        return rank;
+    }
+#ifdef COLIBRI_SSE2
+    __m128 v = _mm_set1_ps(cv[i]);
+    __m128i id = _mm_set1_epi32(cand[i]), before = _mm_setzero_si128();
+    for (q = 0; q < c; q += 4) {
+        __m128 w = _mm_loadu_ps(cv + q);
+        __m128i j = _mm_loadu_si128((const __m128i *)(cand + q));
+        __m128 tie = _mm_and_ps(_mm_cmpeq_ps(w, v), _mm_castsi128_ps(_mm_cmplt_epi32(j, id)));
+        before = _mm_sub_epi32(before, _mm_castps_si128(_mm_or_ps(_mm_cmpgt_ps(w, v), tie)));
+    }
+    before = _mm_add_epi32(before, _mm_shuffle_epi32(before, _MM_SHUFFLE(1, 0, 3, 2)));
+    before = _mm_add_epi32(before, _mm_shuffle_epi32(before, _MM_SHUFFLE(2, 3, 0, 1)));
+    rank = _mm_cvtsi128_si32(before);
+#else
+    for (q = 0; q < c; q++)
+        rank += colibri_before(cv[q], cand[q], cv[i], cand[i]);
+#endif
+    return rank;
+}
+
+/* The k best of the candidates cand[0..c) (ids into key; any order), c >= k, into vals/ids
+ * in top-k order. Up to COLIBRI_RANK_MAX candidates each one's rank is counted (how many
+ * come before it) and it goes to that slot: no data-dependent branch. cv: c + 3 floats of
+ * scratch; cand needs 3 spare slots; vals, ids: k + 1 slots (the last one takes the rest). */
 static inline void colibri_select(const float *key, int32_t *cand, int32_t c, int32_t k,
                                   float *cv, float *vals, int32_t *ids)
 {
-    int32_t i, q, n = 0;
+    int32_t i, n = 0;
     if (c > COLIBRI_RANK_MAX) {
         for (i = 0; i < c; i++)
             colibri_push(vals, ids, &n, k, key[cand[i]], cand[i]);
@@ -450,28 +517,12 @@ static inline void colibri_select(const float *key, int32_t *cand, int32_t c, in
     }
     for (i = 0; i < c; i++)
         cv[i] = key[cand[i]];
-    for (; i & 3; i++) { /* pad to whole vectors: a NaN key never comes before anything */
+    for (; i & 3; i++) {
         cv[i] = NAN;
-        cand[i] = 0;
+        cand[i] = INT32_MAX;
     }
     for (i = 0; i < c; i++) {
-        int32_t rank = 0;
-#ifdef COLIBRI_SSE2
-        __m128 v = _mm_set1_ps(cv[i]);
-        __m128i id = _mm_set1_epi32(cand[i]), before = _mm_setzero_si128();
-        for (q = 0; q < c; q += 4) {
-            __m128 w = _mm_loadu_ps(cv + q);
-            __m128i j = _mm_loadu_si128((const __m128i *)(cand + q));
-            __m128 tie = _mm_and_ps(_mm_cmpeq_ps(w, v), _mm_castsi128_ps(_mm_cmplt_epi32(j, id)));
-            before = _mm_sub_epi32(before, _mm_castps_si128(_mm_or_ps(_mm_cmpgt_ps(w, v), tie)));
-        }
-        before = _mm_add_epi32(before, _mm_shuffle_epi32(before, _MM_SHUFFLE(1, 0, 3, 2)));
-        before = _mm_add_epi32(before, _mm_shuffle_epi32(before, _MM_SHUFFLE(2, 3, 0, 1)));
-        rank = _mm_cvtsi128_si32(before);
-#else
-        for (q = 0; q < c; q++)
-            rank += colibri_before(cv[q], cand[q], cv[i], cand[i]);
-#endif
+        int32_t rank = colibri_rank(cv, cand, c, i);
         rank = rank < k ? rank : k;
         vals[rank] = cv[i];
         ids[rank] = cand[i];
@@ -505,6 +556,76 @@ static inline int colibri_sigmoid_keys(const float *x, int32_t E, const float *b
     }
     return nan;
 }
+
+/* Whether this CPU runs the AVX-512F code compiled in (0 when none was). */
+static inline int colibri_cpu_has_avx512(void)
+{
+#ifdef COLIBRI_AVX512
+    return __builtin_cpu_supports("avx512f");
+#else
+    return 0;
+#endif
+}
+
+#ifdef COLIBRI_AVX512
+/* colibri_exp4 and colibri_sigmoid4 on 16 lanes: the same IEEE operations in the same order,
+ * so the results are identical bit for bit. */
+COLIBRI_AVX512_FN static inline __m512 colibri_exp16(__m512 x)
+{
+    x = _mm512_max_ps(x, _mm512_set1_ps(COLIBRI_EXP_LO));
+    x = _mm512_min_ps(x, _mm512_set1_ps(COLIBRI_EXP_HI));
+    __m512 magic = _mm512_set1_ps(COLIBRI_ROUND_MAGIC);
+    __m512 n = _mm512_sub_ps(
+        _mm512_add_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)), magic), magic);
+    __m512 r = _mm512_sub_ps(x, _mm512_mul_ps(n, _mm512_set1_ps(0.693359375f)));
+    r = _mm512_sub_ps(r, _mm512_mul_ps(n, _mm512_set1_ps(-2.12194440e-4f)));
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_add_ps(_mm512_add_ps(_mm512_mul_ps(p, _mm512_mul_ps(r, r)), r),
+                      _mm512_set1_ps(1.0f));
+    __m512i ni = _mm512_cvttps_epi32(n);
+    __m512i n1 = _mm512_srai_epi32(ni, 1);
+    __m512i n2 = _mm512_sub_epi32(ni, n1);
+    __m512i bias = _mm512_set1_epi32(127);
+    __m512 s1 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(n1, bias), 23));
+    __m512 s2 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(n2, bias), 23));
+    return _mm512_mul_ps(_mm512_mul_ps(p, s1), s2);
+}
+
+COLIBRI_AVX512_FN static inline __m512 colibri_sigmoid16(__m512 x)
+{
+    __m512i sign = _mm512_set1_epi32((int32_t)0x80000000);
+    __m512 z = colibri_exp16(_mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(x), sign)));
+    __m512 one = _mm512_set1_ps(1.0f);
+    __mmask16 is_pos = _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_GE_OS);
+    return _mm512_div_ps(_mm512_mask_blend_ps(is_pos, z, one), _mm512_add_ps(one, z));
+}
+
+/* colibri_sigmoid_keys, 16 logits at a time (2x at E=256: the score pass dominates
+ * DeepSeek-V3 routing); the SSE2 code takes the last E mod 16. */
+COLIBRI_AVX512_FN static inline int colibri_sigmoid_keys16(const float *x, int32_t E,
+                                                           const float *bias, int on_logits,
+                                                           float *scores, float *keys)
+{
+    int32_t e = 0;
+    __mmask16 unordered = 0;
+    for (; e + 16 <= E; e += 16) {
+        __m512 v = _mm512_loadu_ps(x + e);
+        __m512 s = colibri_sigmoid16(v);
+        unordered |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+        _mm512_storeu_ps(scores + e, s);
+        if (bias != NULL)
+            _mm512_storeu_ps(keys + e, _mm512_add_ps(on_logits ? v : s,
+                                                     _mm512_loadu_ps(bias + e)));
+    }
+    return (unordered != 0) | colibri_sigmoid_keys(x + e, E - e, bias != NULL ? bias + e : NULL,
+                                                   on_logits, scores + e, keys + e);
+}
+#endif
 
 /* Whether x[0..E) holds a NaN. */
 static inline int colibri_has_nan(const float *x, int32_t E)
@@ -582,17 +703,15 @@ static inline int colibri_weights(const colibri_router_t *r, const float *x, con
             /* the common case, done here: terms in (0, 1], the first is exp(0) = 1 */
             float sum = 1.0f;
             weights[0] = 1.0f;
-            for (j = 1; j < k; j++) {
-                weights[j] = colibri_exp(x[tid[j]] - m);
+            colibri_exp_gathered(x, tid + 1, k - 1, m, weights + 1);
+            for (j = 1; j < k; j++)
                 sum += weights[j];
-            }
             sum += r->norm_eps;
             for (j = 0; j < k; j++)
                 weights[j] /= sum;
             normalized = 1;
         } else {
-            for (j = 0; j < k; j++)
-                weights[j] = colibri_exp(x[tid[j]] - m);
+            colibri_exp_gathered(x, tid, k, m, weights);
         }
     } else if (r->scoring == COLIBRI_SOFTMAX) {
         if (colibri_softmax(x, E, softmax) != COLIBRI_OK)
@@ -684,7 +803,12 @@ static inline int colibri_route_row(const colibri_router_t *r, const float *x, v
         return colibri_weights(r, x, NULL, tid, scratch, ids, weights);
     }
     if (have_scores && r->scoring == COLIBRI_SIGMOID) {
-        nan = colibri_sigmoid_keys(x, E, r->bias, r->bias_on_logits, scores, keys);
+#ifdef COLIBRI_AVX512
+        if (r->use_avx512)
+            nan = colibri_sigmoid_keys16(x, E, r->bias, r->bias_on_logits, scores, keys);
+        else
+#endif
+            nan = colibri_sigmoid_keys(x, E, r->bias, r->bias_on_logits, scores, keys);
         key = r->bias != NULL ? keys : scores;
     } else if (have_scores) {
         if (colibri_has_nan(x, E))

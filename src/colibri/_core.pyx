@@ -40,9 +40,11 @@ cdef extern from "colibri/route.h" nogil:
         const int32_t *group_start
         const int32_t *group_members
         int32_t groups_in_order
+        int32_t use_avx512
 
     size_t colibri_scratch_bytes(const colibri_router_t *r) noexcept
     void colibri_prefetch(const void *p, size_t n) noexcept
+    int colibri_cpu_has_avx512() noexcept
     const float *colibri_load_row(const char *row, int dtype, int64_t stride, int32_t E,
                                   float *buf) noexcept
     int colibri_route_row(const colibri_router_t *r, const float *x, void *scratch,
@@ -97,8 +99,11 @@ cdef extern from *:
 
 
 def build_info():
-    """How this extension was built: compiler and SIMD path."""
-    return {"compiler": COLIBRI_COMPILER.decode(), "simd": COLIBRI_SIMD.decode()}
+    """How this extension was built and what this CPU runs: compiler and SIMD paths."""
+    simd = COLIBRI_SIMD.decode()
+    if colibri_cpu_has_avx512():
+        simd += ", avx512f (score pass)"
+    return {"compiler": COLIBRI_COMPILER.decode(), "simd": simd}
 
 
 def max_threads():
@@ -290,6 +295,7 @@ cdef class Router:
             self.r.topk_groups = topk_groups
             self.r.groups_in_order = bool(np.array_equal(group_members, np.arange(num_experts)))
         self._keep = keep
+        self.r.use_avx512 = colibri_cpu_has_avx512()
         self._scratch_bytes = colibri_scratch_bytes(&self.r)
         self.collect_stats = collect_stats
         self._stats_lock = threading.Lock()
@@ -317,6 +323,17 @@ cdef class Router:
             self._counts[:] = 0
             self._coactivation[:] = 0
             self.tokens_routed = 0
+
+    @property
+    def use_avx512(self):
+        """Whether the score pass runs in AVX-512F (when this CPU has it)."""
+        return bool(self.r.use_avx512)
+
+    def _set_avx512(self, bint on):
+        """Choose the score pass's SIMD width (for tests: the paths agree bit for bit)."""
+        if on and not colibri_cpu_has_avx512():
+            raise RuntimeError("this CPU (or this build) has no AVX-512F")
+        self.r.use_avx512 = on
 
     def set_collect_stats(self, bint on):
         self.collect_stats = on
