@@ -394,3 +394,26 @@ def test_undefined_group_score_ranks_last():
     ids, _ = colibri.init(8, 2, **options).route(x)
     assert ids.tolist() == [[4, 2]]  # groups 2 (score 3) and 1 (score 1); group 0 last
     np.testing.assert_array_equal(ids, ref.route(x, 2, **options)[0])
+
+
+@pytest.mark.skipif(not colibri.init(8, 2).use_avx512, reason="this CPU (or build) has no AVX-512F")
+@pytest.mark.parametrize("E", [16, 26, 64, 100, 256])
+@pytest.mark.parametrize("k", [1, 2])
+def test_avx512_top2_equals_sse2(E, k):
+    """Plain k <= 2 takes its top two 16 lanes wide where the CPU allows: the same answers."""
+    rng = np.random.default_rng(E + k)
+    x = rng.choice([-np.inf, -2.0, 0.0, -0.0, 0.5, 0.5, 1.0, 3.0, np.inf], size=(205, E))
+    x[::3] = rng.standard_normal((len(x[::3]), E)) * 4
+    x = x.astype(np.float32)
+    x[:, 0] = np.where(np.isneginf(x).all(axis=1), 0.0, x[:, 0])  # keep softmax defined
+    ctx = colibri.init(E, k)
+    wide = ctx.route(x)
+    ctx._set_avx512(False)
+    narrow = ctx.route(x)
+    np.testing.assert_array_equal(wide[0], narrow[0])
+    np.testing.assert_array_equal(wide[1], narrow[1])
+    ctx._set_avx512(True)
+    bad = x[:21].copy()
+    bad[17, E - 1] = np.nan  # in the masked tail when E % 16
+    with pytest.raises(ValueError, match="row 17 contains NaN"):
+        ctx.route(bad)

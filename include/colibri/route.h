@@ -605,6 +605,72 @@ COLIBRI_AVX512_FN static inline __m512 colibri_sigmoid16(__m512 x)
     return _mm512_div_ps(_mm512_mask_blend_ps(is_pos, z, one), _mm512_add_ps(one, z));
 }
 
+/* colibri_top2_values and colibri_top2_ids on 16 lanes (the tail by masked loads): the same
+ * answers. */
+#define COLIBRI_MERGE16(a, b, shuffled)                                                      \
+    do {                                                                                    \
+        __m512 a2_ = shuffled(a), b2_ = shuffled(b);                                        \
+        b = _mm512_max_ps(_mm512_min_ps(a, a2_), _mm512_max_ps(b, b2_));                    \
+        a = _mm512_max_ps(a, a2_);                                                          \
+    } while (0)
+#define COLIBRI_SWAP256(v) _mm512_shuffle_f32x4(v, v, _MM_SHUFFLE(1, 0, 3, 2))
+#define COLIBRI_SWAP128(v) _mm512_shuffle_f32x4(v, v, _MM_SHUFFLE(2, 3, 0, 1))
+#define COLIBRI_SWAP64(v) _mm512_permute_ps(v, _MM_SHUFFLE(1, 0, 3, 2))
+#define COLIBRI_SWAP32(v) _mm512_permute_ps(v, _MM_SHUFFLE(2, 3, 0, 1))
+
+COLIBRI_AVX512_FN static inline __mmask16 colibri_tail16(int32_t left)
+{
+    return left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1);
+}
+
+COLIBRI_AVX512_FN static inline int colibri_top2_values16(const float *x, int32_t E,
+                                                          float *first, float *second)
+{
+    const __m512 none = _mm512_set1_ps(-INFINITY);
+    __m512 a = none, b = none;
+    __mmask16 unordered = 0;
+    int32_t e;
+    for (e = 0; e < E; e += 16) {
+        __m512 v = _mm512_mask_loadu_ps(none, colibri_tail16(E - e), x + e);
+        unordered |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+        b = _mm512_max_ps(_mm512_min_ps(v, a), b);
+        a = _mm512_max_ps(v, a);
+    }
+    COLIBRI_MERGE16(a, b, COLIBRI_SWAP256);
+    COLIBRI_MERGE16(a, b, COLIBRI_SWAP128);
+    COLIBRI_MERGE16(a, b, COLIBRI_SWAP64);
+    COLIBRI_MERGE16(a, b, COLIBRI_SWAP32);
+    *first = _mm512_cvtss_f32(a);
+    *second = _mm512_cvtss_f32(b);
+    return unordered != 0;
+}
+
+COLIBRI_AVX512_FN static inline void colibri_top2_ids16(const float *x, int32_t E, float m1,
+                                                        float m2, int32_t *ids)
+{
+    const __m512 v1 = _mm512_set1_ps(m1), v2 = _mm512_set1_ps(m2);
+    int32_t base, e, i1 = -1, i2 = -1;
+    for (base = 0; base < E; base += 64) {
+        uint64_t k1 = 0, k2 = 0;
+        for (e = 0; e < 64 && base + e < E; e += 16) {
+            __mmask16 m = colibri_tail16(E - base - e);
+            __m512 v = _mm512_maskz_loadu_ps(m, x + base + e);
+            k1 |= (uint64_t)_mm512_mask_cmp_ps_mask(m, v, v1, _CMP_EQ_OQ) << e;
+            k2 |= (uint64_t)_mm512_mask_cmp_ps_mask(m, v, v2, _CMP_EQ_OQ) << e;
+        }
+        if (i1 < 0 && k1)
+            i1 = base + colibri_ctz64(k1);
+        if (i1 >= base)
+            k2 &= ~((uint64_t)1 << (i1 - base));
+        if (i2 < 0 && k2)
+            i2 = base + colibri_ctz64(k2);
+        if (i1 >= 0 && i2 >= 0)
+            break;
+    }
+    ids[0] = i1;
+    ids[1] = i2;
+}
+
 /* colibri_sigmoid_keys, 16 logits at a time (2x at E=256: the score pass dominates
  * DeepSeek-V3 routing); the SSE2 code takes the last E mod 16. */
 COLIBRI_AVX512_FN static inline int colibri_sigmoid_keys16(const float *x, int32_t E,
@@ -626,6 +692,30 @@ COLIBRI_AVX512_FN static inline int colibri_sigmoid_keys16(const float *x, int32
                                                    on_logits, scores + e, keys + e);
 }
 #endif
+
+/* colibri_top2_values / colibri_top2_ids of a row of r's experts, 16 lanes wide where r
+ * allows and E >= 16 (E=26: 20% faster, E=256: 25%; E=8 is faster on 4 lanes). */
+static inline int colibri_row_top2_values(const colibri_router_t *r, const float *x,
+                                          float *first, float *second)
+{
+#ifdef COLIBRI_AVX512
+    if (r->use_avx512 && r->num_experts >= 16)
+        return colibri_top2_values16(x, r->num_experts, first, second);
+#endif
+    return colibri_top2_values(x, r->num_experts, first, second);
+}
+
+static inline void colibri_row_top2_ids(const colibri_router_t *r, const float *x, float m1,
+                                        float m2, int32_t *ids)
+{
+#ifdef COLIBRI_AVX512
+    if (r->use_avx512 && r->num_experts >= 16) {
+        colibri_top2_ids16(x, r->num_experts, m1, m2, ids);
+        return;
+    }
+#endif
+    colibri_top2_ids(x, r->num_experts, m1, m2, ids);
+}
 
 /* Whether x[0..E) holds a NaN. */
 static inline int colibri_has_nan(const float *x, int32_t E)
@@ -797,9 +887,9 @@ static inline int colibri_route_row(const colibri_router_t *r, const float *x, v
     const int have_scores = r->bias != NULL || (G > 1 && r->group_score == COLIBRI_GROUP_TOP2_SUM);
     if (G == 1 && !have_scores && k <= 2 && E >= 2) {
         float m1, m2;
-        if (colibri_top2_values(x, E, &m1, &m2))
+        if (colibri_row_top2_values(r, x, &m1, &m2))
             return COLIBRI_ROW_NAN;
-        colibri_top2_ids(x, E, m1, m2, tid);
+        colibri_row_top2_ids(r, x, m1, m2, tid);
         return colibri_weights(r, x, NULL, tid, scratch, ids, weights);
     }
     if (have_scores && r->scoring == COLIBRI_SIGMOID) {
@@ -897,15 +987,17 @@ static inline int colibri_rows8_eligible(const colibri_router_t *r)
 static inline int colibri_route_rows8(const colibri_router_t *r, const float *x, int64_t stride,
                                       void *scratch, int32_t *ids, float *weights)
 {
-    const int32_t E = r->num_experts, k = r->top_k;
+    const int32_t k = r->top_k;
     int32_t i, tid[16];
     float first[8], second[8];
     int finite = 1;
+    int nan = 0;
+    for (i = 0; i < 8; i++) /* eight independent chains, then the ids: they overlap */
+        nan |= colibri_row_top2_values(r, x + i * stride, first + i, second + i);
+    if (nan)
+        return COLIBRI_ROW_NAN;
     for (i = 0; i < 8; i++) {
-        const float *row = x + i * stride;
-        if (colibri_top2_values(row, E, first + i, second + i))
-            return COLIBRI_ROW_NAN;
-        colibri_top2_ids(row, E, first[i], second[i], tid + 2 * i);
+        colibri_row_top2_ids(r, x + i * stride, first[i], second[i], tid + 2 * i);
         finite &= first[i] > -INFINITY && first[i] < INFINITY;
     }
 #ifdef COLIBRI_SSE2
