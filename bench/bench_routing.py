@@ -154,6 +154,15 @@ def main(argv=None):
         c = best_us(lambda ctx=ctx, x=x: ctx.route(x))
         t = best_us(lambda xt=xt: torch_deepseek_v3(xt, tb))
         print(row([str(T), f"{c:.1f}", f"{t:.1f}", f"{t / c:.1f}"]))
+    # What bounds this case: the bias makes every expert's sigmoid a candidate, so exact
+    # routing takes 256 sigmoids per token; torch's own vectorised sigmoid alone, for scale.
+    scores = torch.empty_like(xt)
+    s = best_us(lambda: torch.sigmoid(xt, out=scores))
+    print(
+        f"\nT={Ts[-1]}: torch.sigmoid of the logits alone takes {s:.0f} µs "
+        f"({torch.backends.cpu.get_cpu_capability()}); 40x torch's routing would leave "
+        f"{t / 40:.0f} µs for all of it"
+    )
 
     print("\nSingle token, E=26, k=2 (the latency path)\n")
     print(row(["input -> output", "colibri µs", "torch µs", "x torch"]))

@@ -234,6 +234,7 @@ cdef class Router:
     Built by :class:`colibri.Context`; use ``ctx.route``.
     """
     cdef colibri_router_t r
+    cdef colibri_router_t _r_one  # r for one token: 4 lanes (a lone AVX-512 call costs ~70 ns)
     cdef readonly int num_experts
     cdef readonly int top_k
     cdef readonly int routing_threads
@@ -296,6 +297,8 @@ cdef class Router:
             self.r.groups_in_order = bool(np.array_equal(group_members, np.arange(num_experts)))
         self._keep = keep
         self.r.use_avx512 = colibri_cpu_has_avx512()
+        self._r_one = self.r
+        self._r_one.use_avx512 = 0
         self._scratch_bytes = colibri_scratch_bytes(&self.r)
         self.collect_stats = collect_stats
         self._stats_lock = threading.Lock()
@@ -417,7 +420,7 @@ cdef class Router:
     cdef int _run(self, HostTensor x, Py_ssize_t T, int64_t xs0, int64_t xs1,
                   HostTensor ids_t, HostTensor w_t) except -1:
         cdef RowJob job
-        job.router = &self.r
+        job.router = &self.r if T > 1 else &self._r_one
         job.x = x.data
         job.xs0 = xs0
         job.xs1 = xs1
