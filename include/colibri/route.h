@@ -1,7 +1,17 @@
 /*
  * colibri's per-token router: one fused pass over a row of E gate logits picks the
- * top-k experts and their weights. Plain C99 (no VLAs), header-only,
- * usable from C without Python (SSE2 where the target has it, plain C elsewhere). The batch loop (OpenMP) lives in colibri/_core.pyx.
+ * top-k experts and their weights. Plain C99 (no VLAs), header-only, usable from C without
+ * Python: SSE2 where the target has it, plain C elsewhere, and AVX-512F for the score pass
+ * and top-2 where GCC/Clang can build it and the CPU runs it (router.use_avx512). Every
+ * path gives the same bits. The batch loop (OpenMP) lives in colibri/_core.pyx.
+ *
+ * How a row is routed:
+ *   k <= 2, keys = logits: the best two by value (each SIMD lane keeps its two, merged),
+ *       then their ids from equality masks; 8 rows at a time batch the softmax weights.
+ *   otherwise: scores and keys (sigmoid fused with the bias), group scores from each group's
+ *       best two, then top-k among the candidates at or above a bound that at least k keys
+ *       reach (each lane's best two, or the kept groups' runners-up): ranks are counted,
+ *       not sorted, so no branch depends on the data.
  *
  * Semantics (docs: README "Routing"):
  *   scores   = score(logits)              softmax | sigmoid | sqrt(softplus)

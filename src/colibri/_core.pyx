@@ -170,19 +170,27 @@ cdef void _route_span(const RowJob *job, Py_ssize_t start, Py_ssize_t stop, char
     # faster, E=256: 20%); the 8-row path gains only on long rows
     cdef size_t row_bytes = job.E * job.x_itemsize if job.xs1 == 1 else 0
     cdef Py_ssize_t ahead = max(8, 2048 // max(row_bytes, 1))
+    cdef bint direct = (not job.ids64 and job.ids_s1 == 1 and job.ids_s0 == k
+                        and job.w_s1 == 1 and job.w_s0 == k)
+    cdef int32_t *ids8 = row_ids
+    cdef float *w8 = row_w
     if job.rows8:
         while t + 8 <= stop:
             if row_bytes >= 512:
                 for i in range(ahead, ahead + 8):
                     if t + i < stop:
                         colibri_prefetch(job.x + (t + i) * job.xs0 * 4, row_bytes)
+            if direct:  # C-contiguous int32 / float32 results: written in place
+                ids8 = <int32_t *>job.ids + t * k
+                w8 = job.w + t * k
             if colibri_route_rows8(job.router, <const float *>(job.x + t * job.xs0 * 4),
-                                   job.xs0, scratch, row_ids, row_w) != COLIBRI_OK:
+                                   job.xs0, scratch, ids8, w8) != COLIBRI_OK:
                 break  # the rows one by one below name the failing one
             for i in range(8):
-                _store_row(job, t + i, row_ids + i * k, row_w + i * k)
+                if not direct:
+                    _store_row(job, t + i, ids8 + i * k, w8 + i * k)
                 if counts != NULL:
-                    _count_row(row_ids + i * k, k, job.E, counts, pairs, 1)
+                    _count_row(ids8 + i * k, k, job.E, counts, pairs, 1)
             t += 8
     ahead = max(1, 2048 // max(row_bytes, 1))
     for t in range(t, stop):
