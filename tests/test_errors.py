@@ -64,7 +64,9 @@ X = np.zeros((3, 8), np.float32)
             "routing_threads must be >= 1",
         ),
         (dict(num_experts=8, top_k=1, batch_size=0), ValueError, "batch_size must be >= 1"),
-        (dict(num_experts=8, top_k=1, page_size_kb=6), ValueError, "multiple of 4"),
+        (dict(num_experts=8, top_k=1, page_size_kb=6), ValueError, "power of two >= 4"),
+        (dict(num_experts=8, top_k=1, page_size_kb=12), ValueError, "power of two >= 4"),
+        (dict(num_experts=8, top_k=1, page_size_kb=2), ValueError, "page_size_kb must be >= 4"),
         (
             dict(num_experts=8, top_k=1, correction_bias=np.zeros(7)),
             ValueError,

@@ -25,6 +25,17 @@ def _int(name: str, value: Any, low: int, high: int | None = None, hint: str = "
     return value
 
 
+def check_page_size_kb(value: Any, where: str = "") -> int:
+    """A pager page size in KiB: a power of two >= 4 (the OS page; slots and reads align
+    to it). ``where`` prefixes the message (``"Pager(): "``)."""
+    page = _int(f"{where}page_size_kb", value, 4)
+    if page & (page - 1):
+        raise ValueError(
+            f"{where}page_size_kb must be a power of two >= 4 (got {page}); 4, 32 and 64 are common"
+        )
+    return page
+
+
 def _float(name: str, value: Any, positive: bool = False) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
         raise TypeError(f"{name} must be a number (got {value!r})")
@@ -85,7 +96,8 @@ class Config:
     batch_size : int
         Tokens per call the context preallocates result buffers for (``ctx.buffers()``).
     page_size_kb : int
-        Expert-weight page size for the pager (KiB, a positive multiple of 4).
+        Expert-weight page size (KiB, a power of two >= 4) for a pager built with this
+        configuration: ``Pager(path, budget_bytes=..., page_size_kb=ctx.config.page_size_kb)``.
     routing_threads : int or None
         OpenMP threads for batched routing; None: all cores (OMP_NUM_THREADS).
     scoring : {"softmax", "sigmoid", "sqrtsoftplus"}
@@ -140,10 +152,7 @@ class Config:
         E = _int("num_experts", self.num_experts, 1)
         set_("num_experts", E)
         set_("batch_size", _int("batch_size", self.batch_size, 1))
-        page = _int("page_size_kb", self.page_size_kb, 4)
-        if page % 4:
-            raise ValueError(f"page_size_kb must be a multiple of 4 KiB (got {page})")
-        set_("page_size_kb", page)
+        set_("page_size_kb", check_page_size_kb(self.page_size_kb))
         if self.routing_threads is not None:
             set_("routing_threads", _int("routing_threads", self.routing_threads, 1))
         _choice("scoring", self.scoring, SCORINGS)

@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from colibri.config import check_page_size_kb
 from colibri.formats import WeightSource, open_weights
 from colibri.formats._base import ExpertLayout
 from colibri.formats._io import FileReader
@@ -324,10 +325,7 @@ class Pager:
         record_trace: bool = False,
         populate: bool = False,
     ) -> None:
-        if type(page_size_kb) is not int or page_size_kb < 4 or page_size_kb & (page_size_kb - 1):
-            raise ValueError(
-                f"Pager(): page_size_kb must be a power of two >= 4 (got {page_size_kb!r})"
-            )
+        page_size_kb = check_page_size_kb(page_size_kb, "Pager(): ")
         if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, (int, np.integer)):
             raise TypeError(f"Pager(): budget_bytes must be an int (got {budget_bytes!r})")
         if prefetch_queue < 1:
