@@ -171,6 +171,18 @@ def test_raw_round_trip_and_refuses_overwrite(tmp_path):
     write_experts(tmp_path / "x.colibri", experts, overwrite=True)
 
 
+def test_raw_writer_never_clobbers_a_manifest_that_appears_while_writing(tmp_path):
+    from colibri.formats.raw import RawWriter
+
+    writer = RawWriter(tmp_path / "y.colibri")
+    writer.add(0, 0, [("F32", (2, 2), np.ones((2, 2), np.float32))] * 3)
+    (tmp_path / "y.colibri.json").write_text("someone else's")
+    with pytest.raises(FileExistsError, match="overwrite=True"):
+        writer.commit()
+    assert (tmp_path / "y.colibri.json").read_text() == "someone else's"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["y.colibri.json"]  # no data, no temps
+
+
 # -- adversarial files -------------------------------------------------------------------------
 
 

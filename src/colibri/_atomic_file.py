@@ -26,35 +26,44 @@ def write_atomically(
         ``path`` exists and ``overwrite`` is false.
     """
     path = os.fspath(path)
-    if not overwrite and os.path.lexists(path):
-        raise FileExistsError(f"{path} already exists; pass overwrite=True to replace it")
-    folder = os.path.dirname(os.path.abspath(path))
-    fd, temporary = tempfile.mkstemp(
-        dir=folder, prefix="." + os.path.basename(path) + ".", suffix=".tmp"
-    )
+    refuse_existing(path, overwrite)
+    fd, temporary = temporary_beside(path)
     try:
         with os.fdopen(fd, "wb") as file:
             write(file)
             file.flush()
             os.fsync(file.fileno())
-        if overwrite:
-            os.replace(temporary, path)
-            return
-        try:
-            os.link(temporary, path)
-        except FileExistsError:
-            raise FileExistsError(
-                f"{path} already exists; pass overwrite=True to replace it"
-            ) from None
-        except OSError:  # no hard links on this file system
-            if os.path.lexists(path):
-                raise FileExistsError(
-                    f"{path} already exists; pass overwrite=True to replace it"
-                ) from None
-            os.replace(temporary, path)
-        else:
-            os.unlink(temporary)
+        publish(temporary, path, overwrite=overwrite)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(temporary)
         raise
+
+
+def refuse_existing(path: str, overwrite: bool) -> None:
+    """Raise FileExistsError when ``path`` exists and ``overwrite`` is false."""
+    if not overwrite and os.path.lexists(path):
+        raise FileExistsError(f"{path} already exists; pass overwrite=True to replace it")
+
+
+def temporary_beside(path: str) -> tuple[int, str]:
+    """A new temporary file in ``path``'s folder (same file system): ``(fd, name)``."""
+    folder = os.path.dirname(os.path.abspath(path))
+    return tempfile.mkstemp(dir=folder, prefix="." + os.path.basename(path) + ".", suffix=".tmp")
+
+
+def publish(temporary: str, path: str, *, overwrite: bool) -> None:
+    """Move the finished ``temporary`` to ``path`` in one step; without ``overwrite`` an
+    existing ``path`` is never replaced, even one that appeared meanwhile."""
+    if overwrite:
+        os.replace(temporary, path)
+        return
+    try:
+        os.link(temporary, path)
+    except FileExistsError:
+        raise FileExistsError(f"{path} already exists; pass overwrite=True to replace it") from None
+    except OSError:  # no hard links on this file system
+        refuse_existing(path, overwrite)
+        os.replace(temporary, path)
+    else:
+        os.unlink(temporary)

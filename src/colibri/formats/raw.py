@@ -11,13 +11,14 @@ half-written file under the final name.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
-import tempfile
 from collections.abc import Iterable, Mapping
 
 import numpy as np
 
+from colibri._atomic_file import publish, refuse_existing, temporary_beside
 from colibri.formats._base import (
     DTYPE_SIZES,
     MAX_HEADER_BYTES,
@@ -76,15 +77,14 @@ class RawWriter:
             raise ValueError(f"alignment must be a power of two (got {alignment!r})")
         self.path = os.path.abspath(os.fspath(path))
         self.manifest = manifest_path(self.path)
+        self.overwrite = overwrite
         for p in (self.path, self.manifest):
-            if os.path.exists(p) and not overwrite:
-                raise FileExistsError(f"{p} already exists; pass overwrite=True to replace it")
+            refuse_existing(p, overwrite)
         self.alignment = alignment
         self.metadata = dict(metadata or {})
         self._entries: list[dict] = []
         self._keys: set[tuple[int, int]] = set()
-        folder = os.path.dirname(self.path)
-        fd, self._tmp = tempfile.mkstemp(prefix=".colibri-", suffix=".tmp", dir=folder)
+        fd, self._tmp = temporary_beside(self.path)
         self._file = os.fdopen(fd, "wb")
         self._offset = 0
 
@@ -133,12 +133,23 @@ class RawWriter:
             "data": os.path.basename(self.path), "data_bytes": self._offset,
             "alignment": self.alignment, "metadata": self.metadata, "experts": self._entries,
         }  # fmt: skip
-        folder = os.path.dirname(self.path)
-        fd, tmp_manifest = tempfile.mkstemp(prefix=".colibri-", suffix=".tmp", dir=folder)
-        with os.fdopen(fd, "w") as f:
-            json.dump(manifest, f)
-        os.replace(self._tmp, self.path)
-        os.replace(tmp_manifest, self.manifest)
+        fd, tmp_manifest = temporary_beside(self.manifest)
+        created = False
+        try:
+            with os.fdopen(fd, "w") as f:
+                json.dump(manifest, f)
+                f.flush()
+                os.fsync(f.fileno())
+            publish(self._tmp, self.path, overwrite=self.overwrite)
+            created = not self.overwrite  # the data path did not exist before
+            publish(tmp_manifest, self.manifest, overwrite=self.overwrite)
+        except BaseException:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp_manifest)
+            if created:  # a manifest appeared meanwhile: no data file without its own
+                os.unlink(self.path)
+            self.abort()
+            raise
         return self.path
 
     def abort(self) -> None:
