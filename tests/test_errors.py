@@ -104,8 +104,6 @@ def test_config_errors(kwargs, exc, match):
 def test_unknown_option_names_the_closest():
     with pytest.raises(TypeError, match="unknown routing option 'topk_group'.*'topk_groups'"):
         colibri.init(8, 2, topk_group=1)
-    with pytest.raises(TypeError, match="use_avx512 is not an option"):
-        colibri.init(8, 2, use_avx512=True)
     with pytest.raises(TypeError, match="needs num_experts and top_k"):
         colibri.init(8)
 
@@ -147,3 +145,18 @@ def test_new_option_errors():
         colibri.Config(num_experts=8, top_k=2, normalize_eps=-1e-6)
     with pytest.raises(ValueError, match="bias_on must be one of"):
         colibri.Config(num_experts=8, top_k=2, bias_on="weights")
+
+
+def test_use_avx512_is_checked_against_the_cpu():
+    from colibri import _core
+
+    with pytest.raises(TypeError, match="use_avx512 must be None, True or False"):
+        colibri.init(8, 2, use_avx512="yes")
+    assert not colibri.init(8, 2, use_avx512=False).use_avx512
+    runs = "avx512" in _core.build_info()["simd"]
+    assert colibri.init(8, 2).use_avx512 == runs  # None: wherever it runs
+    if runs:
+        assert colibri.init(8, 2, use_avx512=True).use_avx512
+    else:
+        with pytest.raises(ValueError, match="no AVX-512F"):
+            colibri.init(8, 2, use_avx512=True)

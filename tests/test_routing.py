@@ -365,17 +365,15 @@ def test_avx512_score_pass_equals_sse2_bit_for_bit(E, bias_on):
     )
     if E % 8 == 0:
         options.update(num_groups=8, topk_groups=4, group_score="top2_sum")
-    ctx = colibri.init(E, 8, **options)
+    ctx = colibri.init(E, 8, use_avx512=True, **options)
     wide = ctx.route(x)
-    ctx._set_avx512(False)
-    narrow = ctx.route(x)
+    narrow = colibri.init(E, 8, use_avx512=False, **options).route(x)
     np.testing.assert_array_equal(wide[0], narrow[0])
     np.testing.assert_array_equal(wide[1], narrow[1])
     ref_ids, ref_w, keys = ref.route(x, 8, **options)
     ref.assert_same_routes(wide[0], wide[1], ref_ids, ref_w, keys)
     bad = x[:20].copy()
     bad[11, E - 1] = np.nan  # in the SSE2 tail when E % 16
-    ctx._set_avx512(True)
     with pytest.raises(ValueError, match="row 11 contains NaN"):
         ctx.route(bad)
 
@@ -406,13 +404,11 @@ def test_avx512_top2_equals_sse2(E, k):
     x[::3] = rng.standard_normal((len(x[::3]), E)) * 4
     x = x.astype(np.float32)
     x[:, 0] = np.where(np.isneginf(x).all(axis=1), 0.0, x[:, 0])  # keep softmax defined
-    ctx = colibri.init(E, k)
+    ctx = colibri.init(E, k, use_avx512=True)
     wide = ctx.route(x)
-    ctx._set_avx512(False)
-    narrow = ctx.route(x)
+    narrow = colibri.init(E, k, use_avx512=False).route(x)
     np.testing.assert_array_equal(wide[0], narrow[0])
     np.testing.assert_array_equal(wide[1], narrow[1])
-    ctx._set_avx512(True)
     bad = x[:21].copy()
     bad[17, E - 1] = np.nan  # in the masked tail when E % 16
     with pytest.raises(ValueError, match="row 17 contains NaN"):

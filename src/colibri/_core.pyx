@@ -259,7 +259,8 @@ cdef class Router:
 
     def _setup(self, *, int num_experts, int top_k, str scoring, bint normalize, float norm_p,
                float norm_eps, float scale, bias, str bias_on, expert_scale, group_start, group_members, int topk_groups,
-               str group_score, int routing_threads, str ids_dtype, bint collect_stats):
+               str group_score, int routing_threads, str ids_dtype, bint collect_stats,
+               use_avx512=None):
         """Store a configuration already validated by :class:`colibri.Config`."""
         self.num_experts = num_experts
         self.top_k = top_k
@@ -304,7 +305,11 @@ cdef class Router:
             self.r.topk_groups = topk_groups
             self.r.groups_in_order = bool(np.array_equal(group_members, np.arange(num_experts)))
         self._keep = keep
-        self.r.use_avx512 = colibri_cpu_has_avx512()
+        if use_avx512 and not colibri_cpu_has_avx512():
+            raise ValueError("use_avx512=True, but this CPU has no AVX-512F (or this build, "
+                             "made without GCC/Clang on x86-64, has no AVX-512 code); leave "
+                             "use_avx512=None to use it only where it runs")
+        self.r.use_avx512 = colibri_cpu_has_avx512() if use_avx512 is None else use_avx512
         self._r_one = self.r
         self._r_one.use_avx512 = 0
         self._scratch_bytes = colibri_scratch_bytes(&self.r)
@@ -337,14 +342,8 @@ cdef class Router:
 
     @property
     def use_avx512(self):
-        """Whether the score pass runs in AVX-512F (when this CPU has it)."""
+        """Whether batched calls run the AVX-512F kernels."""
         return bool(self.r.use_avx512)
-
-    def _set_avx512(self, bint on):
-        """Choose the score pass's SIMD width (for tests: the paths agree bit for bit)."""
-        if on and not colibri_cpu_has_avx512():
-            raise RuntimeError("this CPU (or this build) has no AVX-512F")
-        self.r.use_avx512 = on
 
     def set_collect_stats(self, bint on):
         self.collect_stats = on

@@ -125,6 +125,10 @@ class Config:
     ids_dtype : {"int32", "int64"}
     collect_stats : bool
         Count expert selections and co-activations while routing (``ctx.stats``).
+    use_avx512 : bool or None
+        The AVX-512F kernels (score pass, top two): None uses them where the CPU has them,
+        True requires them (an error where they cannot run), False keeps to SSE2. Every
+        path gives the same bits.
     """
 
     num_experts: int
@@ -146,6 +150,7 @@ class Config:
     partition: Any = None
     ids_dtype: str = "int32"
     collect_stats: bool = False
+    use_avx512: bool | None = None
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__.__get__(self)  # frozen: store the normalised values
@@ -162,6 +167,10 @@ class Config:
             if not isinstance(getattr(self, flag), (bool, np.bool_)):
                 raise TypeError(f"{flag} must be True or False (got {getattr(self, flag)!r})")
             set_(flag, bool(getattr(self, flag)))
+        if self.use_avx512 is not None:
+            if not isinstance(self.use_avx512, (bool, np.bool_)):
+                raise TypeError(f"use_avx512 must be None, True or False (got {self.use_avx512!r})")
+            set_("use_avx512", bool(self.use_avx512))
         set_("norm_p", _float("norm_p", self.norm_p, positive=True))
         set_("normalize_eps", _float("normalize_eps", self.normalize_eps))
         if self.normalize_eps < 0:
@@ -230,12 +239,6 @@ def check_options(options: dict[str, Any]) -> None:
     for name in options:
         if name not in known:
             hint = difflib.get_close_matches(name, known, n=1)
-            if name == "use_avx512":
-                raise TypeError(
-                    "use_avx512 is not an option: colibri's kernels are portable C "
-                    "that the compiler vectorises for the wheel's target; there is "
-                    "nothing to switch"
-                )
             suggestion = f"; did you mean {hint[0]!r}?" if hint else ""
             raise TypeError(
                 f"unknown routing option {name!r}{suggestion} (options: {', '.join(known)})"

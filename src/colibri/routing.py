@@ -44,6 +44,7 @@ class Context(Router):
             routing_threads=config.routing_threads or max_threads(),
             ids_dtype=config.ids_dtype,
             collect_stats=config.collect_stats,
+            use_avx512=config.use_avx512,
         )
 
     @property
