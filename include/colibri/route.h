@@ -154,20 +154,30 @@ static inline const float *colibri_load_row(const char *row, int dtype, int64_t 
 #define COLIBRI_EXP_LO (-104.0f) /* exp below is 0 in float32 */
 #define COLIBRI_EXP_HI 88.8f     /* exp above is inf */
 #define COLIBRI_ROUND_MAGIC 12582912.0f /* 1.5 * 2^23: adding it rounds to an integer */
+/* shared by the scalar, SSE2 and AVX-512 versions, which must agree bit for bit */
+#define COLIBRI_LOG2E 1.44269504088896341f
+#define COLIBRI_LN2_HI 0.693359375f /* ln 2 = LN2_HI + LN2_LO; n * LN2_HI is exact */
+#define COLIBRI_LN2_LO (-2.12194440e-4f)
+#define COLIBRI_EXP_P5 1.9875691500e-4f
+#define COLIBRI_EXP_P4 1.3981999507e-3f
+#define COLIBRI_EXP_P3 8.3334519073e-3f
+#define COLIBRI_EXP_P2 4.1665795894e-2f
+#define COLIBRI_EXP_P1 1.6666665459e-1f
+#define COLIBRI_EXP_P0 5.0000001201e-1f
 
 static inline float colibri_exp(float x)
 {
     x = x < COLIBRI_EXP_LO ? COLIBRI_EXP_LO : x;
     x = x > COLIBRI_EXP_HI ? COLIBRI_EXP_HI : x;
-    float n = (x * 1.44269504088896341f + COLIBRI_ROUND_MAGIC) - COLIBRI_ROUND_MAGIC;
-    float r = x - n * 0.693359375f;
-    r = r - n * -2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
+    float n = (x * COLIBRI_LOG2E + COLIBRI_ROUND_MAGIC) - COLIBRI_ROUND_MAGIC;
+    float r = x - n * COLIBRI_LN2_HI;
+    r = r - n * COLIBRI_LN2_LO;
+    float p = COLIBRI_EXP_P5;
+    p = p * r + COLIBRI_EXP_P4;
+    p = p * r + COLIBRI_EXP_P3;
+    p = p * r + COLIBRI_EXP_P2;
+    p = p * r + COLIBRI_EXP_P1;
+    p = p * r + COLIBRI_EXP_P0;
     p = (p * (r * r) + r) + 1.0f;
     int32_t ni = (int32_t)n, n1 = ni >> 1, n2 = ni - n1;
     return p * colibri_bits_to_float((uint32_t)(n1 + 127) << 23)
@@ -186,16 +196,16 @@ static inline __m128 colibri_exp4(__m128 x)
     x = _mm_max_ps(x, _mm_set1_ps(COLIBRI_EXP_LO));
     x = _mm_min_ps(x, _mm_set1_ps(COLIBRI_EXP_HI));
     __m128 magic = _mm_set1_ps(COLIBRI_ROUND_MAGIC);
-    __m128 n = _mm_sub_ps(_mm_add_ps(_mm_mul_ps(x, _mm_set1_ps(1.44269504088896341f)), magic),
+    __m128 n = _mm_sub_ps(_mm_add_ps(_mm_mul_ps(x, _mm_set1_ps(COLIBRI_LOG2E)), magic),
                           magic);
-    __m128 r = _mm_sub_ps(x, _mm_mul_ps(n, _mm_set1_ps(0.693359375f)));
-    r = _mm_sub_ps(r, _mm_mul_ps(n, _mm_set1_ps(-2.12194440e-4f)));
-    __m128 p = _mm_set1_ps(1.9875691500e-4f);
-    p = _mm_add_ps(_mm_mul_ps(p, r), _mm_set1_ps(1.3981999507e-3f));
-    p = _mm_add_ps(_mm_mul_ps(p, r), _mm_set1_ps(8.3334519073e-3f));
-    p = _mm_add_ps(_mm_mul_ps(p, r), _mm_set1_ps(4.1665795894e-2f));
-    p = _mm_add_ps(_mm_mul_ps(p, r), _mm_set1_ps(1.6666665459e-1f));
-    p = _mm_add_ps(_mm_mul_ps(p, r), _mm_set1_ps(5.0000001201e-1f));
+    __m128 r = _mm_sub_ps(x, _mm_mul_ps(n, _mm_set1_ps(COLIBRI_LN2_HI)));
+    r = _mm_sub_ps(r, _mm_mul_ps(n, _mm_set1_ps(COLIBRI_LN2_LO)));
+    __m128 p = _mm_set1_ps(COLIBRI_EXP_P5);
+    p = _mm_add_ps(_mm_mul_ps(p, r), _mm_set1_ps(COLIBRI_EXP_P4));
+    p = _mm_add_ps(_mm_mul_ps(p, r), _mm_set1_ps(COLIBRI_EXP_P3));
+    p = _mm_add_ps(_mm_mul_ps(p, r), _mm_set1_ps(COLIBRI_EXP_P2));
+    p = _mm_add_ps(_mm_mul_ps(p, r), _mm_set1_ps(COLIBRI_EXP_P1));
+    p = _mm_add_ps(_mm_mul_ps(p, r), _mm_set1_ps(COLIBRI_EXP_P0));
     p = _mm_add_ps(_mm_add_ps(_mm_mul_ps(p, _mm_mul_ps(r, r)), r), _mm_set1_ps(1.0f));
     __m128i ni = _mm_cvttps_epi32(n);
     __m128i n1 = _mm_srai_epi32(ni, 1);
@@ -586,15 +596,15 @@ COLIBRI_AVX512_FN static inline __m512 colibri_exp16(__m512 x)
     x = _mm512_min_ps(x, _mm512_set1_ps(COLIBRI_EXP_HI));
     __m512 magic = _mm512_set1_ps(COLIBRI_ROUND_MAGIC);
     __m512 n = _mm512_sub_ps(
-        _mm512_add_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)), magic), magic);
-    __m512 r = _mm512_sub_ps(x, _mm512_mul_ps(n, _mm512_set1_ps(0.693359375f)));
-    r = _mm512_sub_ps(r, _mm512_mul_ps(n, _mm512_set1_ps(-2.12194440e-4f)));
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(5.0000001201e-1f));
+        _mm512_add_ps(_mm512_mul_ps(x, _mm512_set1_ps(COLIBRI_LOG2E)), magic), magic);
+    __m512 r = _mm512_sub_ps(x, _mm512_mul_ps(n, _mm512_set1_ps(COLIBRI_LN2_HI)));
+    r = _mm512_sub_ps(r, _mm512_mul_ps(n, _mm512_set1_ps(COLIBRI_LN2_LO)));
+    __m512 p = _mm512_set1_ps(COLIBRI_EXP_P5);
+    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(COLIBRI_EXP_P4));
+    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(COLIBRI_EXP_P3));
+    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(COLIBRI_EXP_P2));
+    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(COLIBRI_EXP_P1));
+    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(COLIBRI_EXP_P0));
     p = _mm512_add_ps(_mm512_add_ps(_mm512_mul_ps(p, _mm512_mul_ps(r, r)), r),
                       _mm512_set1_ps(1.0f));
     __m512i ni = _mm512_cvttps_epi32(n);
