@@ -59,8 +59,20 @@ cdef extern from "colibri/route.h" nogil:
         COLIBRI_ROW_SHORT
 
 
-# Rows per thread below which another thread costs more than it saves.
-cdef Py_ssize_t ROWS_PER_THREAD = 256
+# Work per thread below which another thread costs more than it saves (waking one costs a
+# few microseconds here), and a row's cost by path, in ns (measured, 2-core VM).
+cdef double THREAD_WORK_NS = 5000.0
+
+
+cdef Py_ssize_t _rows_per_thread(const colibri_router_t *r) noexcept:
+    """Rows worth one more thread: ~150 for plain top-2 at E=64, 16 for DeepSeek-V3."""
+    cdef double row_ns
+    if colibri_rows8_eligible(r):
+        row_ns = 10.0 + 0.35 * r.num_experts  # E=64: ~30 ns
+    else:
+        row_ns = 40.0 + 1.5 * r.num_experts  # E=64, k=8: ~140 ns; DeepSeek-V3: ~420 ns
+    return max(16, <Py_ssize_t>(THREAD_WORK_NS / row_ns))
+
 SCORINGS = {"softmax": 0, "sigmoid": 1, "sqrtsoftplus": 2}
 GROUP_SCORES = {"max": 0, "top2_sum": 1}
 
@@ -460,9 +472,10 @@ cdef class Router:
         cdef Py_ssize_t cs = self._counts_stride, ps = self._pairs_stride
         cdef int64_t *cnt = NULL
         cdef int64_t *co = NULL
-        if T > ROWS_PER_THREAD and self.routing_threads > 1:
+        cdef Py_ssize_t rows_per_thread = _rows_per_thread(&self.r)
+        if T > rows_per_thread and self.routing_threads > 1:
             chunks = min(<Py_ssize_t>self.routing_threads,
-                         (T + ROWS_PER_THREAD - 1) // ROWS_PER_THREAD)
+                         (T + rows_per_thread - 1) // rows_per_thread)
         if self.collect_stats:
             # counted while routing, into per-chunk accumulators the context keeps (one
             # statistics-collecting call at a time); a failed call takes its counts back
