@@ -43,7 +43,7 @@
 #define COLIBRI_SSE2 1
 #endif
 
-/* GCC and Clang on x86-64 also compile an AVX-512F score pass (colibri_sigmoid_keys16),
+/* GCC and Clang on x86-64 also compile AVX-512F kernels (the sigmoid pass and the top two),
  * used when router.use_avx512 is set (colibri_cpu_has_avx512() says whether it may be). */
 #if defined(COLIBRI_SSE2) && defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #include <immintrin.h>
@@ -80,7 +80,7 @@ typedef struct {
     const int32_t *group_start;   /* [G + 1] offsets into group_members */
     const int32_t *group_members; /* [E] expert ids, group by group */
     int32_t groups_in_order;      /* group_members is 0, 1, ..., E-1 (contiguous groups) */
-    int32_t use_avx512;           /* score pass in AVX-512F: only if colibri_cpu_has_avx512() */
+    int32_t use_avx512;           /* the AVX-512F kernels: only if colibri_cpu_has_avx512() */
 } colibri_router_t;
 
 /* Bytes of per-thread scratch one row needs (aligned to 64); colibri_route_row lays it out. */
@@ -385,6 +385,21 @@ static inline int colibri_top2_values(const float *x, int32_t E, float *first, f
     return nan;
 }
 
+/* One 64-element span's part in finding the top two's ids: k1 and k2 mark its elements
+ * equal to m1 and m2 (bit i: element base + i). The first m1 is *i1, the first m2 other
+ * than it *i2 (-1 while unknown). Returns 1 once both are known. */
+static inline int colibri_top2_claim(uint64_t k1, uint64_t k2, int32_t base, int32_t *i1,
+                                     int32_t *i2)
+{
+    if (*i1 < 0 && k1)
+        *i1 = base + colibri_ctz64(k1);
+    if (*i1 >= base)
+        k2 &= ~((uint64_t)1 << (*i1 - base)); /* *i1 - base < 64: found in this span */
+    if (*i2 < 0 && k2)
+        *i2 = base + colibri_ctz64(k2);
+    return *i1 >= 0 && *i2 >= 0;
+}
+
 /* The ids of the top two of x[0..E) (no NaN), given their values m1 >= m2: the first
  * occurrence of m1, then the first occurrence of m2 other than that one. Masks of the
  * elements equal to each value, 64 elements at a time: no branch per element. */
@@ -422,13 +437,7 @@ static inline void colibri_top2_ids(const float *x, int32_t E, float m1, float m
             k1 |= (uint64_t)(span[e] == m1) << e;
             k2 |= (uint64_t)(span[e] == m2) << e;
         }
-        if (i1 < 0 && k1)
-            i1 = base + colibri_ctz64(k1);
-        if (i1 >= base)
-            k2 &= ~((uint64_t)1 << (i1 - base)); /* i1 - base < 64: found in this span */
-        if (i2 < 0 && k2)
-            i2 = base + colibri_ctz64(k2);
-        if (i2 >= 0 && i1 >= 0)
+        if (colibri_top2_claim(k1, k2, base, &i1, &i2))
             break;
     }
     ids[0] = i1;
@@ -678,13 +687,7 @@ COLIBRI_AVX512_FN static inline void colibri_top2_ids16(const float *x, int32_t 
             k1 |= (uint64_t)_mm512_mask_cmp_ps_mask(m, v, v1, _CMP_EQ_OQ) << e;
             k2 |= (uint64_t)_mm512_mask_cmp_ps_mask(m, v, v2, _CMP_EQ_OQ) << e;
         }
-        if (i1 < 0 && k1)
-            i1 = base + colibri_ctz64(k1);
-        if (i1 >= base)
-            k2 &= ~((uint64_t)1 << (i1 - base));
-        if (i2 < 0 && k2)
-            i2 = base + colibri_ctz64(k2);
-        if (i1 >= 0 && i2 >= 0)
+        if (colibri_top2_claim(k1, k2, base, &i1, &i2))
             break;
     }
     ids[0] = i1;
@@ -712,6 +715,18 @@ COLIBRI_AVX512_FN static inline int colibri_sigmoid_keys16(const float *x, int32
                                                    on_logits, scores + e, keys + e);
 }
 #endif
+
+/* colibri_sigmoid_keys of a row of r's experts, 16 lanes wide where r allows. */
+static inline int colibri_row_sigmoid_keys(const colibri_router_t *r, const float *x,
+                                           float *scores, float *keys)
+{
+#ifdef COLIBRI_AVX512
+    if (r->use_avx512)
+        return colibri_sigmoid_keys16(x, r->num_experts, r->bias, r->bias_on_logits, scores,
+                                      keys);
+#endif
+    return colibri_sigmoid_keys(x, r->num_experts, r->bias, r->bias_on_logits, scores, keys);
+}
 
 /* colibri_top2_values / colibri_top2_ids of a row of r's experts, 16 lanes wide where r
  * allows and E >= 16 (E=26: 20% faster, E=256: 25%; E=8 is faster on 4 lanes). */
@@ -913,12 +928,7 @@ static inline int colibri_route_row(const colibri_router_t *r, const float *x, v
         return colibri_weights(r, x, NULL, tid, scratch, ids, weights);
     }
     if (have_scores && r->scoring == COLIBRI_SIGMOID) {
-#ifdef COLIBRI_AVX512
-        if (r->use_avx512)
-            nan = colibri_sigmoid_keys16(x, E, r->bias, r->bias_on_logits, scores, keys);
-        else
-#endif
-            nan = colibri_sigmoid_keys(x, E, r->bias, r->bias_on_logits, scores, keys);
+        nan = colibri_row_sigmoid_keys(r, x, scores, keys);
         key = r->bias != NULL ? keys : scores;
     } else if (have_scores) {
         if (colibri_has_nan(x, E))

@@ -114,7 +114,7 @@ def build_info():
     """How this extension was built and what this CPU runs: compiler and SIMD paths."""
     simd = COLIBRI_SIMD.decode()
     if colibri_cpu_has_avx512():
-        simd += ", avx512f (score pass)"
+        simd += ", avx512f (sigmoid pass, top two)"
     return {"compiler": COLIBRI_COMPILER.decode(), "simd": simd}
 
 
