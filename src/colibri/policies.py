@@ -110,6 +110,23 @@ class LRUPolicy(FIFOPolicy):
         self._order.move_to_end(key)
 
 
+def _lowest_evictable(heap: list[tuple], current, evictable) -> Key | None:
+    """The key (last item) of the lowest entry of a lazy heap that is ``current`` and
+    ``evictable``, or None. Stale entries met on the way are dropped; live ones stay."""
+    skipped, found = [], None
+    while heap:
+        entry = heapq.heappop(heap)
+        if not current(entry):
+            continue  # stale
+        skipped.append(entry)
+        if evictable(entry[-1]):
+            found = entry[-1]
+            break
+    for entry in skipped:
+        heapq.heappush(heap, entry)
+    return found
+
+
 class _HeapPolicy(CachePolicy):
     """Evict the resident key of lowest score; a lazy heap keeps victim() cheap."""
 
@@ -129,19 +146,7 @@ class _HeapPolicy(CachePolicy):
         self._score.pop(key, None)
 
     def victim(self, evictable):
-        skipped, found = [], None
-        while self._heap:
-            entry = heapq.heappop(self._heap)
-            key = entry[-1]
-            if self._score.get(key) != entry[:-1]:
-                continue  # stale
-            skipped.append(entry)
-            if evictable(key):
-                found = key
-                break
-        for entry in skipped:
-            heapq.heappush(self._heap, entry)
-        return found
+        return _lowest_evictable(self._heap, lambda e: self._score.get(e[-1]) == e[:-1], evictable)
 
     def eviction_order(self):
         return sorted(self._score, key=self._score.__getitem__)
@@ -317,18 +322,7 @@ class NextUsePolicy(CachePolicy):
     def victim(self, evictable):
         best, best_t = None, -1.0
         for heap in self._heaps.values():
-            skipped, found = [], None
-            while heap:
-                entry = heapq.heappop(heap)
-                score, key = entry
-                if self._score.get(key) != score:
-                    continue  # stale
-                skipped.append(entry)
-                if evictable(key):
-                    found = key
-                    break
-            for entry in skipped:
-                heapq.heappush(heap, entry)
+            found = _lowest_evictable(heap, lambda e: self._score.get(e[1]) == e[0], evictable)
             if found is not None:
                 t = self._expected_next_use(found)
                 if t > best_t:
