@@ -3,6 +3,9 @@
 import os
 import subprocess
 import sys
+from pathlib import Path
+
+import pytest
 
 import colibri
 from colibri import _core
@@ -21,9 +24,25 @@ def test_headers_are_installed():
         assert os.path.isfile(os.path.join(include, "colibri", name))
 
 
-def test_info_command():
+def test_info_command(tmp_path):
+    # from tmp_path: `python -m` puts the current directory first on sys.path
     out = subprocess.run(
-        [sys.executable, "-m", "colibri", "info"], capture_output=True, text=True, check=True
-    ).stdout
+        [sys.executable, "-m", "colibri", "info"],
+        capture_output=True, text=True, check=True, cwd=tmp_path,
+    ).stdout  # fmt: skip
     assert f"colibri {colibri.__version__}" in out
     assert "openmp on" in out and "compiler" in out and "threads" in out
+
+
+def test_unbuilt_source_tree_says_what_to_run():
+    root = Path(__file__).resolve().parents[1]
+    if not (root / "colibri" / "_core.pyx").is_file():
+        pytest.skip("tests run outside the source tree (an installed wheel)")
+    if Path(colibri.__file__).resolve().parent == root / "colibri":
+        pytest.skip("an editable install: the source tree is the package")
+    done = subprocess.run(
+        [sys.executable, "-c", "import colibri"], capture_output=True, text=True, cwd=root
+    )
+    assert done.returncode != 0
+    assert "imported from its source tree" in done.stderr
+    assert "pip install --no-build-isolation -e ." in done.stderr

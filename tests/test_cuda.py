@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 import colibri
+from _support import reference as ref
 from colibri.layer import InMemoryExperts, MoELayer
-from tests import reference as ref
 
 torch = pytest.importorskip("torch")
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 
 import colibri
+from _support import reference as ref
+from _support.capsules import Capsule, Producer
 from colibri._dlpack import host_tensor, import_host
-from tests import reference as ref
-from tests.capsules import Capsule, Producer
 
 torch = pytest.importorskip("torch")
 jax = pytest.importorskip("jax")

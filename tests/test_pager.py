@@ -381,7 +381,7 @@ def test_streaming_8x_the_budget_keeps_peak_rss_bounded(tmp_path):
     assert os.path.getsize(path) >= 8 * budget
     out = subprocess.run(
         [sys.executable, "-c", MEMORY_SCRIPT, path, str(budget)],
-        capture_output=True, text=True, timeout=120, check=True,
+        capture_output=True, text=True, timeout=120, check=True, cwd=tmp_path,
     )  # fmt: skip
     before, after, resident = map(int, out.stdout.split())
     assert resident <= budget

@@ -6,7 +6,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import colibri
-from tests import reference as ref
+from _support import reference as ref
 
 ROUTE_OPTIONS = (
     "scoring",

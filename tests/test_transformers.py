@@ -9,17 +9,12 @@ the original computation bit for bit.
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-sys.path.insert(0, str(Path(__file__).parent))
-from _hf_families import FAMILIES, MORE_FAMILIES, build_model, randomise_routers  # noqa: E402
-
+from _support.hf_families import FAMILIES, MORE_FAMILIES, build_model, randomise_routers  # noqa: E402
 from colibri.integrations.transformers import (  # noqa: E402
     UnsupportedRouterError,
     patch,

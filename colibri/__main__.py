@@ -1,4 +1,4 @@
-"""``python -m colibri``: info, the demo (main job) and partition tools."""
+"""``colibri`` (or ``python -m colibri``): info, the demo (main job) and partition tools."""
 
 from __future__ import annotations
 
@@ -40,9 +40,7 @@ def _subcommand(module: str):
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m colibri", description="MoE routing and expert paging."
-    )
+    parser = argparse.ArgumentParser(prog="colibri", description="MoE routing and expert paging.")
     commands = parser.add_subparsers(dest="command", required=True)
     commands.add_parser("info", help="version, compiler, OpenMP and threads").set_defaults(
         run=_info

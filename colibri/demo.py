@@ -1,4 +1,4 @@
-"""``python -m colibri demo``: a model bigger than its memory budget, token by token.
+"""``colibri demo``: a model bigger than its memory budget, token by token.
 
 On first run it writes a synthetic MoE weight file shaped like the seed's model (26
 experts, top-2, several layers; float16; 2 GiB by default) into a cache folder, one expert

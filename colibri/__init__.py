@@ -7,7 +7,22 @@
 ((4, 2), dtype('float32'))
 """
 
-from colibri._core import max_threads, openmp_enabled
+try:
+    from colibri._core import max_threads, openmp_enabled
+except ImportError as _exc:  # pragma: no cover - what a user of the unbuilt tree sees
+    import os as _os
+
+    _here = _os.path.dirname(_os.path.abspath(__file__))
+    if not _os.path.isfile(_os.path.join(_here, "_core.pyx")):
+        raise  # an installed colibri that lost its extension: the original error says why
+    raise ImportError(
+        f"colibri is being imported from its source tree ({_here}), where its compiled "
+        "extensions are not built. Install it with `pip install .` and run from outside the "
+        "tree, or through the `colibri` and `pytest` commands, which do not put the current "
+        "directory on sys.path (`python -m ...` from the repository root does). For "
+        "development, `pip install --no-build-isolation -e .` builds it in place "
+        "(README, Develop)."
+    ) from _exc
 from colibri.config import Config
 from colibri.dispatch import DispatchPlan, combine, dispatch, gather
 from colibri.layer import ExpertFFN, InMemoryExperts, MoELayer
@@ -27,8 +42,8 @@ def get_include() -> str:
     installed = os.path.join(here, "include")
     if os.path.isdir(installed):
         return installed
-    # an editable install imports src/colibri: the headers stay at the repository's top
-    return os.path.join(os.path.dirname(os.path.dirname(here)), "include")
+    # an editable install imports the source tree: the headers stay at the repository's top
+    return os.path.join(os.path.dirname(here), "include")
 
 
 __all__ = [

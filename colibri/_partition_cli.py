@@ -1,11 +1,11 @@
-"""``python -m colibri partition``: learn groups from saved statistics, report their cost, save.
+"""``colibri partition``: learn groups from saved statistics, report their cost, save.
 
 ::
 
-    python -m colibri partition stats.npz --groups 4 --out groups.json
-    python -m colibri partition layer*.npz --groups 8 --top-k 8 --topk-groups 2 \\
+    colibri partition stats.npz --groups 4 --out groups.json
+    colibri partition layer*.npz --groups 8 --top-k 8 --topk-groups 2 \\
         --logits heldout.npy --out groups.json
-    python -m colibri partition --workload clustered --experts 26 --top-k 2 --groups 4
+    colibri partition --workload clustered --experts 26 --top-k 2 --groups 4
 """
 
 from __future__ import annotations
