@@ -7,6 +7,8 @@
 ((4, 2), dtype('float32'))
 """
 
+from importlib import metadata as _metadata
+
 try:
     from colibri._core import max_threads, openmp_enabled
 except ImportError as _exc:  # pragma: no cover - what a user of the unbuilt tree sees
@@ -31,7 +33,10 @@ from colibri.partition import Partition
 from colibri.routing import Context, init, route, route_from_dlpack
 from colibri.stats import UsageStats
 
-__version__ = "0.1.0"
+try:
+    __version__ = _metadata.version("colibri-moe")  # one version: meson.build's project()
+except _metadata.PackageNotFoundError:  # pragma: no cover - run from a build tree
+    __version__ = "unknown"
 
 
 def get_include() -> str:

@@ -14,50 +14,19 @@ from libc.stdlib cimport free, malloc
 from colibri._dlpack cimport (BFLOAT16, FLOAT16, FLOAT32, FLOAT64, INT32, INT64, DType,
                               HostTensor, import_tensor, new_result)
 from colibri._openmp cimport COLIBRI_OPENMP, COLIBRI_OPENMP_VERSION, colibri_max_threads
+from colibri._route cimport (COLIBRI_BF16, COLIBRI_F16, COLIBRI_F32, COLIBRI_F64,
+                             COLIBRI_GROUP_MAX, COLIBRI_GROUP_TOP2_SUM, COLIBRI_OK,
+                             COLIBRI_ROW_ALL_NEG_INF, COLIBRI_ROW_NAN, COLIBRI_ROW_SHORT,
+                             COLIBRI_SIGMOID, COLIBRI_SOFTMAX, COLIBRI_SQRTSOFTPLUS,
+                             colibri_cpu_has_avx512, colibri_load_row, colibri_prefetch,
+                             colibri_route_row, colibri_route_rows8, colibri_router_t,
+                             colibri_rows8_eligible, colibri_scratch_bytes)
 
 import threading
 
 import numpy as np
 
 from colibri._dlpack import DTYPE_NAMES, to_caller
-
-
-cdef extern from "colibri/route.h" nogil:
-    ctypedef struct colibri_router_t:
-        int32_t num_experts
-        int32_t top_k
-        int32_t scoring
-        int32_t normalize
-        float norm_p
-        float norm_eps
-        float scale
-        const float *bias
-        int32_t bias_on_logits
-        const float *expert_scale
-        int32_t num_groups
-        int32_t topk_groups
-        int32_t group_score
-        const int32_t *group_start
-        const int32_t *group_members
-        int32_t groups_in_order
-        int32_t use_avx512
-
-    size_t colibri_scratch_bytes(const colibri_router_t *r) noexcept
-    void colibri_prefetch(const void *p, size_t n) noexcept
-    int colibri_cpu_has_avx512() noexcept
-    const float *colibri_load_row(const char *row, int dtype, int64_t stride, int32_t E,
-                                  float *buf) noexcept
-    int colibri_route_row(const colibri_router_t *r, const float *x, void *scratch,
-                          int32_t *ids, float *weights) noexcept
-    int colibri_rows8_eligible(const colibri_router_t *r) noexcept
-    int colibri_route_rows8(const colibri_router_t *r, const float *x, int64_t stride,
-                            void *scratch, int32_t *ids, float *weights) noexcept
-    enum:
-        COLIBRI_OK
-        COLIBRI_ROW_NAN
-        COLIBRI_ROW_ALL_NEG_INF
-        COLIBRI_ROW_SHORT
-
 
 # Work per thread below which another thread costs more than it saves (waking one costs a
 # few microseconds here), and a row's cost by path, in ns (measured, 2-core VM).
@@ -73,8 +42,23 @@ cdef Py_ssize_t _rows_per_thread(const colibri_router_t *r) noexcept:
         row_ns = 40.0 + 1.5 * r.num_experts  # E=64, k=8: ~140 ns; DeepSeek-V3: ~420 ns
     return max(16, <Py_ssize_t>(THREAD_WORK_NS / row_ns))
 
-SCORINGS = {"softmax": 0, "sigmoid": 1, "sqrtsoftplus": 2}
-GROUP_SCORES = {"max": 0, "top2_sum": 1}
+# Option names to route.h's codes, from its enums: Config validates against these keys.
+SCORINGS = {"softmax": COLIBRI_SOFTMAX, "sigmoid": COLIBRI_SIGMOID,
+            "sqrtsoftplus": COLIBRI_SQRTSOFTPLUS}
+GROUP_SCORES = {"max": COLIBRI_GROUP_MAX, "top2_sum": COLIBRI_GROUP_TOP2_SUM}
+
+
+cdef int _logits_dtype(DType dtype) noexcept:
+    """route.h's code for a DLPack dtype colibri routes (-1: not a logits dtype)."""
+    if dtype == FLOAT32:
+        return COLIBRI_F32
+    if dtype == FLOAT64:
+        return COLIBRI_F64
+    if dtype == FLOAT16:
+        return COLIBRI_F16
+    if dtype == BFLOAT16:
+        return COLIBRI_BF16
+    return -1
 
 
 def openmp_enabled():
@@ -269,53 +253,55 @@ cdef class Router:
     cdef readonly int64_t tokens_routed
     cdef size_t _scratch_bytes
 
-    def _setup(self, *, int num_experts, int top_k, str scoring, bint normalize, float norm_p,
-               float norm_eps, float scale, bias, str bias_on, expert_scale, group_start, group_members, int topk_groups,
-               str group_score, int routing_threads, str ids_dtype, bint collect_stats,
-               use_avx512=None):
-        """Store a configuration already validated by :class:`colibri.Config`."""
+    def _configure(self, config):
+        """Copy a :class:`colibri.Config` (already validated) into the C router."""
+        cdef int num_experts = config.num_experts
+        cdef int routing_threads = config.routing_threads or colibri_max_threads()
+        use_avx512 = config.use_avx512
         self.num_experts = num_experts
-        self.top_k = top_k
+        self.top_k = config.top_k
         self.routing_threads = routing_threads
-        self.ids64 = ids_dtype == "int64"
-        self._ids_dtype = np.dtype(ids_dtype)
+        self.ids64 = config.ids_dtype == "int64"
+        self._ids_dtype = np.dtype(config.ids_dtype)
         keep = []
         self.r.num_experts = num_experts
-        self.r.top_k = top_k
-        self.r.scoring = SCORINGS[scoring]
-        self.r.normalize = normalize
-        self.r.norm_p = norm_p
-        self.r.norm_eps = norm_eps
-        self.r.bias_on_logits = bias_on == "logits"
-        self.r.scale = scale
+        self.r.top_k = config.top_k
+        self.r.scoring = SCORINGS[config.scoring]
+        self.r.normalize = config.normalize
+        self.r.norm_p = config.norm_p
+        self.r.norm_eps = config.normalize_eps
+        self.r.bias_on_logits = config.bias_on == "logits"
+        self.r.scale = config.scale
         self.r.bias = NULL
         self.r.expert_scale = NULL
         cdef const float[::1] fview
         cdef const int32_t[::1] iview
-        if bias is not None:
-            fview = np.ascontiguousarray(bias, dtype=np.float32)
+        if config.correction_bias is not None:
+            fview = np.ascontiguousarray(config.correction_bias, dtype=np.float32)
             keep.append(fview)
             self.r.bias = &fview[0]
-        if expert_scale is not None:
-            fview = np.ascontiguousarray(expert_scale, dtype=np.float32)
+        if config.expert_scale is not None:
+            fview = np.ascontiguousarray(config.expert_scale, dtype=np.float32)
             keep.append(fview)
             self.r.expert_scale = &fview[0]
         self.r.num_groups = 1
         self.r.topk_groups = 1
-        self.r.group_score = GROUP_SCORES[group_score]
+        self.r.group_score = GROUP_SCORES[config.group_score]
         self.r.group_start = NULL
         self.r.group_members = NULL
         self.r.groups_in_order = 1
-        if group_start is not None and len(group_start) > 2:
-            iview = np.ascontiguousarray(group_start, dtype=np.int32)
+        groups = config.groups()
+        if len(groups) > 1:
+            iview = np.cumsum([0] + [len(g) for g in groups], dtype=np.int32)
             keep.append(iview)
             self.r.group_start = &iview[0]
-            iview = np.ascontiguousarray(group_members, dtype=np.int32)
+            members = np.concatenate([np.asarray(g, np.int32) for g in groups])
+            iview = members
             keep.append(iview)
             self.r.group_members = &iview[0]
-            self.r.num_groups = len(group_start) - 1
-            self.r.topk_groups = topk_groups
-            self.r.groups_in_order = bool(np.array_equal(group_members, np.arange(num_experts)))
+            self.r.num_groups = len(groups)
+            self.r.topk_groups = config.topk_groups
+            self.r.groups_in_order = bool(np.array_equal(members, np.arange(num_experts)))
         self._keep = keep
         if use_avx512 and not colibri_cpu_has_avx512():
             raise ValueError("use_avx512=True, but this CPU has no AVX-512F (or this build, "
@@ -325,7 +311,7 @@ cdef class Router:
         self._r_one = self.r
         self._r_one.use_avx512 = 0
         self._scratch_bytes = colibri_scratch_bytes(&self.r)
-        self.collect_stats = collect_stats
+        self.collect_stats = config.collect_stats
         self._stats_lock = threading.Lock()
         # each thread's rows start on their own cache lines (8 int64 = 64 bytes), else two
         # threads counting the experts at a row boundary fight over one line
@@ -377,7 +363,7 @@ cdef class Router:
             In the caller's framework; rows sorted by descending score, ties to the lower id.
         """
         cdef HostTensor x = import_tensor(logits, False, "route(logits)")
-        if x.dtype != FLOAT32 and x.dtype != FLOAT64 and x.dtype != FLOAT16 and x.dtype != BFLOAT16:
+        if _logits_dtype(x.dtype) < 0:
             raise TypeError(f"route(logits): logits must be floating point (float32, float64, "
                             f"float16 or bfloat16), got {DTYPE_NAMES[x.dtype]}")
         if x.ndim != 1 and x.ndim != 2:
@@ -444,7 +430,7 @@ cdef class Router:
         job.xs0 = xs0
         job.xs1 = xs1
         job.x_itemsize = x.itemsize
-        job.x_dtype = x.dtype
+        job.x_dtype = _logits_dtype(x.dtype)  # checked by route()
         job.ids = ids_t.data
         job.ids_s0 = ids_t.steps[0] if ids_t.ndim == 2 else 0
         job.ids_s1 = ids_t.steps[ids_t.ndim - 1]

@@ -9,8 +9,10 @@ from typing import Any
 
 import numpy as np
 
-SCORINGS = ("softmax", "sigmoid", "sqrtsoftplus")
-GROUP_SCORES = ("max", "top2_sum")
+from colibri import _core
+
+SCORINGS = tuple(_core.SCORINGS)  # the names route.h has codes for
+GROUP_SCORES = tuple(_core.GROUP_SCORES)
 IDS_DTYPES = ("int32", "int64")
 BIAS_ON = ("scores", "logits")
 

@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 
-from colibri._core import Router, max_threads
+from colibri._core import Router
 from colibri._dlpack import host_tensor
 from colibri.config import Config, check_options
 
@@ -24,28 +24,7 @@ class Context(Router):
         if not isinstance(config, Config):
             raise TypeError(f"Context() takes a colibri.Config (got {type(config).__name__})")
         self.config = config
-        groups = config.groups()
-        sizes = [len(g) for g in groups]
-        self._setup(
-            num_experts=config.num_experts,
-            top_k=config.top_k,
-            scoring=config.scoring,
-            normalize=config.normalize,
-            norm_p=config.norm_p,
-            norm_eps=config.normalize_eps,
-            scale=config.scale,
-            bias=config.correction_bias,
-            bias_on=config.bias_on,
-            expert_scale=config.expert_scale,
-            group_start=np.concatenate([[0], np.cumsum(sizes)]).astype(np.int32),
-            group_members=np.concatenate([np.asarray(g, np.int32) for g in groups]),
-            topk_groups=config.topk_groups,
-            group_score=config.group_score,
-            routing_threads=config.routing_threads or max_threads(),
-            ids_dtype=config.ids_dtype,
-            collect_stats=config.collect_stats,
-            use_avx512=config.use_avx512,
-        )
+        self._configure(config)
 
     @property
     def stats(self):
