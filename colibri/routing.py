@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -11,13 +11,32 @@ from colibri._core import Router
 from colibri._dlpack import host_tensor
 from colibri.config import Config, check_options
 
+if TYPE_CHECKING:
+    from colibri.stats import UsageStats
+
 
 class Context(Router):
     """A routing context: a fixed :class:`Config` and its compiled router.
 
-    Create it with :func:`colibri.init`. ``ctx.route(logits)`` takes ``[T, E]`` or ``[E]``
-    logits from any DLPack producer and returns ``(ids, weights)`` in the caller's framework.
-    One context may be used from several threads at once.
+    Create it with :func:`colibri.init`. ``ctx.route(logits, out=None)`` takes ``[T, E]`` or
+    ``[E]`` logits (float32, float64, float16 or bfloat16, any strides) from any DLPack
+    producer and returns ``(ids, weights)``, ``[T, k]`` int32 and float32 (``[k]`` for one
+    token), in the caller's framework: each row by descending score, ties to the lower id.
+    ``out=(ids, weights)`` fills caller-owned buffers instead of allocating. It raises
+    ``TypeError`` for a non-float dtype, ``ValueError`` for a wrong shape, a NaN row or an
+    all ``-inf`` row, and ``BufferError`` for memory it cannot read (a GPU tensor without a
+    host copy). One context may be used from several threads at once.
+
+    Examples
+    --------
+    >>> import numpy as np, colibri
+    >>> ctx = colibri.init(4, 2)
+    >>> ids, weights = ctx.route(np.array([[0.0, 3.0, 1.0, 2.0]], np.float32))
+    >>> print(ids, weights.round(3))
+    [[1 3]] [[0.731 0.269]]
+    >>> out = ctx.buffers(1)
+    >>> ctx.route(np.array([[5.0, 0.0, 0.0, 5.0]], np.float32), out=out)[0].tolist()
+    [[0, 3]]
     """
 
     def __init__(self, config: Config):
@@ -27,7 +46,7 @@ class Context(Router):
         self._configure(config)
 
     @property
-    def stats(self):
+    def stats(self) -> UsageStats | None:
         """Usage statistics (:class:`colibri.UsageStats`) or None when not collecting."""
         if not self.collect_stats:
             return None
@@ -64,8 +83,40 @@ def init(
 ) -> Context:
     """Create a routing context.
 
-    ``init(26, 2)``, ``init(26, 2, num_groups=4)`` or ``init(config=Config(...))``; keyword
-    options are the fields of :class:`Config` and override those of ``config``.
+    Parameters
+    ----------
+    num_experts, top_k : int, optional
+        E experts, k chosen per token; fixed for the context's life. Required unless
+        ``config`` is given (and then, if given, they must agree with it).
+    config : colibri.Config, optional
+        A complete configuration.
+    **options
+        Any field of :class:`Config` (``scoring``, ``normalize``, ``correction_bias``,
+        ``num_groups``, ``partition``, ``routing_threads``, ...); overrides ``config``'s.
+
+    Returns
+    -------
+    Context
+        The routing context; ``ctx.route(logits)`` routes ``[T, E]`` or ``[E]`` logits.
+
+    Raises
+    ------
+    TypeError
+        An unknown option (with the closest known name), or an option of the wrong type.
+    ValueError
+        An option out of range (``top_k`` above the experts reachable, ``num_groups`` above
+        ``num_experts``, a bias of the wrong shape or with NaN, ...).
+
+    Examples
+    --------
+    >>> import colibri
+    >>> colibri.init(26, 2)
+    colibri.Context(num_experts=26, top_k=2, scoring='softmax', threads=...)
+    >>> colibri.init(256, 8, scoring="sigmoid", num_groups=8, topk_groups=4).config.num_groups
+    8
+    >>> colibri.init(26, 2, topk=3)
+    Traceback (most recent call last):
+    TypeError: unknown routing option 'topk'; did you mean 'top_k'? ...
     """
     check_options(options)
     if config is None:
@@ -88,8 +139,41 @@ def init(
     return Context(config)
 
 
-def route_from_dlpack(logits: Any, ctx: Context, *, out: Any = None):
-    """Route ``logits`` (any DLPack producer or capsule) with ``ctx``: ``(ids, weights)``."""
+def route_from_dlpack(logits: Any, ctx: Context, *, out: Any = None) -> tuple[Any, Any]:
+    """Route ``logits`` with ``ctx``, from any framework.
+
+    Parameters
+    ----------
+    logits : DLPack producer or capsule, ``[T, E]`` or ``[E]``
+        torch, jax, numpy, cupy... tensors, or a raw ``"dltensor"`` /
+        ``"dltensor_versioned"`` capsule; float32, float64, float16 or bfloat16, any strides.
+    ctx : Context
+        From :func:`colibri.init`; ``E`` must be its ``num_experts``.
+    out : (ids, weights), optional
+        Writable ``[T, k]`` (``[k]``) buffers, int32 and float32, of any framework.
+
+    Returns
+    -------
+    ids : ``[T, k]`` int32
+    weights : ``[T, k]`` float32
+        In ``logits``' framework (a capsule gives numpy), zero-copy.
+
+    Raises
+    ------
+    TypeError
+        ``ctx`` is not a Context, or ``logits`` is not floating point.
+    ValueError
+        Wrong shape, or a row with NaN or all ``-inf``.
+    BufferError
+        Memory colibri cannot read on the host (a GPU tensor), or an ``out`` it cannot write.
+
+    Examples
+    --------
+    >>> import numpy as np, colibri
+    >>> ctx = colibri.init(3, 1)
+    >>> colibri.route_from_dlpack(np.array([[1.0, 2.0, 0.0]], np.float32), ctx)[0].tolist()
+    [[1]]
+    """
     if not isinstance(ctx, Router):
         raise TypeError(
             f"route_from_dlpack(logits, ctx): ctx must be a colibri.Context "
@@ -98,11 +182,39 @@ def route_from_dlpack(logits: Any, ctx: Context, *, out: Any = None):
     return ctx.route(logits, out=out)
 
 
-def route(logits: Any, top_k: int, **options: Any):
-    """One-shot routing for scripts: ``route(logits, k, **options) -> (ids, weights)``.
+def route(logits: Any, top_k: int, **options: Any) -> tuple[Any, Any]:
+    """One-shot routing for scripts.
 
-    The number of experts is the last dimension of ``logits``. For repeated calls, build a
-    context once with :func:`init`.
+    Parameters
+    ----------
+    logits : DLPack producer or capsule, ``[T, E]`` or ``[E]``
+        E, the number of experts, is the last dimension.
+    top_k : int
+        Experts chosen per token.
+    **options
+        Any field of :class:`Config`.
+
+    Returns
+    -------
+    ids : ``[T, k]`` int32
+    weights : ``[T, k]`` float32
+        In ``logits``' framework.
+
+    Raises
+    ------
+    TypeError, ValueError
+        As :func:`init` and :func:`route_from_dlpack`.
+
+    Notes
+    -----
+    Each call builds a context; for repeated calls build one with :func:`init`.
+
+    Examples
+    --------
+    >>> import numpy as np, colibri
+    >>> ids, w = colibri.route(np.array([0.5, 0.1, 0.9], np.float32), 2, normalize=False)
+    >>> print(ids, w.round(3))
+    [2 0] [0.472 0.316]
     """
     shape = getattr(logits, "shape", None)  # arrays of every framework: no import needed
     if shape is None:  # a raw capsule: import it here, once (it can be consumed only once)
