@@ -1,0 +1,86 @@
+"""Each cache policy's eviction order on traces computed by hand.
+
+One layer, one expert per step unless said otherwise, so every miss past the capacity evicts
+exactly the victim named in the comment. A policy whose order is broken (an LRU whose touch
+does nothing is FIFO) gives a different victim and fails here.
+"""
+
+import pytest
+
+from colibri.policies import Trace, belady, make_policy, replay
+
+
+def victims(policy, steps, capacity):
+    """Replay ``steps`` (lists of expert ids of layer 0) and return each evicted key."""
+    pol = make_policy(policy, capacity) if isinstance(policy, str) else policy
+    resident, evicted = [], []
+    for ids in steps:
+        keys = [(0, e) for e in ids]
+        pol.begin_step(0, keys)
+        for key in keys:
+            if key in resident:
+                pol.touch(key)
+        for key in keys:
+            if key in resident:
+                continue
+            if len(resident) >= capacity:
+                victim = pol.victim(lambda k, keys=keys: k not in keys)
+                pol.remove(victim)
+                resident.remove(victim)
+                evicted.append(victim[1])
+            resident.append(key)
+            pol.insert(key)
+    return evicted
+
+
+def test_fifo_evicts_the_first_in_whatever_hits_came_since():
+    # 0, 1 in; 0 hit; 2 evicts 0 (first in); 0 evicts 1
+    assert victims("fifo", [[0], [1], [0], [2], [0]], 2) == [0, 1]
+
+
+def test_lru_evicts_the_least_recently_used():
+    # 0, 1 in; 0 hit (1 is now least recent); 2 evicts 1; 0 hits; 1 evicts 2
+    assert victims("lru", [[0], [1], [0], [2], [0], [1]], 2) == [1, 2]
+
+
+def test_lru_and_fifo_hit_counts_on_replay():
+    trace = Trace((0, [e]) for e in [0, 1, 0, 2, 0])
+    assert replay(trace, 2, "fifo").hits == 1  # the second 0 only
+    assert replay(trace, 2, "lru").hits == 2  # both later 0s
+
+
+def test_lfu_counts_survive_eviction_and_ties_go_to_the_least_recent():
+    # counts after 0,0,1: {0: 2, 1: 1}; 2 evicts 1 (fewest uses; LRU would evict 0)
+    # 1 again (count 2, survived its eviction) evicts 2 (count 1)
+    # 2 again: 0 and 1 both have 2 uses, 0 is the less recent: evict 0
+    assert victims("lfu", [[0], [0], [1], [2], [1], [2]], 2) == [1, 2, 0]
+
+
+@pytest.mark.parametrize(("half_life", "expected"), [(1e9, [1]), (0.01, [0])])
+def test_lrfu_spans_lfu_to_lru(half_life, expected):
+    # 0,0,1 then 2: a long half-life ranks by frequency (evict 1, like LFU), a short one by
+    # recency (evict 0, like LRU)
+    pol = make_policy("lrfu", 2, half_life=half_life)
+    assert victims(pol, [[0], [0], [1], [2]], 2) == expected
+
+
+def test_nextuse_evicts_the_expert_expected_furthest_ahead():
+    # 0 used 4 steps running, then 1 once: 2 evicts 1 (rarely used), where LRU evicts 0
+    steps = [[0], [0], [0], [0], [1], [2]]
+    assert victims("nextuse", steps, 2) == [1]
+    assert victims("lru", steps, 2) == [0]
+
+
+def test_hot_keeps_the_hot_set_and_runs_lru_on_the_rest():
+    # expert 5 is hot (half of 2 slots); 1 is cold: 2 evicts 1 although 5 is least recent
+    pol = make_policy("hot", 2, counts={(0, 5): 100, (0, 1): 1})
+    assert victims(pol, [[5], [1], [2]], 2) == [1]
+    assert victims("lru", [[5], [1], [2]], 2) == [5]
+
+
+def test_belady_evicts_the_expert_used_furthest_ahead():
+    # 0,1 in; 0 hits; 2 evicts 0 (never used again; LRU evicts 1, used next); 1 hits
+    trace = Trace((0, [e]) for e in [0, 1, 0, 2, 1])
+    best = belady(trace, 2)
+    assert (best.hits, best.misses, best.evictions) == (2, 3, 1)
+    assert replay(trace, 2, "lru").hits == 1
