@@ -6,7 +6,6 @@ bias, group limit, partial top-k, weights). This module runs it over tokens with
 and counts expert usage per thread when asked, merged after the parallel loop.
 """
 
-cimport cython
 from cython.parallel cimport prange
 from libc.stdint cimport int32_t, int64_t, uintptr_t
 from libc.stdlib cimport free, malloc
@@ -157,7 +156,7 @@ cdef void _route_span(const RowJob *job, Py_ssize_t start, Py_ssize_t stop, char
 
     The first failing row and its status go to bad_row / bad_code (left alone if none); the
     rows before it are routed and counted."""
-    cdef Py_ssize_t t = start, j, i, k = job.k
+    cdef Py_ssize_t t = start, i, k = job.k
     cdef int32_t *row_ids = <int32_t *>(scratch + job.scratch_bytes)
     cdef float *row_w = <float *>(scratch + job.scratch_bytes + 8 * k * 4)
     cdef const float *row
@@ -444,7 +443,6 @@ cdef class Router:
         job.scratch_bytes = self._scratch_bytes
         job.rows8 = (colibri_rows8_eligible(&self.r) and x.dtype == FLOAT32 and xs1 == 1
                      and (<uintptr_t>x.data) % 4 == 0)
-        cdef Py_ssize_t E = self.num_experts
         # scratch, then 8 rows of ids and weights (the 8-row path)
         cdef size_t slot = (self._scratch_bytes + <size_t>self.top_k * 64 + 63) & ~(<size_t>63)
         cdef Py_ssize_t chunks = 1, c, bad = T

@@ -13,7 +13,7 @@ from cpython.pycapsule cimport (PyCapsule_CheckExact, PyCapsule_GetPointer, PyCa
                                 PyCapsule_SetName)
 from cpython.exc cimport PyErr_Clear, PyErr_SetString
 from cpython.long cimport PyLong_AsVoidPtr
-from cpython.ref cimport Py_DECREF, PyObject
+from cpython.ref cimport Py_DECREF
 from libc.stdint cimport int64_t, uintptr_t
 
 import numpy as np

@@ -79,6 +79,7 @@ def test_jax_transposed(logits):
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float64"])
+@pytest.mark.filterwarnings("ignore:Explicitly requested dtype float64:UserWarning")  # jax x32
 def test_low_and_high_precision_inputs(dtype, logits):
     t = torch.from_numpy(logits).to(getattr(torch, dtype))
     decoded = t.to(torch.float32).numpy()

@@ -73,12 +73,13 @@ def route(
             gs = []
             for g in groups:
                 v = np.sort(keys[t, g])[::-1]
-                # float32, as DeepSeek's reference sums its float32 scores
-                gs.append(
-                    float(np.float32(v[0]) + np.float32(v[1]))
-                    if group_score == "top2_sum"
-                    else v[0]
-                )
+                # float32, as DeepSeek's reference sums its float32 scores (inf + -inf: NaN)
+                with np.errstate(over="ignore", invalid="ignore"):
+                    gs.append(
+                        float(np.float32(v[0]) + np.float32(v[1]))
+                        if group_score == "top2_sum"
+                        else v[0]
+                    )
             keep = np.argsort(-np.asarray(gs), kind="stable")[:topk_groups]
             allowed[:] = False
             for g in keep:
