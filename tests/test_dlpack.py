@@ -130,9 +130,12 @@ def test_deleter_called_exactly_once(versioned, logits):
     colibri.init(12, 3).route(cap.capsule)
     gc.collect()
     assert cap.deleted == 1
-    tensor = host_tensor(Capsule(logits, shape=logits.shape, versioned=versioned).capsule)
+    cap = Capsule(logits, shape=logits.shape, versioned=versioned)
+    tensor = host_tensor(cap.capsule)
+    assert cap.deleted == 0  # the imported tensor owns it now
     del tensor
     gc.collect()
+    assert cap.deleted == 1
 
 
 def test_deleter_runs_when_view_dies(logits):

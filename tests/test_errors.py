@@ -1,5 +1,8 @@
 """Every misuse raises a precise exception naming the value and the fix; nothing crashes."""
 
+import platform
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -153,7 +156,11 @@ def test_use_avx512_is_checked_against_the_cpu():
     with pytest.raises(TypeError, match="use_avx512 must be None, True or False"):
         colibri.init(8, 2, use_avx512="yes")
     assert not colibri.init(8, 2, use_avx512=False).use_avx512
+    # what the CPU offers, from the OS rather than from colibri's own detection
+    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else None
     runs = "avx512" in _core.build_info()["simd"]
+    if flags is not None and platform.machine() in ("x86_64", "AMD64"):
+        assert runs == (" avx512f" in flags)
     assert colibri.init(8, 2).use_avx512 == runs  # None: wherever it runs
     if runs:
         assert colibri.init(8, 2, use_avx512=True).use_avx512

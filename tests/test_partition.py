@@ -9,7 +9,6 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import colibri
 from colibri.partition import Partition, evaluate, fidelity
 from colibri.stats import UsageStats
 
@@ -337,12 +336,6 @@ def test_fidelity_with_reference_routing():
             assert report.recall == 1.0 and report.mass_kept == pytest.approx(1.0)
 
 
-needs_router = pytest.mark.skipif(
-    not hasattr(colibri, "route"), reason="routing core (colibri.route) not merged yet"
-)
-
-
-@needs_router
 @pytest.mark.parametrize(("k", "topk_groups"), [(2, 1), (3, 2)])
 def test_evaluate_through_the_router_matches_reference(k, topk_groups):
     rng = np.random.default_rng(k)
@@ -360,7 +353,6 @@ def test_evaluate_through_the_router_matches_reference(k, topk_groups):
     assert evaluate([list(g) for g in p.groups], logits, k, topk_groups=topk_groups) == expected
 
 
-@needs_router
 def test_evaluate_rejects_bad_input():
     p = Partition.contiguous(8, 2)
     with pytest.raises(ValueError, match="E = 8"):
@@ -422,7 +414,6 @@ def test_cli_reports_bad_input(tmp_path, capsys):
     assert "E = 4" in capsys.readouterr().err
 
 
-@needs_router
 def test_cli_evaluates(tmp_path, capsys):
     _, stats = planted_stats([7, 7, 6, 6], 3000, 2, 11)
     path = tmp_path / "s.npz"

@@ -2,7 +2,7 @@
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 import colibri
@@ -96,8 +96,8 @@ def routing_case(draw):
 @given(routing_case())
 def test_matches_reference(case):
     x, k, options = case
-    if options["scoring"] == "softmax" and np.isneginf(x).all(axis=1).any():
-        return
+    # an all -inf softmax row is refused (tested on its own): hypothesis counts these as filtered
+    assume(not (options["scoring"] == "softmax" and np.isneginf(x).all(axis=1).any()))
     check(x, k, **options)
 
 
