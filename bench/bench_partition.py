@@ -23,7 +23,7 @@ import numpy as np
 
 import colibri
 from colibri.partition import Partition, evaluate
-from colibri.stats import UsageStats
+from colibri.routing import UsageStats
 from colibri.workload import Workload
 
 SHAPES = [  # (E, k, groups, topk_groups)

@@ -25,13 +25,11 @@ except ImportError as _exc:  # pragma: no cover - what a user of the unbuilt tre
         "development, `pip install --no-build-isolation -e .` builds it in place "
         "(README, Develop)."
     ) from _exc
-from colibri.config import Config
 from colibri.dispatch import DispatchPlan, combine, dispatch, gather
 from colibri.layer import ExpertFFN, InMemoryExperts, MoELayer
 from colibri.pager import BudgetError, Pager
 from colibri.partition import Partition
-from colibri.routing import Context, init, route, route_from_dlpack
-from colibri.stats import UsageStats
+from colibri.routing import Config, Context, UsageStats, init, route, route_from_dlpack
 
 try:
     __version__ = _metadata.version("colibri-moe")  # one version: meson.build's project()

@@ -4,7 +4,7 @@ from typing import Any
 
 import numpy as np
 
-from colibri.config import Config
+from colibri.routing import Config
 
 SCORINGS: dict[str, int]
 GROUP_SCORES: dict[str, int]

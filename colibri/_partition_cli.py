@@ -88,7 +88,7 @@ def run(args: argparse.Namespace) -> int:
     """Run the subcommand; returns the exit status (0 on success, 1 on bad input)."""
     import colibri
     from colibri.partition import Partition, evaluate
-    from colibri.stats import UsageStats
+    from colibri.routing import UsageStats
     from colibri.workload import Workload
 
     try:

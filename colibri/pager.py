@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from colibri.config import check_page_size_kb
+from colibri._validate import check_page_size_kb
 from colibri.formats import WeightSource, open_weights
 from colibri.formats._base import ExpertLayout
 from colibri.formats._io import FileReader

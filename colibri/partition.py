@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from colibri._atomic_file import write_atomically
-from colibri.stats import UsageStats
+from colibri.routing import UsageStats
 
 __all__ = ["FidelityReport", "Partition", "evaluate", "fidelity"]
 

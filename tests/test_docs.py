@@ -10,7 +10,7 @@ import pytest
 import colibri
 
 # the public modules whose docstrings carry examples
-DOCUMENTED = ["colibri", "colibri.routing"]
+DOCUMENTED = ["colibri", "colibri.routing._context"]
 FLAGS = doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE
 
 

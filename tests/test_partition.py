@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from colibri.partition import Partition, evaluate, fidelity
-from colibri.stats import UsageStats
+from colibri.routing import UsageStats
 
 # -- an independent numpy reference of exact and partitioned top-k ------------------------------
 

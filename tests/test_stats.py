@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from colibri.stats import UsageStats
+from colibri.routing import UsageStats
 
 
 def reference_stats(ids: np.ndarray, num_experts: int):

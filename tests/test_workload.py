@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from colibri.stats import UsageStats
+from colibri.routing import UsageStats
 from colibri.workload import Workload, generate_logits
 
 

@@ -9,10 +9,10 @@ import numpy as np
 
 from colibri._core import Router
 from colibri._dlpack import host_tensor
-from colibri.config import Config, check_options
+from colibri.routing._config import Config, check_options
 
 if TYPE_CHECKING:
-    from colibri.stats import UsageStats
+    from colibri.routing._stats import UsageStats
 
 
 class Context(Router):
@@ -50,7 +50,7 @@ class Context(Router):
         """Usage statistics (:class:`colibri.UsageStats`) or None when not collecting."""
         if not self.collect_stats:
             return None
-        from colibri.stats import UsageStats
+        from colibri.routing._stats import UsageStats
 
         counts, coactivation, tokens = self._usage_arrays()
         return UsageStats(counts=counts, coactivation=coactivation, tokens=int(tokens))

@@ -4,55 +4,17 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import math
 from typing import Any
 
 import numpy as np
 
 from colibri import _core
+from colibri._validate import check_choice, check_float, check_int, check_page_size_kb
 
 SCORINGS = tuple(_core.SCORINGS)  # the names route.h has codes for
 GROUP_SCORES = tuple(_core.GROUP_SCORES)
 IDS_DTYPES = ("int32", "int64")
 BIAS_ON = ("scores", "logits")
-
-
-def _int(name: str, value: Any, low: int, high: int | None = None, hint: str = "") -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"{name} must be an int (got {value!r})")
-    value = int(value)
-    if value < low or (high is not None and value > high):
-        bound = f">= {low}" if high is None else f"between {low} and {high}"
-        raise ValueError(f"{name} must be {bound} (got {value}){hint}")
-    return value
-
-
-def check_page_size_kb(value: Any, where: str = "") -> int:
-    """A pager page size in KiB: a power of two >= 4 (the OS page; slots and reads align
-    to it). ``where`` prefixes the message (``"Pager(): "``)."""
-    page = _int(f"{where}page_size_kb", value, 4)
-    if page & (page - 1):
-        raise ValueError(
-            f"{where}page_size_kb must be a power of two >= 4 (got {page}); 4, 32 and 64 are common"
-        )
-    return page
-
-
-def _float(name: str, value: Any, positive: bool = False) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
-        raise TypeError(f"{name} must be a number (got {value!r})")
-    value = float(value)
-    if not math.isfinite(value) or (positive and value <= 0):
-        raise ValueError(
-            f"{name} must be a finite{' positive' if positive else ''} number (got {value})"
-        )
-    return value
-
-
-def _choice(name: str, value: Any, choices: tuple[str, ...]) -> str:
-    if value not in choices:
-        raise ValueError(f"{name} must be one of {', '.join(map(repr, choices))} (got {value!r})")
-    return value
 
 
 def _expert_vector(name: str, value: Any, num_experts: int) -> np.ndarray | None:
@@ -156,15 +118,15 @@ class Config:
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__.__get__(self)  # frozen: store the normalised values
-        E = _int("num_experts", self.num_experts, 1)
+        E = check_int("num_experts", self.num_experts, 1)
         set_("num_experts", E)
-        set_("batch_size", _int("batch_size", self.batch_size, 1))
+        set_("batch_size", check_int("batch_size", self.batch_size, 1))
         set_("page_size_kb", check_page_size_kb(self.page_size_kb))
         if self.routing_threads is not None:
-            set_("routing_threads", _int("routing_threads", self.routing_threads, 1))
-        _choice("scoring", self.scoring, SCORINGS)
-        _choice("group_score", self.group_score, GROUP_SCORES)
-        _choice("ids_dtype", self.ids_dtype, IDS_DTYPES)
+            set_("routing_threads", check_int("routing_threads", self.routing_threads, 1))
+        check_choice("scoring", self.scoring, SCORINGS)
+        check_choice("group_score", self.group_score, GROUP_SCORES)
+        check_choice("ids_dtype", self.ids_dtype, IDS_DTYPES)
         for flag in ("normalize", "collect_stats"):
             if not isinstance(getattr(self, flag), (bool, np.bool_)):
                 raise TypeError(f"{flag} must be True or False (got {getattr(self, flag)!r})")
@@ -173,12 +135,12 @@ class Config:
             if not isinstance(self.use_avx512, (bool, np.bool_)):
                 raise TypeError(f"use_avx512 must be None, True or False (got {self.use_avx512!r})")
             set_("use_avx512", bool(self.use_avx512))
-        set_("norm_p", _float("norm_p", self.norm_p, positive=True))
-        set_("normalize_eps", _float("normalize_eps", self.normalize_eps))
+        set_("norm_p", check_float("norm_p", self.norm_p, positive=True))
+        set_("normalize_eps", check_float("normalize_eps", self.normalize_eps))
         if self.normalize_eps < 0:
             raise ValueError(f"normalize_eps must be >= 0 (got {self.normalize_eps})")
-        _choice("bias_on", self.bias_on, BIAS_ON)
-        set_("scale", _float("scale", self.scale))
+        check_choice("bias_on", self.bias_on, BIAS_ON)
+        set_("scale", check_float("scale", self.scale))
         set_("correction_bias", _expert_vector("correction_bias", self.correction_bias, E))
         set_("expert_scale", _expert_vector("expert_scale", self.expert_scale, E))
 
@@ -197,14 +159,14 @@ class Config:
         else:
             set_(
                 "num_groups",
-                _int("num_groups", self.num_groups, 1, E, " (groups partition the experts)"),
+                check_int("num_groups", self.num_groups, 1, E, " (groups partition the experts)"),
             )
         G = self.num_groups
-        kg = _int("topk_groups", self.topk_groups, 1, G, f" ({G} group(s) exist)")
+        kg = check_int("topk_groups", self.topk_groups, 1, G, f" ({G} group(s) exist)")
         set_("topk_groups", kg)
         sizes = sorted(len(g) for g in self.groups())
         reachable = sum(sizes[:kg]) if G > 1 else E  # whichever groups a token keeps
-        _int(
+        check_int(
             "top_k",
             self.top_k,
             1,
