@@ -1,7 +1,6 @@
 # Declarations of include/colibri/route.h, once: the router struct, its enums and kernels.
 # A routing option is a field of Config (routing/_config.py), of colibri_router_t (route.h
-# and here)
-# and of the kernel; Router._configure (_core.pyx) copies Config into the struct.
+# and here) and of the kernel; Router._configure (_core.pyx) copies Config into the struct.
 
 from libc.stdint cimport int32_t, int64_t
 
