@@ -369,13 +369,9 @@ def test_evaluate_rejects_bad_input():
 
 
 def run_cli(argv):
-    import argparse
+    from colibri.cli import main
 
-    from colibri import _partition_cli
-
-    parser = argparse.ArgumentParser(prog="colibri partition")
-    _partition_cli.add_arguments(parser)
-    return _partition_cli.run(parser.parse_args(argv))
+    return main(["partition", *argv])
 
 
 def test_cli_learns_and_saves(tmp_path, capsys):

@@ -149,14 +149,3 @@ def run(args: argparse.Namespace) -> int:
         print(f"colibri partition: error: {error}", file=sys.stderr)
         return 1
     return 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Stand-alone entry point (``python -m colibri._partition_cli``), until __main__ wires it."""
-    parser = argparse.ArgumentParser(prog="colibri partition")
-    add_arguments(parser)
-    return run(parser.parse_args(argv))
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
