@@ -187,10 +187,9 @@ class Config:
         """The expert groups routing is limited by (one group of all experts when ungrouped)."""
         if self.partition is not None:
             return self.partition.groups
-        E, G = self.num_experts, self.num_groups
-        base, extra = divmod(E, G)
-        bounds = np.cumsum([0] + [base + (g < extra) for g in range(G)])
-        return tuple(tuple(range(bounds[g], bounds[g + 1])) for g in range(G))
+        from colibri.partition import Partition
+
+        return Partition.contiguous(self.num_experts, self.num_groups).groups
 
     @classmethod
     def options(cls) -> tuple[str, ...]:
