@@ -10,7 +10,7 @@ import pytest
 import colibri
 
 # the public modules whose docstrings carry examples
-DOCUMENTED = ["colibri", "colibri.routing._context"]
+DOCUMENTED = ["colibri", "colibri.routing._context", "colibri.partition._partition"]
 FLAGS = doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE
 
 

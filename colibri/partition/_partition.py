@@ -191,6 +191,23 @@ class Partition:
         -------
         Partition
             Groups ordered by their smallest expert id.
+
+        Raises
+        ------
+        TypeError
+            ``stats`` is not a :class:`UsageStats`, or ``num_groups`` not an int.
+        ValueError
+            ``num_groups`` outside ``[1, E]``, or a negative or non-finite ``load_tolerance``.
+
+        Examples
+        --------
+        Experts 0-3 are always chosen in pairs inside {0, 1} and {2, 3}:
+
+        >>> import numpy as np, colibri
+        >>> ids = np.array([[0, 1], [2, 3], [1, 0], [3, 2]] * 50, np.int32)
+        >>> stats = colibri.UsageStats.from_ids(ids, num_experts=4)
+        >>> colibri.Partition.from_usage(stats, 2)
+        Partition([[0, 1], [2, 3]])
         """
         if not isinstance(stats, UsageStats):
             raise TypeError(
