@@ -83,6 +83,19 @@ typedef struct {
     int32_t use_avx512;           /* the AVX-512F kernels: only if colibri_cpu_has_avx512() */
 } colibri_router_t;
 
+/* v**p and v**(1/p) for the p-norm. p = 2 (the usual p besides 1) is exact arithmetic, so it
+ * gives the same bits with every C library (correctly rounded powf, as glibc's, agrees with
+ * it); other p use the C library's powf, which may differ by an ulp between platforms. */
+static inline float colibri_pow_p(float v, float p)
+{
+    return p == 2.0f ? v * v : powf(v, p);
+}
+
+static inline float colibri_root_p(float v, float p)
+{
+    return p == 2.0f ? sqrtf(v) : powf(v, 1.0f / p);
+}
+
 /* Bytes of per-thread scratch one row needs (aligned to 64); colibri_route_row lays it out. */
 static inline size_t colibri_scratch_bytes(const colibri_router_t *r)
 {
@@ -240,6 +253,17 @@ static inline float colibri_exp_shifted(const float *x, float m, float *out, int
     }
     float lanes[4];
     _mm_storeu_ps(lanes, acc);
+    sum = (lanes[0] + lanes[1]) + (lanes[2] + lanes[3]);
+#else
+    /* the same sum as four SIMD lanes, so every build gives the same bits */
+    float lanes[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    for (; e + 4 <= E; e += 4) {
+        int32_t l;
+        for (l = 0; l < 4; l++) {
+            out[e + l] = colibri_exp(x[e + l] - m);
+            lanes[l] += out[e + l];
+        }
+    }
     sum = (lanes[0] + lanes[1]) + (lanes[2] + lanes[3]);
 #endif
     for (; e < E; e++) {
@@ -872,14 +896,14 @@ static inline int colibri_weights(const colibri_router_t *r, const float *x, con
                     weights[j] /= norm;
             } else if (r->norm_eps == 0.0f) {
                 for (j = 0; j < k; j++)
-                    norm += powf(weights[j] / largest, r->norm_p);
-                norm = powf(norm, 1.0f / r->norm_p);
+                    norm += colibri_pow_p(weights[j] / largest, r->norm_p);
+                norm = colibri_root_p(norm, r->norm_p);
                 for (j = 0; j < k; j++)
                     weights[j] = weights[j] / largest / norm;
             } else {
                 for (j = 0; j < k; j++)
-                    norm += powf(weights[j] / largest, r->norm_p);
-                norm = largest * powf(norm, 1.0f / r->norm_p) + r->norm_eps;
+                    norm += colibri_pow_p(weights[j] / largest, r->norm_p);
+                norm = largest * colibri_root_p(norm, r->norm_p) + r->norm_eps;
                 for (j = 0; j < k; j++)
                     weights[j] /= norm;
             }
