@@ -39,7 +39,8 @@ cdef extern from *:
         sign = (x >> 16) & 0x8000u;
         ax = x & 0x7fffffffu;
         if (ax >= 0x7f800000u) /* inf / NaN */
-            return (uint16_t)(sign | 0x7c00u | (ax > 0x7f800000u ? 0x200u | ((ax >> 13) & 0x3ffu) : 0u));
+            return (uint16_t)(sign | 0x7c00u
+                              | (ax > 0x7f800000u ? 0x200u | ((ax >> 13) & 0x3ffu) : 0u));
         if (ax >= 0x477ff000u) /* rounds to >= 65520: inf */
             return (uint16_t)(sign | 0x7c00u);
         if (ax < 0x38800000u) { /* below 2^-14: half subnormal or zero */
@@ -152,7 +153,7 @@ def build_plan(
         free(starts)
         free(first_bad)
         raise MemoryError("build_plan(): cannot allocate per-thread histograms")
-    cdef Py_ssize_t c, s, lo, hi, e, p, total, count
+    cdef Py_ssize_t c, s, lo, hi, e, p, total, count, padded
     cdef int64_t value, row
     cdef int64_t* hist
     try:
@@ -188,9 +189,10 @@ def build_plan(
                     starts[c * E + e] = total + count
                     count = count + value
                 counts[e] = count
-                for p in range(total + count, total + (count + block_size - 1) // block_size * block_size):
+                padded = (count + block_size - 1) // block_size * block_size
+                for p in range(total + count, total + padded):
                     sorted_slots[p] = n
-                total = total + (count + block_size - 1) // block_size * block_size
+                total = total + padded
             offsets[E] = total
             # 3. Scatter: each chunk writes its slots in order (stable).
             for c in prange(num_chunks, num_threads=num_chunks, schedule="static"):
@@ -329,7 +331,8 @@ cdef inline float _load(const src_t[:, ::1] a, Py_ssize_t i, Py_ssize_t j, int k
         return <float>a[i, j]
 
 
-cdef inline void _store(dst_t[:, ::1] a, Py_ssize_t i, Py_ssize_t j, double v, int kind) noexcept nogil:
+cdef inline void _store(dst_t[:, ::1] a, Py_ssize_t i, Py_ssize_t j, double v,
+                        int kind) noexcept nogil:
     if dst_t is uint16_t:
         if kind == 2:
             a[i, j] = colibri_float_to_bf16(<float>v)
