@@ -25,6 +25,7 @@ import numpy as np
 
 from colibri import _dispatch
 from colibri._host import import_host, to_caller
+from colibri._validate import check_int
 
 __all__ = ["DispatchPlan", "combine", "dispatch", "gather"]
 
@@ -121,8 +122,8 @@ def dispatch(
         raise ValueError(f"dispatch(): ids must be int32 or int64 (got {name})")
     if arr.ndim != 2:
         raise ValueError(f"dispatch(): ids must have shape [T, k] (got shape {arr.shape})")
-    num_experts = _positive_int("num_experts", num_experts)
-    block_size = _positive_int("block_size", block_size)
+    num_experts = check_int("dispatch(): num_experts", num_experts, 1)
+    block_size = check_int("dispatch(): block_size", block_size, 1)
     threads = _dispatch.resolve_threads(num_threads)
     arr = np.ascontiguousarray(arr)
     T, k = arr.shape
@@ -275,9 +276,3 @@ def _to_float32(arr: np.ndarray, name: str) -> np.ndarray:
 def _check_float(name: str, what: str) -> None:
     if name not in _KINDS:
         raise ValueError(f"{what} must be float32, float64, float16 or bfloat16 (got {name})")
-
-
-def _positive_int(what: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-        raise ValueError(f"dispatch(): {what} must be a positive integer (got {value!r})")
-    return int(value)

@@ -32,15 +32,9 @@ from typing import Literal
 
 import numpy as np
 
+from colibri._validate import check_int
+
 __all__ = ["Workload", "generate_logits"]
-
-
-def _positive_int(value: object, name: str, minimum: int = 1) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"Workload: {name} must be an int (got {value!r})")
-    if value < minimum:
-        raise ValueError(f"Workload: {name} must be >= {minimum} (got {value})")
-    return int(value)
 
 
 def _fraction(value: float, name: str, upper_open: bool = False) -> float:
@@ -92,20 +86,20 @@ class Workload:
     _latent: dict = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        e = _positive_int(self.num_experts, "num_experts")
+        e = check_int("Workload: num_experts", self.num_experts, 1)
         if self.structure not in ("clustered", "iid"):
             raise ValueError(
                 f"Workload: structure must be 'clustered' or 'iid' (got {self.structure!r})"
             )
         clusters = max(2, round(e / 5)) if self.num_clusters is None else self.num_clusters
-        clusters = min(_positive_int(clusters, "num_clusters"), e)
+        clusters = min(check_int("Workload: num_clusters", clusters, 1), e)
         for name in ("strength", "noise", "skew", "bias_skew"):
             value = float(getattr(self, name))
             if not np.isfinite(value) or value < 0:
                 raise ValueError(f"Workload: {name} must be finite and >= 0 (got {value})")
         _fraction(self.shared, "shared")
         _fraction(self.stickiness, "stickiness", upper_open=True)
-        _positive_int(self.seed, "seed", minimum=0)
+        check_int("Workload: seed", self.seed, 0)
         object.__setattr__(self, "num_clusters", clusters)
         object.__setattr__(self, "_latent", self._draw_latent())
 
@@ -162,8 +156,8 @@ class Workload:
         numpy.ndarray
             ``[T, E]`` float32.
         """
-        t = _positive_int(num_tokens, "num_tokens", minimum=0)
-        _positive_int(seed, "seed", minimum=0)
+        t = check_int("Workload: num_tokens", num_tokens, 0)
+        check_int("Workload: seed", seed, 0)
         e = self.num_experts
         rng = np.random.default_rng([self.seed, seed, 0x70C])
         if self.structure == "iid":

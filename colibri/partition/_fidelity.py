@@ -7,7 +7,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from colibri.partition._partition import Partition, _count
+from colibri._validate import check_int
+from colibri.partition._partition import Partition
 
 __all__ = ["FidelityReport", "evaluate", "fidelity"]
 
@@ -191,7 +192,7 @@ def evaluate(
             f"evaluate(): logits must be [T, E] with E = {partition.num_experts} (the "
             f"partition's experts); got shape {array.shape}"
         )
-    topk_groups = _count(topk_groups, "topk_groups", "evaluate()")
+    topk_groups = check_int("evaluate(): topk_groups", topk_groups, 1)
     if topk_groups > partition.num_groups:
         raise ValueError(
             f"evaluate(): topk_groups ({topk_groups}) exceeds the partition's "

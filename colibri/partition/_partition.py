@@ -15,20 +15,13 @@ from collections.abc import Iterable
 import numpy as np
 
 from colibri._atomic_file import write_atomically
+from colibri._validate import check_int
 from colibri.routing import UsageStats
 
 __all__ = ["Partition"]
 
 _FORMAT = "colibri.Partition"
 _VERSION = 1
-
-
-def _count(value: object, name: str, where: str) -> int:
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"{where}: {name} must be an int (got {value!r})")
-    if value < 1:
-        raise ValueError(f"{where}: {name} must be >= 1 (got {value})")
-    return int(value)
 
 
 def _group_sizes(num_experts: int, num_groups: int) -> list[int]:
@@ -92,7 +85,7 @@ class Partition:
         if not parsed:
             raise ValueError(f"{where}: groups is empty; give at least one group")
         total = sum(len(g) for g in parsed)
-        e = total if num_experts is None else _count(num_experts, "num_experts", where)
+        e = total if num_experts is None else check_int(f"{where}: num_experts", num_experts, 1)
         group_of = np.full(e, -1, np.int32)
         for index, group in enumerate(parsed):
             for expert in group:
@@ -126,8 +119,8 @@ class Partition:
 
         26 experts in 4 groups: ``0-6, 7-13, 14-19, 20-25`` (7, 7, 6, 6).
         """
-        e = _count(num_experts, "num_experts", "Partition.contiguous")
-        m = _count(num_groups, "num_groups", "Partition.contiguous")
+        e = check_int("Partition.contiguous: num_experts", num_experts, 1)
+        m = check_int("Partition.contiguous: num_groups", num_groups, 1)
         if m > e:
             raise ValueError(
                 f"Partition.contiguous: num_groups ({m}) must not exceed num_experts ({e})"
@@ -215,7 +208,7 @@ class Partition:
                 f"{type(stats).__name__}); build one with UsageStats.from_ids(ids, num_experts)"
             )
         e = stats.num_experts
-        m = _count(num_groups, "num_groups", "Partition.from_usage")
+        m = check_int("Partition.from_usage: num_groups", num_groups, 1)
         if m > e:
             raise ValueError(
                 f"Partition.from_usage: num_groups ({m}) must not exceed the {e} experts"
