@@ -614,6 +614,7 @@ class _ViewIO(_IO):
                     m = FileMap(self.paths[f], self.fds[f], offset, stop - offset)
                 maps.append(m)
                 m.populate(start - offset, stop - start)
+                m.drop(0, start - offset)  # the kernel may have mapped the rounded-down part
         except BaseException:
             for m in maps:
                 m.close()
@@ -638,6 +639,8 @@ class _ViewIO(_IO):
     def close(self, slots):
         for slot in slots:
             for m in slot.io or ():
+                with contextlib.suppress(OSError):
+                    m.drop(0, m.length)  # live views re-fault from the file
                 m.close()
             slot.io = None
         with self.lock:
