@@ -272,7 +272,7 @@ def gate_fetches(monkeypatch, gate):
     begun = []
 
     def before(kind, path, offset, length):
-        if kind in ("read", "willneed"):
+        if kind in ("read", "populate"):
             begun.append(offset)
             assert gate.wait(10), "the test never opened the gate"
 

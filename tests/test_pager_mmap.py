@@ -312,7 +312,7 @@ def test_truncation_between_the_check_and_the_mapping_raises_not_sigbus(io, tmp_
     size = os.path.getsize(path)
 
     def truncate_first(kind, p, offset, length):
-        if kind == "willneed" and os.path.getsize(path) == size:
+        if kind == "populate" and os.path.getsize(path) == size:
             with open(path, "r+b") as f:
                 f.truncate(EXPERT)  # only expert 0 is left
 
