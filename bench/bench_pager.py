@@ -38,7 +38,7 @@ from colibri.formats import open_weights
 from colibri.pager import IO_BACKENDS, Pager
 from colibri.policies import Trace, belady, replay
 
-POLICIES = ("fifo", "lru", "lfu", "lrfu", "nextuse", "hot")
+POLICIES = ("fifo", "lru", "lfu", "lrfu", "nextuse", "hot", "adaptive")
 
 
 # -- traces ---------------------------------------------------------------------------------------
@@ -277,7 +277,7 @@ def serve_fresh(*args):
 
 def bench_io(folder, quick):
     files = {
-        "demo file (raw, aligned)": demo_file(folder, (64 if quick else 512) << 20),
+        "demo file (raw, aligned)": demo_file(folder, (64 if quick else 256) << 20),
         "transformers Mixtral (safetensors)": transformers_checkpoint(
             folder, 512, 768 if quick else 1536, 4, 8 if quick else 16
         ),
@@ -307,7 +307,7 @@ def bench_io(folder, quick):
                     if not cold:
                         serve_fresh(path, tokens, budget, io, page_kb, False)  # warm it
                     best = None
-                    for _ in range(2 if cold else 3):
+                    for _ in range(2):
                         r = serve_fresh(path, tokens, budget, io, page_kb, cold)
                         if best is None or r["experts/s"] > best["experts/s"]:
                             best = r

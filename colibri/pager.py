@@ -708,8 +708,9 @@ class Pager:
         Page size (4, 32, 64, ... KiB; a power of two, at least the OS page for ``mmap`` and
         ``view``): the unit of residency, of I/O and of the budget.
     policy : str or CachePolicy
-        ``"fifo"`` (default, the seed's), ``"lru"``, ``"lfu"``, ``"lrfu"``, ``"nextuse"``,
-        ``"hot"`` (see :mod:`colibri.policies`).
+        ``"adaptive"`` (default: measured best, never below LRU on the bench's traces),
+        ``"lru"``, ``"fifo"`` (the seed's), ``"lfu"``, ``"lrfu"``, ``"nextuse"``, ``"hot"``
+        (see :mod:`colibri.policies`).
     policy_options : dict, optional
         Passed to the policy (``half_life`` for lrfu; ``counts``, ``hot_fraction`` for hot).
     io : str, optional
@@ -745,7 +746,7 @@ class Pager:
         *,
         budget_bytes: int,
         page_size_kb: int = 64,
-        policy: str | CachePolicy = "fifo",
+        policy: str | CachePolicy = "adaptive",
         policy_options: dict | None = None,
         io: str | None = None,
         prefetch_queue: int = 64,
@@ -873,7 +874,7 @@ class Pager:
     def set_cache_policy(self, policy: str | CachePolicy, **options) -> None:
         """Switch the eviction policy now; resident experts stay, in the old eviction order.
 
-        ``policy`` is one of ``fifo``, ``lru``, ``lfu``, ``lrfu``, ``nextuse``, ``hot`` or a
+        ``policy`` is a name of :data:`colibri.policies.POLICIES` or a
         :class:`~colibri.policies.CachePolicy`; ``options`` go to its constructor.
         """
         new = make_policy(policy, self.capacity, **options)

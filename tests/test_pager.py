@@ -471,3 +471,45 @@ def test_property_pager_matches_replay_and_never_beats_belady(weights, steps, ca
             assert pager.stats.resident_bytes <= capacity * SLOT
         hits = pager.stats.hits
     assert hits == replay(trace, capacity, policy).hits <= belady(trace, capacity).hits
+
+
+def test_lru_and_fifo_evict_in_their_order():
+    # capacity 3; expert 0 is touched again before the fourth expert arrives
+    trace = Trace([(0, [0]), (0, [1]), (0, [2]), (0, [0]), (0, [3]), (0, [0]), (0, [1])])
+    lru, fifo = replay(trace, 3, "lru"), replay(trace, 3, "fifo")
+    # lru: 3 evicts 1 (0 was just used): hits 0, 0 -> then 1 misses
+    # fifo: 3 evicts 0 (first in): 0 misses again, 1 is evicted for it, 1 misses
+    assert (lru.hits, lru.misses) == (2, 5)
+    assert (fifo.hits, fifo.misses) == (1, 6)
+
+
+def zipf_iid(steps, experts, seed):
+    rng = np.random.default_rng(seed)
+    p = 1.0 / np.arange(1, experts + 1)
+    return Trace((0, rng.choice(experts, 2, replace=False, p=p / p.sum())) for _ in range(steps))
+
+
+def phases(steps, seed, length=150):
+    """Recency is all there is: two disjoint hot sets of 7 experts take turns."""
+    rng = np.random.default_rng(seed)
+    return Trace(
+        (0, 7 * ((s // length) % 2) + rng.choice(7, 2, replace=False)) for s in range(steps)
+    )
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_adaptive_follows_the_better_of_recency_and_frequency(seed):
+    pop, turns = zipf_iid(3000, 40, seed), phases(3000, seed)
+    # popularity that lasts: frequency wins (+20%) and adaptive finds it
+    lru, lrfu = replay(pop, 8, "lru").hits, replay(pop, 8, "lrfu", half_life=64).hits
+    assert lrfu > 1.2 * lru and replay(pop, 8, "adaptive").hits > 1.15 * lru
+    # hot sets that take turns: old frequency misleads (-12%), adaptive stays with LRU
+    lru, lrfu = replay(turns, 8, "lru").hits, replay(turns, 8, "lrfu", half_life=64).hits
+    assert lrfu < 0.9 * lru and replay(turns, 8, "adaptive").hits >= 0.99 * lru
+
+
+def test_adaptive_options_are_checked():
+    with pytest.raises(ValueError, match="half_lives must be positive"):
+        replay(Trace([(0, [0])]), 2, "adaptive", half_lives=[0])
+    with pytest.raises(ValueError, match="memory must be >= 1"):
+        replay(Trace([(0, [0])]), 2, "adaptive", memory=0.5)
