@@ -534,6 +534,7 @@ class _MapIO(_IO):
         sharing = self.page_size // smallest + 2  # experts that can touch one page
         self.tables = [_PageTable(-(-s // self.page_size), sharing) for s in self.sizes]
         self.window = max(1, _MAP_WINDOW // self.page_size)  # pages the kernel may map at once
+        self.index = {p: i for i, p in enumerate(self.paths)}
 
     def claim(self, slot, key):
         return sum(self.tables[f].hold(first, end) for f, first, end in self.spans[key])
@@ -567,7 +568,7 @@ class _MapIO(_IO):
         return freed
 
     def owners(self, slot, key):
-        index = {p: i for i, p in enumerate(self.paths)}
+        index = self.index
         return [(self.maps[index[r.path]].array, r.offset) for r in self.experts[key].matrices]
 
     def close(self, slots):
