@@ -26,7 +26,7 @@ except ImportError as _exc:  # pragma: no cover - what a user of the unbuilt tre
 from colibri.config import Config
 from colibri.dispatch import DispatchPlan, combine, dispatch, gather
 from colibri.layer import ExpertFFN, InMemoryExperts, MoELayer
-from colibri.pager import BudgetError, Pager
+from colibri.pager import BudgetError, FileChangedError, Pager
 from colibri.partition import Partition
 from colibri.routing import Context, init, route, route_from_dlpack
 from colibri.stats import UsageStats
@@ -52,6 +52,7 @@ __all__ = [
     "Context",
     "DispatchPlan",
     "ExpertFFN",
+    "FileChangedError",
     "InMemoryExperts",
     "MoELayer",
     "Pager",

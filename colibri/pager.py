@@ -601,8 +601,6 @@ class _ViewIO(_IO):
     def claim(self, slot, key):
         return sum(end - first for _, first, end in self.spans[key])
 
-    release_pages = claim
-
     def fetch(self, slot, key):
         ps, maps = self.page_size, []
         try:
@@ -626,7 +624,7 @@ class _ViewIO(_IO):
         for m in slot.io or ():
             m.close()  # views still alive (only after Pager.close) keep theirs
         slot.io = None
-        return self.release_pages(slot, key)
+        return self.claim(slot, key)  # the same pages
 
     def owners(self, slot, key):
         out = []

@@ -65,7 +65,8 @@ def random_trace(steps, k=3, seed=0):
 
 
 def test_exported():
-    assert colibri.Pager is Pager
+    assert colibri.Pager is Pager and colibri.FileChangedError is FileChangedError
+    assert issubclass(FileChangedError, OSError)
 
 
 def test_load_returns_the_weights_and_reads_each_expert_once(io, weights):
