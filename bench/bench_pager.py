@@ -1,36 +1,47 @@
-"""Pager benchmark: cache policies against Belady's optimum, bytes read, throughput, peak RSS.
+"""Pager benchmark: backends side by side (mmap, view, read), page sizes, warm and cold page
+cache, two processes sharing a mapping, and every cache policy against Belady's optimum.
 
-Run: ``python bench/bench_pager.py`` (about a minute; ``--quick`` for a smoke run).
+Run: ``python bench/bench_pager.py`` (a few minutes; ``--quick`` for a smoke run;
+``--section io|share|policies`` for one part). Measure under ``flock -x`` on a quiet machine.
 
-For each model shape (26 experts top-2 over 24 layers; 64 experts top-8 over 24 layers) it
-writes a weight file of random fp16 experts in colibri's raw format and generates a decoding
-routing trace with numpy: per layer a Zipf expert popularity, plus a per-sequence offset
-(topics) and a slowly drifting per-token offset (AR(1)), plus per-token Gumbel noise, top-k of
-the sum. Then, for several budgets given as a share of all expert bytes:
+``io``: for the demo's weight file (colibri raw, 26 experts x 4 layers, float16) and a real
+transformers checkpoint (Mixtral, ``save_pretrained`` safetensors: stacked experts, not
+page-aligned), the same decoding trace is served by each backend at 4/32/64/256 KiB pages with
+a budget of 1/4 of the experts; every view is read in full (what a GEMM does). Warm: the file
+is in the page cache; cold: ``posix_fadvise(DONTNEED)`` before the run. Printed: experts per
+second, MiB fetched, pages loaded, page faults taken while fetching (minor/major), and the
+peak growth of the process's RSS (VmHWM, reset before each run) next to the budget.
 
-1. hit rate of every policy (offline replay, identical to what the Pager does) beside Belady's
-   MIN; ``hot`` learns its counts from a different trace (an "earlier run");
-2. real Pager runs (FIFO and the best policy; ``populate=True``): bytes read per token, read
-   throughput against one plain sequential read of the same file (both warm page cache), peak
-   RSS growth (VmHWM reset before each run) against the budget, wall time per token; the
-   Pager's hit count is checked against the replay.
+``share``: two processes each load every expert of the checkpoint; their summed RSS and PSS
+(``/proc/self/smaps_rollup``) per backend: mapped pages are shared, the read pool is not.
+
+``policies``: hit rate of every policy (offline replay, identical to the Pager) beside
+Belady's MIN on traces none of them was tuned on: the bench's own generator at several
+settings, iid traffic, Zipf-only traffic, colibri's ``Workload`` routed top-k, and a topic
+trace from a separate hidden-Markov model. Every policy's gap to Belady and its margin over
+LRU; the last table is the mean over all of them, which chooses the default.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import subprocess
 import sys
 import tempfile
 import time
 
 import numpy as np
 
-from colibri.formats.raw import write_experts
-from colibri.pager import Pager
+from colibri.formats import open_weights
+from colibri.pager import IO_BACKENDS, Pager
 from colibri.policies import Trace, belady, replay
 
-POLICIES = ("fifo", "lru", "lfu", "lrfu", "nextuse", "hot")
+POLICIES = ("fifo", "lru", "lfu", "lrfu", "nextuse", "hot", "adaptive")
+
+
+# -- traces ---------------------------------------------------------------------------------------
 
 
 def routing_trace(num_experts, top_k, num_layers, tokens, *, seed, seq_len=256, noise=1.0):
@@ -54,38 +65,148 @@ def routing_trace(num_experts, top_k, num_layers, tokens, *, seed, seq_len=256, 
     return Trace(steps)
 
 
-def write_model(folder, num_experts, num_layers, hidden, inter):
-    rng = np.random.default_rng(0)
-    one = rng.standard_normal(3 * hidden * inter).astype(np.float16)
+def iid_trace(num_experts, top_k, num_layers, tokens, *, seed, zipf=0.0):
+    """Independent tokens: uniform (``zipf=0``) or Zipf-popular experts, no temporal order."""
+    rng = np.random.default_rng(seed)
+    p = 1.0 / np.arange(1, num_experts + 1) ** zipf
+    p /= p.sum()
+    perms = [rng.permutation(num_experts) for _ in range(num_layers)]
+    return Trace(
+        (layer, perms[layer][rng.choice(num_experts, top_k, replace=False, p=p)])
+        for _ in range(tokens)
+        for layer in range(num_layers)
+    )
 
-    def experts():
+
+def workload_trace(num_experts, top_k, num_layers, tokens, *, seed):
+    """colibri's own logit generator (clusters, Zipf, sticky drifting topics), top-k."""
+    from colibri.workload import Workload
+
+    per_layer = []
+    for layer in range(num_layers):
+        logits = Workload(num_experts, seed=seed * 100 + layer).logits(tokens, seed=seed)
+        per_layer.append(np.argpartition(-logits, top_k - 1, axis=1)[:, :top_k])
+    return Trace((layer, per_layer[layer][t]) for t in range(tokens) for layer in range(num_layers))
+
+
+def topic_trace(num_experts, top_k, num_layers, tokens, *, seed, topics=6, stay=0.97):
+    """A hidden-Markov topic model unrelated to the generators above: each topic has, per
+    layer, a Dirichlet(0.3) mix over experts; the topic persists with probability ``stay``."""
+    rng = np.random.default_rng(seed)
+    mix = rng.dirichlet(np.full(num_experts, 0.3), size=(topics, num_layers))
+    steps, topic = [], 0
+    for _ in range(tokens):
+        if rng.random() > stay:
+            topic = int(rng.integers(topics))
         for layer in range(num_layers):
-            for e in range(num_experts):
-                v = np.roll(one, layer * num_experts + e)
-                yield (
-                    (layer, e),
-                    (
-                        v[: inter * hidden].reshape(inter, hidden),
-                        v[inter * hidden : 2 * inter * hidden].reshape(inter, hidden),
-                        v[2 * inter * hidden :].reshape(hidden, inter),
-                    ),
-                )
-
-    path = os.path.join(folder, f"experts-{num_experts}x{num_layers}.colibri")
-    return write_experts(path, experts(), overwrite=True)
+            p = mix[topic, layer] + 1e-9
+            steps.append((layer, rng.choice(num_experts, top_k, replace=False, p=p / p.sum())))
+    return Trace(steps)
 
 
-def sequential_read_throughput(path):
-    """Bytes/s of one plain sequential read of the whole file (after a warming read)."""
-    buf = bytearray(8 << 20)
-    best = 0.0
-    for _ in range(4):  # the first pass warms the page cache; keep the best of the rest
-        start, total = time.perf_counter(), 0
-        with open(path, "rb", buffering=0) as f:
-            while n := f.readinto(buf):
-                total += n
-        best = max(best, total / (time.perf_counter() - start))
-    return best
+def policy_traces(tokens):
+    """``name -> (trace, earlier trace for hot's counts, experts in total)``."""
+    out = {}
+    for noise, seq in ((1.0, 256), (0.5, 256), (0.25, 256), (1.0, 32)):
+        args = (26, 2, 24, tokens)
+        out[f"generator noise={noise} seq={seq}"] = (
+            routing_trace(*args, seed=1, noise=noise, seq_len=seq),
+            routing_trace(*args, seed=2, noise=noise, seq_len=seq),
+            26 * 24,
+        )
+    out["generator 64 experts top-8"] = (
+        routing_trace(64, 8, 24, tokens, seed=1),
+        routing_trace(64, 8, 24, tokens, seed=2),
+        64 * 24,
+    )
+    out["iid uniform"] = (
+        iid_trace(26, 2, 24, tokens, seed=1),
+        iid_trace(26, 2, 24, tokens, seed=2),
+        26 * 24,
+    )
+    out["iid zipf 1.0"] = (
+        iid_trace(26, 2, 24, tokens, seed=1, zipf=1.0),
+        iid_trace(26, 2, 24, tokens, seed=2, zipf=1.0),
+        26 * 24,
+    )
+    out["colibri Workload 64 top-4"] = (
+        workload_trace(64, 4, 8, tokens, seed=1),
+        workload_trace(64, 4, 8, tokens, seed=2),
+        64 * 8,
+    )
+    out["topic HMM 4 layers x 26, top-2"] = (
+        topic_trace(26, 2, 4, 6 * tokens, seed=1),
+        topic_trace(26, 2, 4, 6 * tokens, seed=2),
+        26 * 4,
+    )
+    return out
+
+
+def bench_policies(tokens):
+    budgets = (0.125, 0.25, 0.5)
+    print("## Cache policies against Belady (offline replay, hit %)\n")
+    print("budget = share of all experts held; `vs LRU` = best and worst margin of each policy")
+    print("over LRU across the budgets (points); hot learns its counts from another draw.\n")
+    gaps = {p: [] for p in POLICIES}
+    margins = {p: [] for p in POLICIES}
+    for name, (trace, earlier, total) in policy_traces(tokens).items():
+        print(f"### {name}\n")
+        print("| budget | slots | " + " | ".join(POLICIES) + " | Belady |")
+        print("|---|---|" + "---|" * (len(POLICIES) + 1))
+        counts = earlier.counts()
+        for frac in budgets:
+            capacity = max(int(frac * total), max(len(ids) for _, ids in trace))
+            rates = {
+                p: replay(trace, capacity, p, **({"counts": counts} if p == "hot" else {})).hit_rate
+                for p in POLICIES
+            }
+            optimum = belady(trace, capacity).hit_rate
+            for p in POLICIES:
+                gaps[p].append(100 * (optimum - rates[p]))
+                margins[p].append(100 * (rates[p] - rates["lru"]))
+            cells = " | ".join(f"{100 * rates[p]:.1f}" for p in POLICIES)
+            print(f"| {100 * frac:.1f}% | {capacity} | {cells} | {100 * optimum:.1f} |")
+        print()
+    print("### Over all traces and budgets\n")
+    print("| policy | mean gap to Belady | worst gap | mean vs LRU | worst vs LRU |")
+    print("|---|---|---|---|---|")
+    for p in POLICIES:
+        g, m = np.array(gaps[p]), np.array(margins[p])
+        print(f"| {p} | {g.mean():.1f} | {g.max():.1f} | {m.mean():+.1f} | {m.min():+.1f} |")
+    best = min(POLICIES, key=lambda p: np.mean(gaps[p]))
+    print(f"\nbest mean gap to Belady: **{best}**\n")
+
+
+# -- weight files ---------------------------------------------------------------------------------
+
+
+def demo_file(folder, file_size):
+    from colibri import demo
+
+    inter = demo.demo_shape(file_size, 4, demo.HIDDEN)
+    return str(demo.ensure_weight_file(folder, 4, demo.HIDDEN, inter, seed=0, progress=False))
+
+
+def transformers_checkpoint(folder, hidden, inter, layers, experts):
+    """A Mixtral checkpoint written by transformers itself (random weights, bfloat16)."""
+    path = os.path.join(folder, f"mixtral-h{hidden}-i{inter}-l{layers}-e{experts}")
+    if not os.path.exists(os.path.join(path, "model.safetensors")):
+        import torch
+        from transformers import MixtralConfig, MixtralForCausalLM
+
+        torch.manual_seed(0)
+        config = MixtralConfig(
+            vocab_size=256, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
+            num_attention_heads=4, num_key_value_heads=2, num_local_experts=experts,
+            num_experts_per_tok=2, max_position_embeddings=64, torch_dtype="bfloat16",
+        )  # fmt: skip
+        with torch.device("cpu"):
+            model = MixtralForCausalLM(config).to(torch.bfloat16)
+        model.save_pretrained(path, max_shard_size="100GB")
+    return os.path.join(path, "model.safetensors")
+
+
+# -- backends -------------------------------------------------------------------------------------
 
 
 def _status(field):
@@ -103,117 +224,178 @@ def reset_peak_rss():
         return None
 
 
-def run_pager(path, trace, budget, policy, policy_options, tokens):
+def drop_cache(paths):
+    for p in paths:
+        fd = os.open(p, os.O_RDONLY)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        os.close(fd)
+
+
+def io_trace(path, tokens):
+    """The decoding trace the backends serve: top-2 of the bench's generator."""
+    source = open_weights(path)
+    layers = source.layers
+    trace = routing_trace(source.num_experts(layers[0]), 2, len(layers), tokens, seed=1)
+    return Trace((layers[layer], ids) for layer, ids in trace)
+
+
+def serve(path, tokens, budget, io, page_kb, cold):
+    """One run in this process: every step loaded, every view read in full."""
+    trace = io_trace(path, tokens)
+    source = open_weights(path)
+    if cold:
+        drop_cache(source.files)
     base = reset_peak_rss()
     start = time.perf_counter()
-    with Pager(path, budget_bytes=budget, page_size_kb=64, policy=policy,
-               policy_options=policy_options, populate=True) as pager:  # fmt: skip
-        capacity = pager.capacity
+    with Pager(source, budget_bytes=budget, page_size_kb=page_kb, io=io, policy="lru") as pager:
         for layer, ids in trace:
             with pager.load(layer, ids) as batch:
-                sum(float(w.down[0, 0]) for w in batch.values())  # touch; keep no view
-        stats = pager.stats
+                for e in batch:
+                    for m in (batch[e].gate, batch[e].up, batch[e].down):
+                        m.view(np.uint8).max()  # read every byte once
+                del m
+        s = pager.stats
     elapsed = time.perf_counter() - start
-    peak = _status("VmHWM:") - base if base is not None else None
-    expected = replay(trace, capacity, policy, **(policy_options or {}))
-    assert stats.hits == expected.hits, (stats.hits, expected.hits)
     return {
-        "hit": stats.hit_rate,
-        "mib_per_token": stats.bytes_read / tokens / 2**20,
-        "throughput": stats.read_throughput,
-        "peak_rss": peak,
-        "resident": stats.peak_resident_bytes,
-        "ms_per_token": 1e3 * elapsed / tokens,
+        "experts/s": trace.accesses / elapsed,
+        "fetched MiB": s.bytes_read / 2**20,
+        "pages": s.pages_loaded,
+        "faults": f"{s.minor_faults}/{s.major_faults}",
+        "peak RSS": (_status("VmHWM:") - base) / 2**20 if base is not None else float("nan"),
+        "hit": s.hit_rate,
     }
+
+
+def serve_fresh(*args):
+    """:func:`serve` in a new process, so that no run inherits another's memory."""
+    out = subprocess.run(
+        [sys.executable, __file__, "--child", json.dumps(args)],
+        capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    return json.loads(out.stdout)
+
+
+def bench_io(folder, quick):
+    files = {
+        "demo file (raw, aligned)": demo_file(folder, (64 if quick else 256) << 20),
+        "transformers Mixtral (safetensors)": transformers_checkpoint(
+            folder, 512, 768 if quick else 1536, 4, 8 if quick else 16
+        ),
+    }
+    pages = (64,) if quick else (4, 32, 64, 256)
+    tokens = 30 if quick else 150
+    print("## Backends side by side\n")
+    for name, path in files.items():
+        source = open_weights(path)
+        layers = source.layers
+        per_layer = source.num_experts(layers[0])
+        total = source.total_expert_nbytes
+        budget = total // 4
+        print(
+            f"### {name}: {len(layers)} layers x {per_layer} experts, "
+            f"{source.max_expert_nbytes / 2**20:.2f} MiB per expert, "
+            f"{total / 2**20:.0f} MiB of experts, budget {budget / 2**20:.0f} MiB, "
+            f"{tokens} tokens (top-2, LRU)\n"
+        )
+        print("| cache | page | io | experts/s | vs read | fetched MiB | pages | faults "
+              "min/maj | peak RSS growth MiB |")  # fmt: skip
+        print("|---|---|---|---|---|---|---|---|---|")
+        for cold in (False, True):
+            for page_kb in pages:
+                results = {}
+                for io in ("read", "mmap", "view"):
+                    if not cold:
+                        serve_fresh(path, tokens, budget, io, page_kb, False)  # warm it
+                    best = None
+                    for _ in range(2):
+                        r = serve_fresh(path, tokens, budget, io, page_kb, cold)
+                        if best is None or r["experts/s"] > best["experts/s"]:
+                            best = r
+                    results[io] = best
+                for io, r in results.items():
+                    ratio = r["experts/s"] / results["read"]["experts/s"]
+                    print(
+                        f"| {'cold' if cold else 'warm'} | {page_kb} KiB | {io} | "
+                        f"{r['experts/s']:,.0f} | {ratio:.2f}x | {r['fetched MiB']:.0f} | "
+                        f"{r['pages']} | {r['faults']} | {r['peak RSS']:.1f} |"
+                    )
+        print()
+
+
+SHARE_SCRIPT = """
+import sys, time
+from colibri.pager import Pager
+path, io, ready = sys.argv[1], sys.argv[2], sys.argv[3]
+from colibri.formats import open_weights
+pager_bytes = open_weights(path).total_expert_nbytes
+pager = Pager(path, budget_bytes=2 * pager_bytes, page_size_kb=64, io=io)
+views = []
+for layer in pager.source.layers:
+    batch = pager.load(layer, range(pager.source.num_experts(layer)))
+    for w in batch.values():
+        w.gate.view("u1").max(), w.up.view("u1").max(), w.down.view("u1").max()
+    views.append(batch)
+open(ready, "w").close()
+time.sleep(3)
+fields = {}
+for line in open("/proc/self/smaps_rollup"):
+    if line.split(":")[0] in ("Rss", "Pss"):
+        fields[line.split(":")[0]] = int(line.split()[1]) * 1024
+print(fields["Rss"], fields["Pss"])
+"""
+
+
+def bench_share(folder, quick):
+    path = transformers_checkpoint(folder, 512, 768 if quick else 1536, 4, 8 if quick else 16)
+    experts = open_weights(path).total_expert_nbytes
+    print(f"## Two processes serving one checkpoint ({experts / 2**20:.0f} MiB of experts)\n")
+    print("| io | summed RSS MiB | summed PSS MiB |")
+    print("|---|---|---|")
+    for io in ("mmap", "read"):
+        procs = []
+        for i in range(2):
+            ready = os.path.join(folder, f"ready-{io}-{i}")
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, "-c", SHARE_SCRIPT, path, io, ready],
+                    stdout=subprocess.PIPE,
+                    text=True,
+                )  # fmt: skip
+            )
+        rss = pss = 0
+        for p in procs:
+            out, _ = p.communicate(timeout=300)
+            r, s = map(int, out.split())
+            rss, pss = rss + r, pss + s
+        print(f"| {io} | {rss / 2**20:.0f} | {pss / 2**20:.0f} |")
+    print()
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, default=1000, help="tokens in the replay traces")
-    ap.add_argument("--io-tokens", type=int, default=200, help="tokens in the real Pager runs")
     ap.add_argument("--quick", action="store_true", help="tiny run for smoke testing")
-    ap.add_argument("--dir", default=None, help="where to write the weight files")
+    ap.add_argument("--section", choices=("io", "share", "policies"), action="append")
+    ap.add_argument("--dir", default=None, help="where to write the weight files (kept)")
+    ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.child:
+        print(json.dumps(serve(*json.loads(args.child))))
+        return
     if args.quick:
-        args.tokens, args.io_tokens = 100, 30
-    shapes = [  # experts, top-k, layers, hidden, intermediate
-        (26, 2, 24, 256, 128),
-        (64, 8, 24, 128, 128),
-    ]
-    budgets = (0.25, 0.375, 0.5, 0.75)
+        args.tokens = 100
+    sections = args.section or ["io", "share", "policies"]
     folder = args.dir or tempfile.mkdtemp(prefix="colibri-bench-")
-    print(f"python {sys.version.split()[0]}, numpy {np.__version__}, files in {folder}\n")
-    for num_experts, top_k, num_layers, hidden, inter in shapes:
-        path = write_model(folder, num_experts, num_layers, hidden, inter)
-        expert_bytes = 3 * hidden * inter * 2
-        total = expert_bytes * num_experts * num_layers
-        seq = sequential_read_throughput(path)
-        trace = routing_trace(num_experts, top_k, num_layers, args.tokens, seed=1)
-        earlier = routing_trace(num_experts, top_k, num_layers, args.tokens, seed=2).counts()
-        print(
-            f"## {num_experts} experts, top-{top_k}, {num_layers} layers: "
-            f"{expert_bytes // 1024} KiB per expert, {total / 2**20:.0f} MiB of experts, "
-            f"{args.tokens} tokens\n"
-        )
-        head = "| budget | slots | " + " | ".join(POLICIES) + " | Belady | best - Belady |"
-        print(head)
-        print("|" + "---|" * (head.count("|") - 1))
-        best = {}
-        for frac in budgets:
-            capacity = int(frac * total) // expert_bytes  # 64 KiB pages: slot == expert here
-            rates = {}
-            for policy in POLICIES:
-                opts = {"counts": earlier} if policy == "hot" else {}
-                rates[policy] = replay(trace, capacity, policy, **opts).hit_rate
-            optimum = belady(trace, capacity).hit_rate
-            best[frac] = max(rates, key=rates.get)
-            cells = " | ".join(f"{100 * rates[p]:.1f}" for p in POLICIES)
-            gap = 100 * (rates[best[frac]] - optimum)
-            print(
-                f"| {100 * frac:.1f}% | {capacity} | {cells} | {100 * optimum:.1f} | "
-                f"{gap:+.1f} ({best[frac]}) |"
-            )
-        print(
-            f"\nReal Pager runs ({args.io_tokens} tokens, page_size_kb=64, warm page cache; "
-            f"plain sequential read of the file, 8 MiB chunks: {seq / 1e9:.2f} GB/s, measured "
-            "again before each run for the ratio):\n"
-        )
-        print(
-            "| budget | policy | hit % | MiB read / token | read GB/s | vs sequential | "
-            "peak RSS growth | budget | ms / token |"
-        )
-        print("|---|---|---|---|---|---|---|---|---|")
-        io_trace = Trace(trace.steps[: args.io_tokens * num_layers])
-        for frac in budgets:
-            budget = int(frac * total)
-            for policy in ("fifo", best[frac]):
-                seq = sequential_read_throughput(path)  # right before: the machine is shared
-                r = run_pager(path, io_trace, budget, policy, None, args.io_tokens)
-                rss = f"{r['peak_rss'] / 2**20:.1f} MiB" if r["peak_rss"] is not None else "n/a"
-                print(
-                    f"| {100 * frac:.1f}% | {policy} | {100 * r['hit']:.1f} | "
-                    f"{r['mib_per_token']:.2f} | {r['throughput'] / 1e9:.2f} | "
-                    f"{r['throughput'] / seq:.2f}x | {rss} | {budget / 2**20:.1f} MiB | "
-                    f"{r['ms_per_token']:.1f} |"
-                )
-        print()
-        os.unlink(path)
-        os.unlink(path + ".json")
     print(
-        "## Gap to Belady against per-token randomness (26 experts, top-2, 24 layers; "
-        "replay)\n\nnoise scales the per-token Gumbel term of the trace (1.0 above).\n"
+        f"python {sys.version.split()[0]}, numpy {np.__version__}, backends {IO_BACKENDS}, "
+        f"files in {folder}, load {json.dumps(os.getloadavg())}\n"
     )
-    print("| noise | " + " | ".join(f"{100 * f:.1f}%: best / Belady" for f in budgets[:3]) + " |")
-    print("|---|---|---|---|")
-    for noise in (1.0, 0.5, 0.25):
-        trace = routing_trace(26, 2, 24, args.tokens, seed=1, noise=noise)
-        cells = []
-        for frac in budgets[:3]:
-            capacity = int(frac * 26 * 24)
-            rate = max(replay(trace, capacity, p).hit_rate for p in POLICIES if p != "hot")
-            optimum = belady(trace, capacity).hit_rate
-            cells.append(f"{100 * rate:.1f} / {100 * optimum:.1f} ({100 * (rate - optimum):+.1f})")
-        print(f"| {noise} | " + " | ".join(cells) + " |")
+    if "io" in sections:
+        bench_io(folder, args.quick)
+    if "share" in sections:
+        bench_share(folder, args.quick)
+    if "policies" in sections:
+        bench_policies(args.tokens)
 
 
 if __name__ == "__main__":

@@ -27,7 +27,7 @@ except ImportError as _exc:  # pragma: no cover - what a user of the unbuilt tre
     ) from _exc
 from colibri.dispatch import DispatchPlan, combine, dispatch, gather
 from colibri.layer import ExpertFFN, InMemoryExperts, MoELayer
-from colibri.pager import BudgetError, Pager
+from colibri.pager import BudgetError, FileChangedError, Pager
 from colibri.partition import Partition
 from colibri.routing import Config, Context, UsageStats, init, route, route_from_dlpack
 
@@ -55,6 +55,7 @@ __all__ = [
     "Context",
     "DispatchPlan",
     "ExpertFFN",
+    "FileChangedError",
     "InMemoryExperts",
     "MoELayer",
     "Pager",

@@ -1,34 +1,57 @@
-"""The Pager: expert weights read from files into a fixed pool, under a hard memory budget.
+"""The Pager: expert weights paged from their files under a hard memory budget.
 
 How it works
 ------------
-The unit of caching is the expert: its ``gate``, ``up`` and ``down`` matrices together. At
-construction the pager allocates one pool of ``num_slots x slot_bytes`` bytes, where
-``slot_bytes`` is the largest expert rounded up to ``page_size_kb`` and ``num_slots`` is as many
-slots as fit in ``budget_bytes``. An expert is read into a free slot with explicit positional
-reads (``os.preadv`` on POSIX, ``seek`` + ``readinto`` on Windows; see
-:mod:`colibri.formats._io`), never through a memory map. So the bookkeeping is one entry per
-expert, however many 4 KiB pages the expert spans; pages only set the slot size and alignment.
+The unit of caching is the expert: its ``gate``, ``up`` and ``down`` matrices together. The
+weight files are split into pages of ``page_size_kb``; each expert touches a run of pages per
+file (its byte ranges rounded out to whole pages). One *slot* is the most pages any expert
+touches, and the budget holds ``budget_bytes // slot_bytes`` experts at once, whatever the
+backend, so the backends see the same hits, misses and evictions for the same loads.
 
-"Resident" means: expert bytes held in the pool (slots whose expert is loaded or being
-loaded). ``stats.resident_bytes`` is their exact sum and can never exceed ``pool_bytes <=
-budget_bytes``: the pool is the only place the pager keeps expert bytes, it is allocated
-zero-filled and lazily committed, and it never grows. The OS page cache that reads pass through
-is kernel memory, reclaimable and not part of the process's RSS.
+Backends (``io=``):
+
+``"mmap"`` (default on Linux and macOS)
+    Every file is mapped read-only once; views are zero-copy arrays into the mapping (two
+    processes serving one file share one copy in the page cache). The pager keeps one counter
+    per page (a compact numpy array per file: how many resident experts use the page). Loading
+    an expert makes its new pages resident (``MADV_WILLNEED`` + ``MADV_POPULATE_READ``),
+    evicting it drops the pages no other resident expert uses (``MADV_DONTNEED``), so a page
+    shared by two experts is released with the last of them. The kernel may map more than
+    asked (it maps whole large folios of the page cache, up to 2 MiB, on a fault); right after
+    a load the pager drops again the pages around it that it does not hold.
+``"view"`` (default on Windows, where ``madvise`` is missing)
+    Each resident expert's page run is mapped as its own view (offset rounded down to
+    ``mmap.ALLOCATIONGRANULARITY``, 64 KiB on Windows) and unmapped when it is evicted. A
+    page shared by two experts is mapped, and counted, once per expert.
+``"read"``
+    Experts are copied with explicit positional reads (``os.preadv``) into one preallocated
+    pool of ``capacity`` slots. Never maps a file: use it for files that may change while in
+    use and for network file systems (a truncated file is a short read, not a ``SIGBUS``).
+
+"Resident pages" are the pages the pager holds: the file pages of resident experts (mmap,
+view) or the pool pages their bytes fill (read); ``resident_pages * page_size`` never exceeds
+the budget. What this means for the process, as ``/proc/self/status`` counts it: mapped pages
+are ``RssFile`` (clean, shared with the page cache and other processes that map the file, and
+reclaimable), the read pool is ``RssAnon``; :attr:`Pager.stats` reports both. The page cache
+itself is kernel memory outside every process's RSS.
 
 Views and pinning
 -----------------
-:meth:`Pager.load` returns an :class:`ExpertBatch` of read-only numpy views into the pool. A slot
-is pinned (never evicted, never overwritten) while any view of it is alive, including views
-derived from it (slices, ``torch.from_numpy``, DLPack exports): every view's memory is owned by
-a small per-load lease object, and the slot is released when the last lease dies. Leaving the
-``with`` block drops the batch's own references, so the slot is free again unless the caller
-kept a view. Closing the pager never invalidates live views (they keep the pool alive).
+:meth:`Pager.load` returns an :class:`ExpertBatch` of read-only numpy views. An expert is
+pinned (never evicted, its slot never reused) while any view of it is alive, including views
+derived from it (slices, ``torch.from_numpy``, DLPack exports): every view's memory is owned
+by a small per-load object, and the pin goes with the last of them. Leaving the ``with`` block
+drops the batch's own references. Closing the pager never invalidates live views and never
+raises ``BufferError``: a mapping stays until its last view dies. ``close()`` drops every page
+the pager held (``MADV_DONTNEED``); a view still alive after it re-faults its pages from the
+file when read: those pages are outside any budget (the pager is gone), and show in the
+process's ``RssFile``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import mmap
 import os
 import queue
 import threading
@@ -42,13 +65,54 @@ import numpy as np
 from colibri._validate import check_page_size_kb
 from colibri.formats import WeightSource, open_weights
 from colibri.formats._base import ExpertLayout
-from colibri.formats._io import FileReader
+from colibri.formats._io import (
+    _OPEN_FLAGS,
+    HAS_MADVISE,
+    FileChangedError,
+    FileMap,
+    FileReader,
+    check_same,
+    identity,
+)
 from colibri.policies import CachePolicy, Trace, make_policy
 
-__all__ = ["BudgetError", "ExpertBatch", "ExpertWeights", "LayerStats", "Pager", "PagerStats"]
+try:
+    import resource
+except ImportError:  # Windows
+    resource = None
+
+__all__ = [
+    "IO_BACKENDS",
+    "BudgetError",
+    "ExpertBatch",
+    "ExpertWeights",
+    "FileChangedError",
+    "LayerStats",
+    "Pager",
+    "PagerStats",
+]
 
 Key = tuple[int, int]
+Span = tuple[int, int, int]  # (file index, first page, end page): pages an expert touches
 _EMPTY, _LOADING, _READY, _FAILED = 0, 1, 2, 3
+
+#: The ``io=`` choices; the first one available is the default.
+IO_BACKENDS = ("mmap", "view", "read")
+DEFAULT_IO = "mmap" if HAS_MADVISE else "view"
+
+
+def _pmd_bytes() -> int:
+    """The largest unit the kernel maps a file in on a fault (a PMD-sized folio)."""
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/hpage_pmd_size") as f:
+            return int(f.read())
+    except (OSError, ValueError):
+        return 2 << 20
+
+
+_MAP_WINDOW = _pmd_bytes()
+#: Where ``io="view"`` mappings may start (64 KiB on Windows; tests set it to emulate that).
+_VIEW_GRANULARITY = mmap.ALLOCATIONGRANULARITY
 
 
 class BudgetError(MemoryError):
@@ -63,6 +127,10 @@ class LayerStats:
     misses: int = 0
     bytes_read: int = 0
     evictions: int = 0
+    pages_loaded: int = 0
+    pages_evicted: int = 0
+    minor_faults: int = 0
+    major_faults: int = 0
 
     @property
     def hit_rate(self) -> float:
@@ -76,18 +144,30 @@ class PagerStats(LayerStats):
 
     ``hits``/``misses`` count demand accesses (one per unique expert per :meth:`Pager.load`);
     an expert found in flight from a prefetch counts as a hit and as an ``inflight_wait``.
-    ``bytes_read`` includes prefetch reads. ``read_seconds`` is the wall time spent inside
-    reads (summed over threads); ``read_throughput`` = ``bytes_read / read_seconds``.
+    ``bytes_read`` counts the expert bytes fetched (prefetches included); ``read_seconds`` is
+    the wall time spent fetching (summed over threads); ``read_throughput`` = ``bytes_read /
+    read_seconds``. ``pages_loaded`` / ``pages_evicted`` count pages of ``page_size`` bytes
+    the pager started / stopped holding (``resident_pages = pages_loaded - pages_evicted``);
+    ``minor_faults`` / ``major_faults`` the page faults the fetching threads took while
+    fetching (``getrusage``; 0 where unavailable). ``rss_file`` / ``rss_anon`` are the
+    process's file-backed and anonymous resident bytes when the snapshot was taken
+    (``/proc/self/status``; None elsewhere).
     """
 
+    io: str = ""
+    page_size: int = 0
     resident_bytes: int = 0
     peak_resident_bytes: int = 0
+    resident_pages: int = 0
+    peak_resident_pages: int = 0
     pool_bytes: int = 0
     budget_bytes: int = 0
     read_seconds: float = 0.0
     prefetched: int = 0
     prefetch_hits: int = 0
     inflight_waits: int = 0
+    rss_file: int | None = None
+    rss_anon: int | None = None
     per_layer: dict[int, LayerStats] = field(default_factory=dict)
 
     @property
@@ -96,9 +176,34 @@ class PagerStats(LayerStats):
         return self.bytes_read / self.read_seconds if self.read_seconds else 0.0
 
 
+def process_memory() -> tuple[int | None, int | None]:
+    """``(RssFile, RssAnon)`` of this process in bytes (Linux), else ``(None, None)``."""
+    found = {}
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(("RssFile:", "RssAnon:")):
+                    name, value = line.split(":")
+                    found[name] = int(value.split()[0]) * 1024
+    except OSError:
+        pass
+    return found.get("RssFile"), found.get("RssAnon")
+
+
+_RUSAGE_WHO = getattr(resource, "RUSAGE_THREAD", getattr(resource, "RUSAGE_SELF", None))
+
+
+def _faults() -> tuple[int, int]:
+    if _RUSAGE_WHO is None:
+        return 0, 0
+    r = resource.getrusage(_RUSAGE_WHO)
+    return r.ru_minflt, r.ru_majflt
+
+
 class _Slot:
     __slots__ = (
-        "error", "event", "index", "key", "nbytes", "pins", "prefetched", "reading", "state",
+        "error", "event", "index", "io", "key", "nbytes", "pages", "pins", "prefetched",
+        "reading", "state",
     )  # fmt: skip
 
     def __init__(self, index: int) -> None:
@@ -107,32 +212,41 @@ class _Slot:
         self.state = _EMPTY
         self.pins = 0
         self.nbytes = 0
+        self.pages = 0  # pages claimed and not yet given back, for the stats
+        self.io = None  # backend data (view: the slot's mappings)
         self.event: threading.Event | None = None
         self.error: BaseException | None = None
         self.prefetched = False
         self.reading = False  # a read was started or queued: the slot will leave _LOADING
 
 
-class _Lease:
-    """Owns the memory of one slot's views; the slot is pinned until every lease dies."""
+class _Pin:
+    """One load's pin on a slot; released when the last view made by that load dies."""
 
-    __slots__ = ("__array_interface__", "__weakref__", "_cache", "_pool", "_slot")
+    __slots__ = ("__weakref__", "_cache", "_slot")
 
-    def __init__(self, cache: _Cache, slot: _Slot, nbytes: int) -> None:
-        self._cache = cache
-        self._pool = cache.pool  # keeps the pool's memory alive after Pager.close()
-        self._slot = slot
-        address = cache.pool.ctypes.data + slot.index * cache.slot_bytes
-        self.__array_interface__ = {
-            "data": (address, True),  # read-only
-            "shape": (nbytes,),
-            "typestr": "|u1",
-            "version": 3,
-        }
+    def __init__(self, cache: _Cache, slot: _Slot) -> None:
+        self._cache, self._slot = cache, slot
 
     def __del__(self) -> None:
         with contextlib.suppress(Exception):  # at interpreter shutdown nothing is left to free
             self._cache.unpin(self._slot)
+
+
+class _Region:
+    """Read-only memory of ``owner`` (a numpy array: the pool or a mapping) for views; holds
+    the owner alive and the pin."""
+
+    __slots__ = ("__array_interface__", "_owner", "_pin")
+
+    def __init__(self, owner: np.ndarray, pin: _Pin) -> None:
+        self._owner, self._pin = owner, pin
+        self.__array_interface__ = {
+            "data": (owner.ctypes.data, True),  # read-only
+            "shape": (owner.nbytes,),
+            "typestr": "|u1",
+            "version": 3,
+        }
 
 
 class ExpertWeights:
@@ -144,14 +258,12 @@ class ExpertWeights:
 
     __slots__ = ("down", "expert", "gate", "layer", "layout", "up")
 
-    def __init__(self, layout: ExpertLayout, buffer: np.ndarray) -> None:
+    def __init__(self, layout: ExpertLayout, buffers) -> None:
+        """``buffers``: the three matrices' bytes, ``uint8`` arrays in gate, up, down order."""
         self.layer, self.expert, self.layout = layout.layer, layout.expert, layout
-        at = 0
-        views = []
-        for ref in layout.matrices:
-            views.append(ref.view(buffer[at : at + ref.nbytes]))
-            at += ref.nbytes
-        self.gate, self.up, self.down = views
+        self.gate, self.up, self.down = (
+            ref.view(buf) for ref, buf in zip(layout.matrices, buffers, strict=True)
+        )
 
     @property
     def nbytes(self) -> int:
@@ -207,19 +319,16 @@ class ExpertBatch(Mapping):
 
 
 class _Cache:
-    """All mutable pager state, shared with leases and the prefetch thread (not the Pager)."""
+    """All mutable pager state, shared with pins and the prefetch thread (not the Pager)."""
 
-    def __init__(self, num_slots: int, slot_bytes: int) -> None:
+    def __init__(self, num_slots: int, stats: PagerStats) -> None:
         self.lock = threading.RLock()
         self.changed = threading.Condition(self.lock)  # a slot was read, failed or unpinned
-        self.slot_bytes = slot_bytes
-        self.pool = np.zeros(num_slots * slot_bytes, dtype=np.uint8)  # calloc: lazily committed
         self.slots = [_Slot(i) for i in range(num_slots)]
         self.free = list(range(num_slots - 1, -1, -1))
         self.where: dict[Key, _Slot] = {}
         self.closed = False
-        self.resident_bytes = 0
-        self.peak_resident_bytes = 0
+        self.stats = stats  # resident_* and peak_* fields are live here
 
     def unpin(self, slot: _Slot) -> None:
         """Drop one pin; a failed slot goes back to the free list with its last pin."""
@@ -231,22 +340,316 @@ class _Cache:
                 self.free.append(slot.index)
 
 
-def _plan(layout: ExpertLayout) -> list[tuple[str, int, int, int]]:
-    """Reads that fill a slot with gate|up|down: ``(path, file_offset, slot_offset, nbytes)``,
-    adjacent ranges merged so a contiguous expert is one read."""
-    plan: list[list] = []
-    at = 0
+def _spans(layout: ExpertLayout, page_size: int, index: dict[str, int]) -> tuple[Span, ...]:
+    """The page runs ``(file, first, end)`` an expert's matrices touch, merged per file."""
+    runs: dict[int, list[list[int]]] = {}
     for ref in layout.matrices:
-        last = plan[-1] if plan else None
-        if last and last[0] == ref.path and last[1] + last[3] == ref.offset:
-            last[3] += ref.nbytes
-        else:
-            plan.append([ref.path, ref.offset, at, ref.nbytes])
-        at += ref.nbytes
-    return [tuple(p) for p in plan]
+        if ref.nbytes:
+            first, end = ref.offset // page_size, -(-(ref.offset + ref.nbytes) // page_size)
+            runs.setdefault(index[ref.path], []).append([first, end])
+    out: list[Span] = []
+    for f, pieces in sorted(runs.items()):
+        pieces.sort()
+        merged = [pieces[0]]
+        for first, end in pieces[1:]:
+            if first <= merged[-1][1]:
+                merged[-1][1] = max(merged[-1][1], end)
+            else:
+                merged.append([first, end])
+        out += [(f, first, end) for first, end in merged]
+    return tuple(out)
 
 
-def _shutdown(cache: _Cache, reader: FileReader, jobs: queue.Queue, workers: list) -> None:
+def _zero_runs(counts: np.ndarray, base: int) -> list[tuple[int, int]]:
+    """``[first, end)`` runs of zeros in ``counts``, offset by ``base``."""
+    zero = counts == 0
+    if not zero.any():
+        return []
+    if zero.all():
+        return [(base, base + len(counts))]
+    edges = np.diff(np.concatenate(([0], zero.view(np.int8), [0])))
+    starts, ends = np.flatnonzero(edges == 1), np.flatnonzero(edges == -1)
+    return [(base + int(s), base + int(e)) for s, e in zip(starts, ends, strict=True)]
+
+
+class _IO:
+    """A backend: how a slot's expert becomes readable. ``claim``/``release`` (lock held)
+    account pages; ``fetch`` (lock not held) does the I/O; ``settle`` (lock held) follows a
+    successful fetch; ``owners`` says where each matrix lies for views."""
+
+    name = ""
+
+    def __init__(self, pager: Pager, num_slots: int, slot_bytes: int) -> None:
+        self.paths = pager.source.files
+        self.page_size = pager.page_size
+        self.spans = pager._spans
+        self.experts = pager.source.experts
+        self.sizes: list[int] = []
+        self.identities: list[tuple[int, int, int, int]] = []
+
+    def _record(self, fd: int, path: str) -> None:
+        """Remember what ``path`` (open as ``fd``) is; refuse a file already shorter than its
+        experts need."""
+        ident = identity(fd)
+        need = max(
+            (r.offset + r.nbytes for lay in self.experts.values() for r in lay.matrices
+             if r.path == path),
+            default=0,
+        )  # fmt: skip
+        if ident[2] < need:
+            raise FileChangedError(
+                f"Pager(): weight file {path!r} must hold {need} bytes as its header says "
+                f"(got {ident[2]}); it was truncated after it was opened"
+            )
+        self.identities.append(ident)
+        self.sizes.append(ident[2])
+
+    def check(self, files, where: str = "load()") -> None:
+        """:class:`FileChangedError` unless every file index in ``files`` is unchanged."""
+        for f in files:
+            check_same(self.paths[f], self.identities[f], where)
+
+    def claim(self, slot: _Slot, key: Key) -> int:
+        raise NotImplementedError
+
+    def fetch(self, slot: _Slot, key: Key) -> None:
+        raise NotImplementedError
+
+    def settle(self, slot: _Slot, key: Key) -> None:
+        pass
+
+    def release(self, slot: _Slot, key: Key) -> int:
+        raise NotImplementedError
+
+    def owners(self, slot: _Slot, key: Key) -> list[tuple[np.ndarray, int]]:
+        raise NotImplementedError
+
+    def close(self, slots: list[_Slot]) -> None:
+        raise NotImplementedError
+
+
+class _ReadIO(_IO):
+    """Explicit reads into a pool of ``num_slots x slot_bytes`` bytes."""
+
+    name = "read"
+
+    def __init__(self, pager: Pager, num_slots: int, slot_bytes: int, populate: bool) -> None:
+        super().__init__(pager, num_slots, slot_bytes)
+        self.slot_bytes = slot_bytes
+        self.reader = FileReader(self.paths)
+        try:
+            for p in self.paths:
+                self._record(self.reader.fileno(p), p)
+        except BaseException:
+            self.reader.close()
+            raise
+        self.pool = np.zeros(num_slots * slot_bytes, dtype=np.uint8)  # calloc: lazily committed
+        if populate:
+            self.pool[::4096] = 0
+        self.plans: dict[Key, list[tuple[str, int, int, int]]] = {}
+
+    def _plan(self, key: Key) -> list[tuple[str, int, int, int]]:
+        """Reads that fill a slot with gate|up|down: ``(path, file_offset, slot_offset,
+        nbytes)``, adjacent ranges merged so a contiguous expert is one read."""
+        plan = self.plans.get(key)
+        if plan is None:
+            merged: list[list] = []
+            at = 0
+            for ref in self.experts[key].matrices:
+                last = merged[-1] if merged else None
+                if last and last[0] == ref.path and last[1] + last[3] == ref.offset:
+                    last[3] += ref.nbytes
+                else:
+                    merged.append([ref.path, ref.offset, at, ref.nbytes])
+                at += ref.nbytes
+            plan = self.plans[key] = [tuple(p) for p in merged]
+        return plan
+
+    def claim(self, slot, key):
+        return -(-self.experts[key].nbytes // self.page_size)
+
+    release = claim
+
+    def fetch(self, slot, key):
+        base = memoryview(self.pool)[slot.index * self.slot_bytes :]
+        try:
+            for path, offset, at, nbytes in self._plan(key):
+                self.reader.readinto(path, offset, base[at : at + nbytes])
+        finally:
+            base.release()
+
+    def owners(self, slot, key):
+        at, out = slot.index * self.slot_bytes, []
+        for ref in self.experts[key].matrices:
+            out.append((self.pool, at))
+            at += ref.nbytes
+        return out
+
+    def close(self, slots):
+        self.reader.close()  # the pool lives on in the views that still use it
+
+
+class _PageTable:
+    """How many resident experts use each page of one file (no Python object per page)."""
+
+    def __init__(self, num_pages: int, most_sharing: int) -> None:
+        dtype = np.uint8 if most_sharing < 255 else np.uint16 if most_sharing < 65535 else np.uint32
+        self.count = np.zeros(num_pages, dtype)
+
+    def hold(self, first: int, end: int) -> int:
+        """One more user of pages ``[first, end)``; the number that had none."""
+        seg = self.count[first:end]
+        new = int(np.count_nonzero(seg == 0))
+        seg += 1
+        return new
+
+    def unhold(self, first: int, end: int) -> list[tuple[int, int]]:
+        """One user fewer; the runs of pages left with none."""
+        seg = self.count[first:end]
+        seg -= 1
+        return _zero_runs(seg, first)
+
+
+class _MapIO(_IO):
+    """One read-only mapping per file, pages counted per file in a :class:`_PageTable`."""
+
+    name = "mmap"
+
+    def __init__(self, pager: Pager, num_slots: int, slot_bytes: int) -> None:
+        super().__init__(pager, num_slots, slot_bytes)
+        self.maps: list[FileMap | None] = []
+        try:
+            for p in self.paths:
+                fd = os.open(p, _OPEN_FLAGS)
+                try:  # the mapping keeps its own descriptor
+                    self._record(fd, p)
+                    self.maps.append(FileMap(p, fd, 0, self.sizes[-1]) if self.sizes[-1] else None)
+                finally:
+                    os.close(fd)
+        except BaseException:
+            self.close([])
+            raise
+        smallest = min((r.nbytes for lay in self.experts.values() for r in lay.matrices
+                        if r.nbytes), default=1)  # fmt: skip
+        sharing = self.page_size // smallest + 2  # experts that can touch one page
+        self.tables = [_PageTable(-(-s // self.page_size), sharing) for s in self.sizes]
+        self.window = max(1, _MAP_WINDOW // self.page_size)  # pages the kernel may map at once
+        self.index = {p: i for i, p in enumerate(self.paths)}
+
+    def claim(self, slot, key):
+        return sum(self.tables[f].hold(first, end) for f, first, end in self.spans[key])
+
+    def fetch(self, slot, key):
+        ps = self.page_size
+        for f, first, end in self.spans[key]:
+            self.maps[f].populate(first * ps, (end - first) * ps)
+
+    def _drop(self, f: int, runs) -> None:
+        ps = self.page_size
+        for first, end in runs:
+            self.maps[f].drop(first * ps, (end - first) * ps)
+
+    def settle(self, slot, key):
+        # The kernel maps whole page-cache folios on a fault: drop what it mapped beyond.
+        w = self.window
+        if w == 1:
+            return
+        for f, first, end in self.spans[key]:
+            table = self.tables[f].count
+            lo, hi = first - first % w, min(-(-end // w) * w, len(table))
+            self._drop(f, _zero_runs(table[lo:first], lo) + _zero_runs(table[end:hi], end))
+
+    def release(self, slot, key):
+        freed = 0
+        for f, first, end in self.spans[key]:
+            runs = self.tables[f].unhold(first, end)
+            self._drop(f, runs)
+            freed += sum(e - s for s, e in runs)
+        return freed
+
+    def owners(self, slot, key):
+        index = self.index
+        return [(self.maps[index[r.path]].array, r.offset) for r in self.experts[key].matrices]
+
+    def close(self, slots):
+        for m in self.maps:
+            if m is not None:
+                with contextlib.suppress(OSError):
+                    m.drop(0, m.length)  # live views re-fault from the file
+                m.close()
+
+
+class _ViewIO(_IO):
+    """A mapping per resident expert and page run, unmapped on eviction (Windows' way)."""
+
+    name = "view"
+
+    def __init__(self, pager: Pager, num_slots: int, slot_bytes: int) -> None:
+        super().__init__(pager, num_slots, slot_bytes)
+        self.fds: list[int] = []
+        self.lock = threading.Lock()
+        self.closed = False
+        try:
+            for p in self.paths:
+                self.fds.append(os.open(p, _OPEN_FLAGS))
+                self._record(self.fds[-1], p)
+        except BaseException:
+            self.close([])
+            raise
+        self.granularity = max(_VIEW_GRANULARITY, mmap.ALLOCATIONGRANULARITY)
+
+    def claim(self, slot, key):
+        return sum(end - first for _, first, end in self.spans[key])
+
+    def fetch(self, slot, key):
+        ps, maps = self.page_size, []
+        try:
+            for f, first, end in self.spans[key]:
+                start, stop = first * ps, min(end * ps, self.sizes[f])
+                offset = start - start % self.granularity
+                with self.lock:  # never map from a descriptor close() is closing
+                    if self.closed:
+                        raise ValueError("the Pager was closed during this load")
+                    m = FileMap(self.paths[f], self.fds[f], offset, stop - offset)
+                maps.append(m)
+                m.populate(start - offset, stop - start)
+                m.drop(0, start - offset)  # the kernel may have mapped the rounded-down part
+        except BaseException:
+            for m in maps:
+                m.close()
+            raise
+        slot.io = maps
+
+    def release(self, slot, key):
+        for m in slot.io or ():
+            m.close()  # views still alive (only after Pager.close) keep theirs
+        slot.io = None
+        return self.claim(slot, key)  # the same pages
+
+    def owners(self, slot, key):
+        out = []
+        for ref in self.experts[key].matrices:
+            for m in slot.io:
+                if m.path == ref.path and m.offset <= ref.offset <= m.offset + m.length:
+                    out.append((m.array, ref.offset - m.offset))
+                    break
+        return out
+
+    def close(self, slots):
+        for slot in slots:
+            for m in slot.io or ():
+                with contextlib.suppress(OSError):
+                    m.drop(0, m.length)  # live views re-fault from the file
+                m.close()
+            slot.io = None
+        with self.lock:
+            self.closed = True
+            fds, self.fds = self.fds, []
+        for fd in fds:
+            os.close(fd)
+
+
+def _shutdown(cache: _Cache, backend: _IO, jobs: queue.Queue, workers: list) -> None:
     with cache.lock:
         cache.closed = True
     for worker in workers:
@@ -256,7 +659,18 @@ def _shutdown(cache: _Cache, reader: FileReader, jobs: queue.Queue, workers: lis
         elif worker.is_alive():
             jobs.put(None)  # the worker drains the queue, so this cannot block for ever
             worker.join()
-    reader.close()
+    with cache.lock:  # no fetch is running now: the pager gives every page back
+        stats = cache.stats
+        for slot in cache.slots:
+            if slot.pages:
+                stats.pages_evicted += slot.pages
+                per = stats.per_layer.get(slot.key[0]) if slot.key else None
+                if per is not None:
+                    per.pages_evicted += slot.pages
+                slot.pages = 0
+        cache.where.clear()
+        stats.resident_bytes = stats.resident_pages = 0
+        backend.close(cache.slots)
 
 
 def _prefetch_loop(pager_ref: weakref.ref, jobs: queue.Queue) -> None:
@@ -272,7 +686,7 @@ def _prefetch_loop(pager_ref: weakref.ref, jobs: queue.Queue) -> None:
                 pager._fail(slot, ValueError("the Pager was closed before this prefetch ran"))
         else:
             try:
-                pager._read(slot, key)
+                pager._fetch(slot, key)
             except BaseException:  # stored on the slot; a waiting load() raises it
                 pass
             else:
@@ -281,29 +695,41 @@ def _prefetch_loop(pager_ref: weakref.ref, jobs: queue.Queue) -> None:
 
 
 class Pager:
-    """Expert weights from files, cached per expert in a pool of at most ``budget_bytes``.
+    """Expert weights from files, cached per expert under a hard budget of ``budget_bytes``.
 
     Parameters
     ----------
     source : path-like or WeightSource
         A weight file (safetensors, sharded index, GGUF, colibri raw) or an opened source.
     budget_bytes : int
-        Hard limit on resident expert bytes; the pool never exceeds it.
+        Hard limit on the pages the pager holds resident (``resident_pages * page_size``).
     page_size_kb : int
-        Unit of I/O alignment and of the budget (4, 32, 64, ... KiB; a power of two).
+        Page size (4, 32, 64, ... KiB; a power of two, at least the OS page for ``mmap`` and
+        ``view``): the unit of residency, of I/O and of the budget.
     policy : str or CachePolicy
-        ``"fifo"`` (default, the seed's), ``"lru"``, ``"lfu"``, ``"lrfu"``, ``"nextuse"``,
-        ``"hot"`` (see :mod:`colibri.policies`).
+        ``"adaptive"`` (default: measured best, never below LRU on the bench's traces),
+        ``"lru"``, ``"fifo"`` (the seed's), ``"lfu"``, ``"lrfu"``, ``"nextuse"``, ``"hot"``
+        (see :mod:`colibri.policies`).
     policy_options : dict, optional
         Passed to the policy (``half_life`` for lrfu; ``counts``, ``hot_fraction`` for hot).
+    io : str, optional
+        ``"mmap"`` (default on Linux and macOS), ``"view"`` (default on Windows) or
+        ``"read"``; see the module docstring.
     prefetch_queue : int
         Bound of the background prefetch queue (experts).
     record_trace : bool
         Record every load in :attr:`trace` (for :func:`colibri.policies.belady`).
     populate : bool
-        Commit the whole pool now (one write per OS page), so that first reads into a slot
-        pay no zero-fill page faults. The process's RSS then starts at the pool size, which is
-        still within the budget. Default: the pool is committed as slots are first used.
+        ``io="read"`` only: commit the whole pool now (one write per OS page), so that first
+        reads into a slot pay no zero-fill page faults. The process's RSS then starts at the
+        pool size, which is still within the budget. Default: committed as slots are used.
+
+    Raises
+    ------
+    BudgetError
+        The budget cannot hold one expert.
+    FileChangedError
+        A weight file is already shorter than its header says.
 
     Examples
     --------
@@ -319,8 +745,9 @@ class Pager:
         *,
         budget_bytes: int,
         page_size_kb: int = 64,
-        policy: str | CachePolicy = "fifo",
+        policy: str | CachePolicy = "adaptive",
         policy_options: dict | None = None,
+        io: str | None = None,
         prefetch_queue: int = 64,
         record_trace: bool = False,
         populate: bool = False,
@@ -330,44 +757,71 @@ class Pager:
             raise TypeError(f"Pager(): budget_bytes must be an int (got {budget_bytes!r})")
         if prefetch_queue < 1:
             raise ValueError(f"Pager(): prefetch_queue must be >= 1 (got {prefetch_queue!r})")
-        self.source = open_weights(source)
+        io = DEFAULT_IO if io is None else io
+        if io not in IO_BACKENDS:
+            raise ValueError(f"Pager(): io must be one of {IO_BACKENDS} (got {io!r})")
+        if io == "mmap" and not HAS_MADVISE:
+            raise ValueError(
+                "Pager(): io must be 'view' or 'read' here (got 'mmap'): this OS has no "
+                "madvise to drop a mapping's pages, so each expert needs a view of its own"
+            )
         self.page_size = page_size_kb * 1024
+        if io != "read" and self.page_size < mmap.PAGESIZE:
+            raise ValueError(
+                f"Pager(): page_size_kb must be at least the OS page, "
+                f"{mmap.PAGESIZE // 1024}, for io={io!r} (got {page_size_kb})"
+            )
+        self.source = open_weights(source)
         self.budget_bytes = int(budget_bytes)
-        largest = self.source.max_expert_nbytes
-        slot_bytes = -(-largest // self.page_size) * self.page_size
-        num_slots = self.budget_bytes // slot_bytes if slot_bytes else 0
+        index = {p: i for i, p in enumerate(self.source.files)}
+        self._spans = {
+            key: _spans(layout, self.page_size, index)
+            for key, layout in self.source.experts.items()
+        }
+        self._files = {key: {f for f, _, _ in spans} for key, spans in self._spans.items()}
+        most = max(sum(end - first for _, first, end in s) for s in self._spans.values())
+        slot_bytes = max(most, 1) * self.page_size
+        num_slots = self.budget_bytes // slot_bytes
         if num_slots < 1:
+            largest = self.source.max_expert_nbytes
             raise BudgetError(
                 f"Pager(): budget_bytes={self.budget_bytes} cannot hold one expert "
-                f"({largest} bytes, {slot_bytes} rounded up to {page_size_kb} KiB pages); "
+                f"({largest} bytes, touching {most} pages of {page_size_kb} KiB); "
                 f"raise the budget to at least {slot_bytes}"
             )
-        self._cache = _Cache(num_slots, slot_bytes)
-        if populate:
-            self._cache.pool[::4096] = 0
-        self._reader = FileReader(self.source.files)
-        self._plans: dict[Key, list] = {}
+        self._slot_bytes = slot_bytes
+        stats = PagerStats(io=io, page_size=self.page_size, budget_bytes=self.budget_bytes,
+                           pool_bytes=num_slots * slot_bytes if io == "read" else 0)  # fmt: skip
+        self._cache = _Cache(num_slots, stats)
+        if io == "read":
+            self._io: _IO = _ReadIO(self, num_slots, slot_bytes, populate)
+        else:
+            self._io = (_MapIO if io == "mmap" else _ViewIO)(self, num_slots, slot_bytes)
         self._policy = make_policy(policy, num_slots, **(policy_options or {}))
-        self._stats = PagerStats(budget_bytes=self.budget_bytes, pool_bytes=num_slots * slot_bytes)
         self._usage: dict[Key, int] = {}
         self.trace: Trace | None = Trace() if record_trace else None
         self._jobs: queue.Queue = queue.Queue(maxsize=prefetch_queue)
         self._workers: list[threading.Thread] = []
         self._finalizer = weakref.finalize(
-            self, _shutdown, self._cache, self._reader, self._jobs, self._workers
+            self, _shutdown, self._cache, self._io, self._jobs, self._workers
         )
 
     # -- properties ---------------------------------------------------------------------------
 
     @property
     def capacity(self) -> int:
-        """Number of expert slots in the pool."""
+        """Number of experts the budget holds at once (slots)."""
         return len(self._cache.slots)
 
     @property
     def slot_bytes(self) -> int:
-        """Bytes of one slot (largest expert rounded up to the page size)."""
-        return self._cache.slot_bytes
+        """Bytes charged to one resident expert: the most pages any expert touches."""
+        return self._slot_bytes
+
+    @property
+    def io(self) -> str:
+        """The backend: ``"mmap"``, ``"view"`` or ``"read"``."""
+        return self._io.name
 
     @property
     def policy(self) -> str:
@@ -380,22 +834,24 @@ class Pager:
 
     @property
     def stats(self) -> PagerStats:
-        """A snapshot of the counters."""
+        """A snapshot of the counters (and of the process's RSS)."""
         with self._cache.lock:
-            s = self._stats
+            s = self._cache.stats
             snap = PagerStats(**{k: getattr(s, k) for k in s.__dataclass_fields__})
             snap.per_layer = {k: LayerStats(**vars(v)) for k, v in s.per_layer.items()}
-            snap.resident_bytes = self._cache.resident_bytes
-            snap.peak_resident_bytes = self._cache.peak_resident_bytes
-            return snap
+        snap.rss_file, snap.rss_anon = process_memory()
+        return snap
 
     def reset_stats(self) -> None:
-        """Zero the counters (peak resident bytes restarts from the current level)."""
+        """Zero the counters (resident levels stay; peaks restart from them)."""
         with self._cache.lock:
-            self._stats = PagerStats(
-                budget_bytes=self.budget_bytes, pool_bytes=self._stats.pool_bytes
-            )
-            self._cache.peak_resident_bytes = self._cache.resident_bytes
+            old = self._cache.stats
+            self._cache.stats = PagerStats(
+                io=old.io, page_size=old.page_size, budget_bytes=old.budget_bytes,
+                pool_bytes=old.pool_bytes, resident_bytes=old.resident_bytes,
+                peak_resident_bytes=old.resident_bytes, resident_pages=old.resident_pages,
+                peak_resident_pages=old.resident_pages,
+            )  # fmt: skip
 
     def usage(self) -> dict[Key, int]:
         """Demand accesses per ``(layer, expert)`` since construction (for the ``hot`` policy)."""
@@ -403,16 +859,21 @@ class Pager:
             return dict(self._usage)
 
     def resident(self) -> list[Key]:
-        """Keys of the experts now in the pool (loaded or loading)."""
+        """Keys of the experts now held (loaded or loading)."""
         with self._cache.lock:
             return sorted(self._cache.where)
+
+    def pinned(self) -> list[Key]:
+        """Keys of the experts that live views (or loads in progress) keep from eviction."""
+        with self._cache.lock:
+            return sorted(s.key for s in self._cache.slots if s.pins and s.key is not None)
 
     # -- policy -------------------------------------------------------------------------------
 
     def set_cache_policy(self, policy: str | CachePolicy, **options) -> None:
         """Switch the eviction policy now; resident experts stay, in the old eviction order.
 
-        ``policy`` is one of ``fifo``, ``lru``, ``lfu``, ``lrfu``, ``nextuse``, ``hot`` or a
+        ``policy`` is a name of :data:`colibri.policies.POLICIES` or a
         :class:`~colibri.policies.CachePolicy`; ``options`` go to its constructor.
         """
         new = make_policy(policy, self.capacity, **options)
@@ -423,24 +884,24 @@ class Pager:
 
     # -- loading ------------------------------------------------------------------------------
 
-    def _keys(self, layer: int, expert_ids) -> list[Key]:
+    def _keys(self, layer: int, expert_ids, where: str) -> list[Key]:
         ids = np.asarray(expert_ids)
         if ids.dtype.kind not in "iu":
-            raise TypeError(f"load(): expert ids must be integers (got dtype {ids.dtype})")
-        unique = np.unique(ids.ravel())
-        keys = [(int(layer), int(e)) for e in unique]
+            raise TypeError(f"{where}: expert ids must be integers (got dtype {ids.dtype})")
+        keys = [(int(layer), int(e)) for e in np.unique(ids.ravel())]
         for key in keys:
             self.source.layout(*key)  # KeyError naming the valid range
-        if len(keys) > self.capacity:
-            raise BudgetError(
-                f"load(): {len(keys)} unique experts requested but the budget holds "
-                f"{self.capacity} ({self.slot_bytes} bytes each); raise budget_bytes"
-            )
         return keys
 
     def _check_open(self) -> None:
         if self._cache.closed:
             raise ValueError("this Pager is closed")
+
+    def _layer(self, layer: int) -> LayerStats:
+        per = self._cache.stats.per_layer.get(layer)
+        if per is None:
+            per = self._cache.stats.per_layer[layer] = LayerStats()
+        return per
 
     def _take_slot(self, step: set[Key]) -> _Slot | None:
         """A free slot, or the policy's victim among unpinned loaded experts (lock held)."""
@@ -457,66 +918,103 @@ class Pager:
             return None
         self._policy.remove(victim)
         slot = cache.where.pop(victim)
-        cache.resident_bytes -= slot.nbytes
-        self._stats.evictions += 1
+        self._forget(slot)
+        cache.stats.evictions += 1
         self._layer(victim[0]).evictions += 1
         slot.state, slot.key = _EMPTY, None
         return slot
 
     def _assign(self, slot: _Slot, key: Key) -> None:
-        cache = self._cache
+        cache, stats = self._cache, self._cache.stats
         slot.key, slot.state, slot.pins, slot.error = key, _LOADING, 1, None
         slot.event = threading.Event()
         slot.nbytes = self.source.experts[key].nbytes
         slot.prefetched = slot.reading = False
         cache.where[key] = slot
-        cache.resident_bytes += slot.nbytes
-        cache.peak_resident_bytes = max(cache.peak_resident_bytes, cache.resident_bytes)
+        pages = slot.pages = self._io.claim(slot, key)
+        stats.pages_loaded += pages
+        self._layer(key[0]).pages_loaded += pages
+        stats.resident_bytes += slot.nbytes
+        stats.resident_pages += pages
+        stats.peak_resident_bytes = max(stats.peak_resident_bytes, stats.resident_bytes)
+        stats.peak_resident_pages = max(stats.peak_resident_pages, stats.resident_pages)
         self._policy.insert(key)
 
-    def _layer(self, layer: int) -> LayerStats:
-        per = self._stats.per_layer.get(layer)
-        if per is None:
-            per = self._stats.per_layer[layer] = LayerStats()
-        return per
+    def _forget(self, slot: _Slot, *, failed: bool = False) -> None:
+        """Give back the pages and bytes of ``slot``'s expert (lock held). A failed load's
+        pages were never loaded: they come off ``pages_loaded``, not onto ``pages_evicted``."""
+        stats, per = self._cache.stats, self._layer(slot.key[0])
+        freed = self._io.release(slot, slot.key)
+        if failed:
+            stats.pages_loaded -= freed
+            per.pages_loaded -= freed
+        else:
+            stats.pages_evicted += freed
+            per.pages_evicted += freed
+        stats.resident_pages -= freed
+        stats.resident_bytes -= slot.nbytes
+        slot.pages = 0
 
-    def _read(self, slot: _Slot, key: Key) -> None:
-        """Read ``key`` into ``slot`` (lock not held); mark it ready or failed."""
-        plan = self._plans.get(key)
-        if plan is None:
-            plan = self._plans[key] = _plan(self.source.experts[key])
+    def _fetch(self, slot: _Slot, key: Key) -> None:
+        """Make ``key`` readable in ``slot`` (lock not held); mark it ready or failed."""
         cache = self._cache
-        base = memoryview(cache.pool)[slot.index * cache.slot_bytes :]
+        faults = _faults()
         start = time.perf_counter()
         try:
-            for path, offset, at, nbytes in plan:
-                self._reader.readinto(path, offset, base[at : at + nbytes])
+            self._io.check(self._files[key])
+            try:
+                self._io.fetch(slot, key)
+            except OSError:
+                self._io.check(self._files[key])  # a changed file explains the error best
+                raise
         except BaseException as exc:
             with cache.lock:
                 self._fail(slot, exc)
             raise
-        finally:
-            base.release()
         elapsed = time.perf_counter() - start
+        minor, major = (b - a for a, b in zip(faults, _faults(), strict=True))
         with cache.lock:
+            self._io.settle(slot, key)
+            stats, per = cache.stats, self._layer(key[0])
             slot.state = _READY
-            self._stats.bytes_read += slot.nbytes
-            self._stats.read_seconds += elapsed
-            self._layer(key[0]).bytes_read += slot.nbytes
+            stats.bytes_read += slot.nbytes
+            stats.read_seconds += elapsed
+            per.bytes_read += slot.nbytes
+            for s in (stats, per):
+                s.minor_faults += minor
+                s.major_faults += major
             slot.event.set()
             cache.changed.notify_all()
 
     def _fail(self, slot: _Slot, exc: BaseException) -> None:
-        """A read into ``slot`` failed or was abandoned: forget the expert, wake waiters and
-        drop the loader's pin; the slot is recycled with its last pin (lock held)."""
+        """A fetch into ``slot`` failed or was abandoned: forget the expert, give its pages
+        back, wake waiters and drop the loader's pin; the slot is recycled with its last pin
+        (lock held)."""
         cache = self._cache
         if cache.where.get(slot.key) is slot:
             del cache.where[slot.key]
             self._policy.remove(slot.key)
-            cache.resident_bytes -= slot.nbytes
+            if not cache.closed:  # close() already took every page back
+                self._forget(slot, failed=True)
         slot.error, slot.state = exc, _FAILED
         slot.event.set()
         cache.unpin(slot)
+
+    def _views(self, slot: _Slot) -> ExpertWeights:
+        """Views of a ready slot's matrices; they own this call's pin."""
+        layout = self.source.experts[slot.key]
+        pin = _Pin(self._cache, slot)
+        regions: dict[int, np.ndarray] = {}
+        buffers = []
+        for ref, (owner, at) in zip(layout.matrices, self._io.owners(slot, slot.key),
+                                    strict=True):  # fmt: skip
+            if owner is None:
+                raise ValueError("this Pager was closed during the load")
+            whole = regions.get(id(owner))
+            if whole is None:
+                whole = regions[id(owner)] = np.asarray(_Region(owner, pin))
+            buffers.append(whole[at : at + ref.nbytes])
+        return ExpertWeights(layout, buffers)
 
     def load(self, layer: int, expert_ids) -> ExpertBatch:
         """Make the experts of one routing step resident and return views of their weights.
@@ -526,13 +1024,15 @@ class Pager:
         layer : int
             Layer index.
         expert_ids : array-like of int
-            Any shape, e.g. ``ids [T, k]`` from ``ctx.route``; each unique expert is read at
-            most once (the batch union), hits first, then misses in ascending id order.
+            Any shape, e.g. ``ids [T, k]`` from ``ctx.route``; each unique expert is fetched
+            at most once (the batch union), hits first, then misses in ascending id order.
 
         Returns
         -------
         ExpertBatch
-            ``batch[e].gate``, ``.up``, ``.down``: read-only numpy arrays pinned while alive.
+            ``batch[e].gate``, ``.up``, ``.down``: read-only numpy arrays pinned while alive
+            (views into the file mapping for ``io="mmap"``/``"view"``, into the pool for
+            ``"read"``).
 
         Raises
         ------
@@ -540,9 +1040,20 @@ class Pager:
             An expert that the file does not hold.
         BudgetError
             More unique experts than slots, or every slot pinned by live views.
+        FileChangedError
+            A weight file of these experts was truncated, replaced or modified since open.
+        OSError
+            Reading failed (a disk error); the message names the file and the byte range.
+            The pager stays usable: the experts that failed are not resident.
         """
         self._check_open()
-        keys = self._keys(layer, expert_ids)
+        keys = self._keys(layer, expert_ids, "load()")
+        if len(keys) > self.capacity:
+            raise BudgetError(
+                f"load(): {len(keys)} unique experts requested but the budget holds "
+                f"{self.capacity} ({self.slot_bytes} bytes each); raise budget_bytes"
+            )
+        self._io.check(set().union(*(self._files[k] for k in keys)))
         cache = self._cache
         step = set(keys)
         ready: list[_Slot] = []
@@ -552,7 +1063,7 @@ class Pager:
             self._check_open()
             if self.trace is not None:
                 self.trace.steps.append((int(layer), tuple(e for _, e in keys)))
-            stats, per = self._stats, self._layer(int(layer))
+            stats, per = cache.stats, self._layer(int(layer))
             handled: set[Key] = set()
 
             def hit(key: Key, slot: _Slot) -> None:
@@ -604,16 +1115,16 @@ class Pager:
                         "expert views; release ExpertBatch handles (or drop kept views) or "
                         "raise budget_bytes"
                     )
-            for x in mine:  # read right after the lock is released
+            for x in mine:  # fetched right after the lock is released
                 x.reading = True
         done: list[_Slot] = list(ready)
         error: BaseException | None = None
         for slot in mine:
             if error is None:
                 try:
-                    self._read(slot, slot.key)
+                    self._fetch(slot, slot.key)
                     done.append(slot)
-                except BaseException as exc:  # _read already failed the slot
+                except BaseException as exc:  # _fetch already failed the slot
                     error = exc
             else:
                 with cache.lock:
@@ -630,33 +1141,32 @@ class Pager:
                 cache.unpin(slot)
             raise error
         experts = {}
-        for slot in done:
-            layout = self.source.experts[slot.key]
-            lease = _Lease(cache, slot, layout.nbytes)  # adopts this call's pin
-            experts[slot.key[1]] = ExpertWeights(layout, np.asarray(lease))
+        try:
+            while done:
+                slot = done.pop()
+                experts[slot.key[1]] = self._views(slot)  # adopts this call's pin
+        except BaseException:
+            for slot in done:
+                cache.unpin(slot)
+            raise
         return ExpertBatch(int(layer), dict(sorted(experts.items())))
 
     # -- prefetch -----------------------------------------------------------------------------
 
     def prefetch(self, layer: int, expert_ids) -> int:
-        """Announce experts likely needed soon; a background thread reads them.
+        """Announce experts likely needed soon; a background thread fetches them.
 
         Experts already resident or in flight are skipped; a later :meth:`load` of an expert
-        in flight waits for that read instead of reading again. Never blocks: when the bounded
-        queue is full, or no slot is evictable, the rest of the request is dropped.
+        in flight waits for that fetch instead of fetching again. Never blocks: when the
+        bounded queue is full, or no slot is evictable, the rest of the request is dropped.
 
         Returns
         -------
         int
-            How many reads were queued.
+            How many fetches were queued.
         """
         self._check_open()
-        ids = np.asarray(expert_ids)
-        if ids.dtype.kind not in "iu":
-            raise TypeError(f"prefetch(): expert ids must be integers (got dtype {ids.dtype})")
-        keys = [(int(layer), int(e)) for e in np.unique(ids.ravel())]
-        for key in keys:
-            self.source.layout(*key)
+        keys = self._keys(layer, expert_ids, "prefetch()")
         cache = self._cache
         queued = 0
         with cache.lock:
@@ -681,12 +1191,12 @@ class Pager:
                 self._assign(slot, key)
                 slot.prefetched = slot.reading = True
                 self._jobs.put_nowait((slot, key))
-                self._stats.prefetched += 1
+                cache.stats.prefetched += 1
                 queued += 1
         return queued
 
     def drain(self, timeout: float | None = None) -> bool:
-        """Wait until every queued prefetch has been read (or has failed).
+        """Wait until every queued prefetch has been fetched (or has failed).
 
         Returns False if ``timeout`` seconds passed first. Useful before reading
         :attr:`stats` or checking residency: prefetches run in the background.
@@ -704,10 +1214,11 @@ class Pager:
     # -- lifecycle ----------------------------------------------------------------------------
 
     def close(self) -> None:
-        """Stop the prefetch thread, wait for reads in flight, close every file.
+        """Stop the prefetch thread, give every page back, close every file.
 
-        Idempotent and safe in any order: views still alive stay valid (they own the pool's
-        memory); later loads raise ``ValueError``.
+        Idempotent and safe in any order: views still alive stay valid (they keep their
+        memory: the pool, or the mapping, whose pages re-fault from the file when read);
+        later loads raise ``ValueError``.
         """
         self._finalizer()
 
@@ -719,7 +1230,7 @@ class Pager:
 
     def __repr__(self) -> str:
         return (
-            f"Pager({self.source.files[0]!r}, budget_bytes={self.budget_bytes}, "
+            f"Pager({self.source.files[0]!r}, budget_bytes={self.budget_bytes}, io={self.io!r}, "
             f"slots={self.capacity}x{self.slot_bytes}, policy={self.policy!r}"
             f"{', closed' if self.closed else ''})"
         )

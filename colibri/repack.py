@@ -2,8 +2,10 @@
 
 ``repack(source, dest, partition)`` writes a colibri raw file in which, per layer, the experts
 of group 0 come first, then group 1, ...; each expert's ``gate``, ``up`` and ``down`` are
-adjacent (one read per expert). The manifest records the partition (``metadata["groups"]``)
-and every expert's offsets, so ``(layer, expert)`` still names the same weights. The source is
+adjacent (one read per expert) and each expert starts on a page boundary, so no page is shared
+between experts for a Pager of that page size or smaller. The manifest records the partition
+(``metadata["groups"]``), the page size (``metadata["page_size"]``) and every expert's offsets,
+so ``(layer, expert)`` still names the same weights. The source is
 only read; the output is written to a temporary file, checked byte for byte against the
 source, then renamed into place.
 """
@@ -16,6 +18,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
+from colibri._validate import check_page_size_kb
 from colibri.formats import WeightSource, open_weights
 from colibri.formats._io import FileReader
 from colibri.formats.raw import RawWriter
@@ -63,7 +66,7 @@ def repack(
     dest: str | os.PathLike,
     partition,
     *,
-    alignment: int = 4096,
+    page_size_kb: int = 64,
     overwrite: bool = False,
 ) -> WeightSource:
     """Write ``source``'s experts to ``dest`` with each partition group contiguous.
@@ -77,8 +80,10 @@ def repack(
     partition : Partition, list of lists, or mapping
         Object with ``.groups`` (a tuple of tuples of expert ids) or a list of lists, used for
         every layer; or ``{layer: partition}`` for per-layer partitions.
-    alignment : int
-        Byte alignment of each expert (power of two).
+    page_size_kb : int
+        Every expert starts on a boundary of pages of this size (a power of two >= 4; the
+        Pager's ``page_size_kb``, 64 by default). A Pager with pages this size or smaller
+        then charges each expert only its own pages.
     overwrite : bool
         Replace an existing ``dest`` (never a source file).
 
@@ -87,6 +92,7 @@ def repack(
     WeightSource
         The new file, opened and validated.
     """
+    page_size = check_page_size_kb(page_size_kb, "repack(): ") * 1024
     src = open_weights(source)
     dest = os.path.abspath(os.fspath(dest))
     for f in src.files:
@@ -97,9 +103,13 @@ def repack(
         ids = {e for (lay, e) in src.experts if lay == layer}
         per_layer[layer] = _groups(partition, layer, ids)
     digests: dict[tuple[int, int], bytes] = {}
-    meta = {"groups": {str(k): v for k, v in per_layer.items()}, "source_format": src.format}
+    meta = {
+        "groups": {str(k): v for k, v in per_layer.items()},
+        "source_format": src.format,
+        "page_size": page_size,
+    }
     with FileReader(src.files) as reader:
-        writer = RawWriter(dest, alignment=alignment, overwrite=overwrite, metadata=meta)
+        writer = RawWriter(dest, alignment=page_size, overwrite=overwrite, metadata=meta)
         try:
             for layer, groups in per_layer.items():
                 for group in groups:

@@ -1,4 +1,5 @@
-"""The Pager: budget, pinning, policies against replay and Belady, prefetch, lifecycle."""
+"""The Pager: budget, pinning, policies against replay and Belady, prefetch, lifecycle; every
+test that touches I/O runs on every backend (``io``)."""
 
 import gc
 import itertools
@@ -13,13 +14,20 @@ import numpy as np
 import pytest
 
 import colibri
-from colibri.formats._io import FileReader
+from _support.paging import held_pages, hook_io
+from colibri.formats import open_weights
+from colibri.formats._io import FileChangedError
 from colibri.formats.raw import write_experts
-from colibri.pager import BudgetError, Pager
+from colibri.pager import IO_BACKENDS, BudgetError, Pager
 from colibri.policies import POLICIES, Trace, belady, replay
 
 L, E, I, H = 3, 8, 16, 32  # one expert: 3 * 16 * 32 * 2 = 3072 bytes -> one 4 KiB slot
 SLOT = 4096
+
+
+@pytest.fixture(params=IO_BACKENDS)
+def io(request):
+    return request.param
 
 
 @pytest.fixture(scope="module")
@@ -57,12 +65,13 @@ def random_trace(steps, k=3, seed=0):
 
 
 def test_exported():
-    assert colibri.Pager is Pager
+    assert colibri.Pager is Pager and colibri.FileChangedError is FileChangedError
+    assert issubclass(FileChangedError, OSError)
 
 
-def test_load_returns_the_weights_and_reads_each_expert_once(weights):
+def test_load_returns_the_weights_and_reads_each_expert_once(io, weights):
     path, experts = weights
-    with Pager(path, budget_bytes=8 * SLOT, page_size_kb=4) as pager:
+    with Pager(path, budget_bytes=8 * SLOT, page_size_kb=4, io=io) as pager:
         ids = np.array([[3, 1], [1, 3], [5, 3]])
         with pager.load(1, ids) as batch:
             assert sorted(batch) == [1, 3, 5]
@@ -76,20 +85,24 @@ def test_load_returns_the_weights_and_reads_each_expert_once(weights):
         assert s.per_layer[1].hits == 1 and s.read_throughput > 0
 
 
-def test_budget_is_hard(weights):
+def test_budget_is_hard(io, weights):
     path, experts = weights
-    with Pager(path, budget_bytes=6 * SLOT + 100, page_size_kb=4, policy="lru") as pager:
-        assert pager.capacity == 6 and pager.stats.pool_bytes == 6 * SLOT
+    with Pager(path, budget_bytes=6 * SLOT + 100, page_size_kb=4, io=io, policy="lru") as pager:
+        assert pager.capacity == 6 and pager.io == io
+        assert pager.stats.pool_bytes == (6 * SLOT if io == "read" else 0)
         for layer, ids in random_trace(200):
             with pager.load(layer, ids) as batch:
                 check(batch, experts, layer)
             s = pager.stats
-            assert s.resident_bytes <= s.pool_bytes <= pager.budget_bytes
-        assert s.peak_resident_bytes == 6 * 3072 and s.evictions > 0
+            assert s.resident_pages * s.page_size <= pager.budget_bytes
+            assert s.resident_pages == held_pages(pager.source, pager.resident(), SLOT, io)
+            assert s.pages_loaded - s.pages_evicted == s.resident_pages
+        assert s.peak_resident_bytes == 6 * 3072 and s.peak_resident_pages == 6
+        assert s.evictions > 0
         with pytest.raises(BudgetError, match="7 unique experts"):
             pager.load(0, range(7))
     with pytest.raises(BudgetError, match="cannot hold one expert"):
-        Pager(path, budget_bytes=SLOT - 1, page_size_kb=4)
+        Pager(path, budget_bytes=SLOT - 1, page_size_kb=4, io=io)
     with pytest.raises(ValueError, match="power of two"):
         Pager(path, budget_bytes=SLOT, page_size_kb=6)
 
@@ -101,10 +114,10 @@ def test_page_size_sets_slot_size(weights):
 
 
 @pytest.mark.parametrize("policy", sorted(set(POLICIES) - {"hot"}))
-def test_pager_hits_equal_offline_replay(weights, policy):
+def test_pager_hits_equal_offline_replay(io, weights, policy):
     path, _ = weights
     trace = random_trace(300, seed=3)
-    with Pager(path, budget_bytes=7 * SLOT, page_size_kb=4, policy=policy) as pager:
+    with Pager(path, budget_bytes=7 * SLOT, page_size_kb=4, io=io, policy=policy) as pager:
         for layer, ids in trace:
             pager.load(layer, ids).release()
         s = pager.stats
@@ -176,9 +189,9 @@ def test_trace_save_load(tmp_path):
         Trace.load(tmp_path / "bad.json")
 
 
-def test_views_kept_alive_stay_pinned_and_correct(weights):
+def test_views_kept_alive_stay_pinned_and_correct(io, weights):
     path, experts = weights
-    with Pager(path, budget_bytes=4 * SLOT, page_size_kb=4, policy="fifo") as pager:
+    with Pager(path, budget_bytes=4 * SLOT, page_size_kb=4, io=io, policy="fifo") as pager:
         with pager.load(0, [2]) as batch:
             kept = batch[2].gate[1:]  # derived view outlives the batch
             derived = kept.T
@@ -197,18 +210,21 @@ def test_views_kept_alive_stay_pinned_and_correct(weights):
         assert (0, 2) not in pager.resident()
 
 
-def test_torch_dlpack_is_zero_copy(weights):
+def test_torch_dlpack_is_zero_copy(io, weights):
     torch = pytest.importorskip("torch")
     path, experts = weights
-    with Pager(path, budget_bytes=4 * SLOT, page_size_kb=4) as pager, pager.load(2, [7]) as b:
+    with (
+        Pager(path, budget_bytes=4 * SLOT, page_size_kb=4, io=io) as pager,
+        pager.load(2, [7]) as b,
+    ):
         t = torch.from_dlpack(b[7].down)
         assert t.data_ptr() == b[7].down.ctypes.data
         np.testing.assert_array_equal(t.numpy(), experts[(2, 7)][2])
 
 
-def test_bad_ids(weights):
+def test_bad_ids(io, weights):
     path, _ = weights
-    with Pager(path, budget_bytes=4 * SLOT, page_size_kb=4) as pager:
+    with Pager(path, budget_bytes=4 * SLOT, page_size_kb=4, io=io) as pager:
         with pytest.raises(KeyError, match="has 8 experts"):
             pager.load(0, [8])
         with pytest.raises(KeyError, match="layer 5 holds no experts"):
@@ -221,10 +237,10 @@ def open_fds():
     return len(os.listdir("/proc/self/fd")) if os.path.isdir("/proc/self/fd") else None
 
 
-def test_close_in_any_order_with_views_alive(weights):
+def test_close_in_any_order_with_views_alive(io, weights):
     path, experts = weights
     before = open_fds()
-    pager = Pager(path, budget_bytes=4 * SLOT, page_size_kb=4)
+    pager = Pager(path, budget_bytes=4 * SLOT, page_size_kb=4, io=io)
     batch = pager.load(0, [1, 2])
     view = batch[1].up
     pager.prefetch(1, [3, 4])
@@ -239,87 +255,129 @@ def test_close_in_any_order_with_views_alive(weights):
     del view, batch
     gc.collect()
     # A pager dropped without close() releases its files too, prefetch thread included.
-    pager = Pager(path, budget_bytes=4 * SLOT, page_size_kb=4)
+    pager = Pager(path, budget_bytes=4 * SLOT, page_size_kb=4, io=io)
     pager.prefetch(0, [1])
     keep = pager.load(0, [2])[2].gate
     del pager
     gc.collect()
     np.testing.assert_array_equal(keep, experts[(0, 2)][0])
+    del keep  # a live view of a mapping keeps the mapping's descriptor
+    gc.collect()
     if before is not None:
         assert open_fds() == before
     assert not [t for t in threading.enumerate() if t.name == "colibri-prefetch" and t.is_alive()]
 
 
-class GatedReader(FileReader):
-    """Blocks reads until the test opens the gate; counts reads."""
+def gate_fetches(monkeypatch, gate):
+    """Hold every fetch (read or madvise) until ``gate`` opens; returns the fetches begun."""
+    begun = []
 
-    def __init__(self, paths, gate):
-        super().__init__(paths)
-        self.gate, self.reads = gate, 0
+    def before(kind, path, offset, length):
+        if kind in ("read", "populate"):
+            begun.append(offset)
+            assert gate.wait(10), "the test never opened the gate"
 
-    def readinto(self, path, offset, buffer):
-        self.reads += 1
-        self.gate.wait(10)
-        super().readinto(path, offset, buffer)
+    hook_io(monkeypatch, before)
+    return begun
 
 
-def test_prefetch_in_flight_is_waited_for_not_read_twice(weights):
+def open_when(gate, condition):
+    """Open ``gate`` once ``condition()`` holds (polled; no timing assumption)."""
+
+    def poll():
+        for _ in range(10000):
+            if condition():
+                break
+            threading.Event().wait(0.001)
+        gate.set()
+
+    threading.Thread(target=poll, daemon=True).start()
+
+
+def test_prefetch_in_flight_is_waited_for_not_read_twice(io, weights, monkeypatch):
     path, experts = weights
     gate = threading.Event()
-    with Pager(path, budget_bytes=8 * SLOT, page_size_kb=4) as pager:
-        pager._reader.close()
-        pager._reader = reader = GatedReader(pager.source.files, gate)
+    begun = gate_fetches(monkeypatch, gate)
+    with Pager(path, budget_bytes=8 * SLOT, page_size_kb=4, io=io) as pager:
         assert pager.prefetch(2, [4, 5]) == 2
         assert pager.prefetch(2, [4]) == 0  # already in flight
-        threading.Timer(0.2, gate.set).start()
+        open_when(gate, lambda: pager.stats.inflight_waits == 2)
         with pager.load(2, [4, 5, 6]) as batch:
             check(batch, experts, 2)
         s = pager.stats
-        assert reader.reads == 3 and s.bytes_read == 3 * 3072
+        assert len(begun) == 3 and s.bytes_read == 3 * 3072
         assert (s.prefetched, s.prefetch_hits, s.inflight_waits, s.misses) == (2, 2, 2, 1)
 
 
-def test_prefetch_queue_is_bounded(weights):
+def test_prefetch_queue_is_bounded(io, weights, monkeypatch):
     path, _ = weights
     gate = threading.Event()
-    with Pager(path, budget_bytes=16 * SLOT, page_size_kb=4, prefetch_queue=2) as pager:
-        pager._reader.close()
-        pager._reader = GatedReader(pager.source.files, gate)
-        queued = pager.prefetch(0, range(8))
-        assert 2 <= queued <= 3  # the queue holds 2; the worker may already hold one
+    begun = gate_fetches(monkeypatch, gate)
+    with Pager(path, budget_bytes=16 * SLOT, page_size_kb=4, io=io, prefetch_queue=2) as pager:
+        assert pager.prefetch(0, [0]) == 1
+        for _ in range(10000):  # until the worker holds that job, blocked at the gate
+            if begun:
+                break
+            threading.Event().wait(0.001)
+        assert pager.prefetch(0, range(1, 8)) == 2  # the queue holds 2
         gate.set()
+        assert pager.drain(timeout=30) and pager.stats.prefetched == 3
 
 
-def test_read_error_names_the_file_and_pager_recovers(tmp_path, weights):
+def test_truncated_file_names_the_file_and_pager_recovers(io, tmp_path, weights):
     _, experts = weights
     path = write_experts(tmp_path / "t.colibri", experts)
-    with Pager(path, budget_bytes=4 * SLOT, page_size_kb=4) as pager:
+    with Pager(path, budget_bytes=4 * SLOT, page_size_kb=4, io=io) as pager:
+        with pager.load(0, [0, 1]) as batch:
+            check(batch, experts, 0)
         size = os.path.getsize(path)
         with open(path, "r+b") as f:
             f.truncate(size - 4096)  # the last expert loses its bytes after validation
-        last = max(pager.source.experts, key=lambda k: pager.source.experts[k].gate.offset)
-        with pytest.raises(OSError, match="t.colibri: unexpected end of file"):
-            pager.load(last[0], [last[1], (last[1] + 1) % E])
-        # The expert read before the failure stays; the failed one left no trace.
-        assert pager.resident() == [(2, 0)] and pager.stats.resident_bytes == 3072
-        assert all(x.pins == 0 for x in pager._cache.slots)
-        with pager.load(0, [0, 1, 2, 3]) as batch:  # every slot usable again
-            check(batch, experts, 0)
+        with pytest.raises(FileChangedError, match=r"t\.colibri' must not change.*size changed"):
+            pager.load(2, [7])
+        with pytest.raises(FileChangedError, match="t.colibri"):
+            pager.load(0, [0])  # a hit too: its pages may be gone with the truncation
+        assert pager.resident() == [(0, 0), (0, 1)] and not pager.pinned()
+        s = pager.stats
+        assert s.resident_pages == 2 and s.pages_loaded - s.pages_evicted == 2
+        with open(path, "r+b") as f:
+            f.truncate(size)
+        with pytest.raises(FileChangedError, match="modified|size"):  # same size, new mtime
+            pager.load(0, [0])
+    source = open_weights(path)  # validated at its full size
+    with open(path, "r+b") as f:
+        f.truncate(size - 4096)
+    with pytest.raises(FileChangedError, match="must hold"):  # shorter than its header says
+        Pager(source, budget_bytes=4 * SLOT, page_size_kb=4, io=io)
 
 
-def test_drain_waits_for_queued_prefetches(weights):
+def test_replaced_file_is_refused(io, tmp_path, weights):
+    _, experts = weights
+    path = write_experts(tmp_path / "r.colibri", experts)
+    with Pager(path, budget_bytes=4 * SLOT, page_size_kb=4, io=io) as pager:
+        pager.load(1, [1]).release()
+        other = write_experts(tmp_path / "other.colibri", experts)
+        os.replace(other, path)  # same bytes, another file
+        with pytest.raises(FileChangedError, match="r.colibri' must not change.*replaced"):
+            pager.load(1, [2])
+        os.unlink(path)
+        with pytest.raises(FileChangedError, match="deleted"):
+            pager.load(1, [1])
+
+
+def test_drain_waits_for_queued_prefetches(io, weights):
     path, _ = weights
-    with Pager(path, budget_bytes=12 * SLOT, page_size_kb=4) as pager:
+    with Pager(path, budget_bytes=12 * SLOT, page_size_kb=4, io=io) as pager:
         queued = pager.prefetch(0, list(range(8)))
         assert queued > 0 and pager.drain(timeout=30)
-        assert all(x.pins == 0 for x in pager._cache.slots)
+        assert not pager.pinned()
         assert pager.stats.prefetched == queued and len(pager.resident()) == queued
 
 
-def test_threads_share_one_pager(weights):
+def test_threads_share_one_pager(io, weights):
     path, experts = weights
     errors = []
-    with Pager(path, budget_bytes=12 * SLOT, page_size_kb=4, policy="lru") as pager:
+    with Pager(path, budget_bytes=12 * SLOT, page_size_kb=4, io=io, policy="lru") as pager:
 
         def work(seed):
             try:
@@ -342,7 +400,8 @@ def test_threads_share_one_pager(weights):
         assert s.hits + s.misses == sum(
             len(ids) for t in range(4) for _, ids in random_trace(150, 1, t)
         )
-        assert s.resident_bytes <= s.pool_bytes and all(x.pins == 0 for x in pager._cache.slots)
+        assert s.resident_pages * s.page_size <= pager.budget_bytes and not pager.pinned()
+        assert s.resident_pages == held_pages(pager.source, pager.resident(), SLOT, io)
 
 
 MEMORY_SCRIPT = textwrap.dedent(
@@ -401,14 +460,57 @@ st = hypothesis.strategies
     ),
     capacity=st.integers(3, 8),
     policy=st.sampled_from(sorted(set(POLICIES) - {"hot"})),
+    io=st.sampled_from(IO_BACKENDS),
 )
-def test_property_pager_matches_replay_and_never_beats_belady(weights, steps, capacity, policy):
+def test_property_pager_matches_replay_and_never_beats_belady(weights, steps, capacity, policy, io):
     path, experts = weights
     trace = Trace(steps)
-    with Pager(path, budget_bytes=capacity * SLOT, page_size_kb=4, policy=policy) as pager:
+    with Pager(path, budget_bytes=capacity * SLOT, page_size_kb=4, policy=policy, io=io) as pager:
         for layer, ids in trace:
             with pager.load(layer, ids) as batch:
                 check(batch, experts, layer)
             assert pager.stats.resident_bytes <= capacity * SLOT
         hits = pager.stats.hits
     assert hits == replay(trace, capacity, policy).hits <= belady(trace, capacity).hits
+
+
+def test_lru_and_fifo_evict_in_their_order():
+    # capacity 3; expert 0 is touched again before the fourth expert arrives
+    trace = Trace([(0, [0]), (0, [1]), (0, [2]), (0, [0]), (0, [3]), (0, [0]), (0, [1])])
+    lru, fifo = replay(trace, 3, "lru"), replay(trace, 3, "fifo")
+    # lru: 3 evicts 1 (0 was just used): hits 0, 0 -> then 1 misses
+    # fifo: 3 evicts 0 (first in): 0 misses again, 1 is evicted for it, 1 misses
+    assert (lru.hits, lru.misses) == (2, 5)
+    assert (fifo.hits, fifo.misses) == (1, 6)
+
+
+def zipf_iid(steps, experts, seed):
+    rng = np.random.default_rng(seed)
+    p = 1.0 / np.arange(1, experts + 1)
+    return Trace((0, rng.choice(experts, 2, replace=False, p=p / p.sum())) for _ in range(steps))
+
+
+def phases(steps, seed, length=150):
+    """Recency is all there is: two disjoint hot sets of 7 experts take turns."""
+    rng = np.random.default_rng(seed)
+    return Trace(
+        (0, 7 * ((s // length) % 2) + rng.choice(7, 2, replace=False)) for s in range(steps)
+    )
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_adaptive_follows_the_better_of_recency_and_frequency(seed):
+    pop, turns = zipf_iid(3000, 40, seed), phases(3000, seed)
+    # popularity that lasts: frequency wins (+20%) and adaptive finds it
+    lru, lrfu = replay(pop, 8, "lru").hits, replay(pop, 8, "lrfu", half_life=64).hits
+    assert lrfu > 1.2 * lru and replay(pop, 8, "adaptive").hits > 1.15 * lru
+    # hot sets that take turns: old frequency misleads (-12%), adaptive stays with LRU
+    lru, lrfu = replay(turns, 8, "lru").hits, replay(turns, 8, "lrfu", half_life=64).hits
+    assert lrfu < 0.9 * lru and replay(turns, 8, "adaptive").hits >= 0.99 * lru
+
+
+def test_adaptive_options_are_checked():
+    with pytest.raises(ValueError, match="half_lives must be positive"):
+        replay(Trace([(0, [0])]), 2, "adaptive", half_lives=[0])
+    with pytest.raises(ValueError, match="memory must be >= 1"):
+        replay(Trace([(0, [0])]), 2, "adaptive", memory=0.5)

@@ -6,6 +6,7 @@ import json
 import numpy as np
 import pytest
 
+from _support.paging import hook_io
 from colibri.formats import open_weights
 from colibri.pager import Pager
 from colibri.repack import repack
@@ -36,19 +37,22 @@ def digest(path):
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-def test_groups_become_contiguous_and_bytes_match(tmp_path, source):
+def test_groups_become_contiguous_and_bytes_match(tmp_path, source, monkeypatch):
     path, tensors = source
     before = digest(path)
-    out = repack(path, tmp_path / "packed.colibri", FakePartition(), alignment=256)
+    out = repack(path, tmp_path / "packed.colibri", FakePartition(), page_size_kb=4)
     assert digest(path) == before  # input untouched
     assert out.metadata["groups"] == {"0": [[4, 0, 2], [5], [1, 3]], "1": [[4, 0, 2], [5], [1, 3]]}
+    assert out.metadata["page_size"] == 4096
     order = sorted(out.experts, key=lambda k: out.experts[k].gate.offset)
     assert order == [(lay, e) for lay in range(L) for e in (4, 0, 2, 5, 1, 3)]
-    for layout in out.experts.values():  # gate|up|down adjacent, expert aligned
-        assert layout.gate.offset % 256 == 0
+    for layout in out.experts.values():  # gate|up|down adjacent, expert on a page boundary
+        assert layout.gate.offset % 4096 == 0
         assert layout.up.offset == layout.gate.offset + layout.gate.nbytes
         assert layout.down.offset == layout.up.offset + layout.up.nbytes
-    with Pager(out, budget_bytes=1 << 16, page_size_kb=4) as pager:
+    reads = []
+    hook_io(monkeypatch, lambda kind, *args: reads.append(kind))
+    with Pager(out, budget_bytes=1 << 16, page_size_kb=4, io="read") as pager:
         for lay in range(L):
             with pager.load(lay, range(E)) as batch:
                 gu = tensors[f"model.layers.{lay}.mlp.experts.gate_up_proj"]
@@ -57,7 +61,7 @@ def test_groups_become_contiguous_and_bytes_match(tmp_path, source):
                     np.testing.assert_array_equal(
                         w.down, tensors[f"model.layers.{lay}.mlp.experts.down_proj"][e]
                     )
-        assert pager.stats.misses == L * E  # one read per expert: the plan merged gate|up|down
+        assert reads == ["read"] * (L * E)  # one read per expert: gate|up|down adjacent
 
 
 def test_per_layer_partitions_and_list_of_lists(tmp_path, source):
@@ -130,3 +134,21 @@ def test_accepts_colibri_partition(tmp_path, source):
     part = colibri.Partition([[0, 1], [2, 3], [4], [5]])
     out = repack(path, tmp_path / "p.colibri", part)
     assert out.metadata["groups"]["0"] == [list(g) for g in part.groups]
+
+
+@pytest.mark.parametrize("page_size_kb", [4, 64])
+def test_repacked_experts_share_no_page(tmp_path, source, page_size_kb):
+    path, _ = source  # 192-byte matrices: in the source, many experts share each page
+    with Pager(path, budget_bytes=1 << 20, page_size_kb=page_size_kb, io="mmap") as pager:
+        pager.load(0, range(E)).release()
+        shared = pager.stats.resident_pages
+    out = repack(path, tmp_path / "p.colibri", FakePartition(), page_size_kb=page_size_kb)
+    assert json.loads((tmp_path / "p.colibri.json").read_text())["alignment"] == (
+        page_size_kb * 1024
+    )
+    with Pager(out, budget_bytes=1 << 20, page_size_kb=page_size_kb, io="mmap") as pager:
+        assert pager.slot_bytes == page_size_kb * 1024  # an expert touches one page
+        pager.load(0, range(E)).release()
+        assert pager.stats.resident_pages == E > shared  # one page each, none shared
+    with pytest.raises(ValueError, match="power of two"):
+        repack(path, tmp_path / "q.colibri", FakePartition(), page_size_kb=48)
