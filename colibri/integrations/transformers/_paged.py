@@ -55,7 +55,7 @@ def parse_size(value: int | str, what: str = "budget") -> int:
     ``"3GB"`` (10**9), ``"512M"`` (binary, as ``M``/``G`` are commonly meant)."""
     if isinstance(value, (int, np.integer)) and not isinstance(value, bool):
         if value <= 0:
-            raise ValueError(f"from_pretrained(): {what} must be > 0 bytes (got {value!r})")
+            raise ValueError(f"from_pretrained(): {what} must be a positive size (got {value!r})")
         return int(value)
     if isinstance(value, str):
         m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", value)
@@ -316,7 +316,7 @@ class PagedExperts(nn.Module):
     budget smaller than one layer's experts works (at the cost of reads).
     """
 
-    def __init__(self, original: nn.Module, name: str, paging: Paging) -> None:
+    def __init__(self, original: nn.Module, name: str) -> None:
         super().__init__()
         self.num_experts = int(original.gate_up_proj.shape[0])
         self.intermediate_dim = int(original.down_proj.shape[2])
@@ -324,7 +324,7 @@ class PagedExperts(nn.Module):
         self.act_fn = original.act_fn
         self.layer = int(_LAYER.findall(name)[-1])
         self.name = name
-        self.__dict__["_paging"] = paging  # plain attributes: not submodules, not state
+        self.__dict__["_paging"] = None  # plain attributes: not submodules, not state
         self.__dict__["_next"] = None  # (layer, router module) of the next MoE block
 
     def extra_repr(self) -> str:
@@ -440,9 +440,9 @@ def _set_tensor(model: nn.Module, name: str, value: torch.Tensor) -> None:
         raise KeyError(name)
 
 
-def _load_resident(model: nn.Module, checkpoint: Checkpoint, dtype: torch.dtype | None) -> int:
-    """Load every non-expert tensor of ``checkpoint`` into ``model``; returns their bytes."""
-    from safetensors import safe_open
+def _plan_resident(model: nn.Module, checkpoint: Checkpoint) -> dict[str, list[tuple[str, str]]]:
+    """Which checkpoint tensor fills which tensor of ``model`` (its experts already paged),
+    by file: ``{path: [(checkpoint name, model name)]}``, every shape checked."""
     from transformers.conversion_mapping import get_model_conversion_mapping
     from transformers.core_model_loading import WeightConverter, rename_source_key
 
@@ -451,7 +451,6 @@ def _load_resident(model: nn.Module, checkpoint: Checkpoint, dtype: torch.dtype 
     renamings = [t for t in transforms if not isinstance(t, WeightConverter)]
     wanted = model.state_dict(keep_vars=True)
     plan: dict[str, list[tuple[str, str]]] = {}
-    total = 0
     for name in checkpoint.resident_names():
         info = checkpoint.tensors[name]
         target, converter = rename_source_key(
@@ -473,7 +472,15 @@ def _load_resident(model: nn.Module, checkpoint: Checkpoint, dtype: torch.dtype 
                 "config.json this checkpoint was saved with"
             )
         plan.setdefault(info.path, []).append((name, target))
-        total += info.nbytes
+    return plan
+
+
+def _load_resident(model: nn.Module, checkpoint: Checkpoint, plan: dict, dtype) -> int:
+    """Load the tensors of ``plan`` into ``model``; returns their bytes."""
+    from safetensors import safe_open
+
+    wanted = model.state_dict(keep_vars=True)
+    total = 0
     for path, names in plan.items():
         with safe_open(path, framework="pt") as f:
             for name, target in names:
@@ -482,6 +489,7 @@ def _load_resident(model: nn.Module, checkpoint: Checkpoint, dtype: torch.dtype 
                 if tensor.dtype != want and tensor.is_floating_point():
                     tensor = tensor.to(want)
                 _set_tensor(model, target, tensor)
+                total += checkpoint.tensors[name].nbytes
     if getattr(model.config, "tie_word_embeddings", False) or getattr(
         model.config.get_text_config(), "tie_word_embeddings", False
     ):
@@ -634,6 +642,12 @@ def from_pretrained(
     except (FormatError, KeyError) as exc:
         raise CheckpointError(f"{exc}; fix: re-save the checkpoint") from None
     _check_experts(modules, source, checkpoint)
+    paged = []
+    for name, module in modules:
+        owner, _, attr = name.rpartition(".")
+        paged.append(PagedExperts(module, name))
+        setattr(model.get_submodule(owner), attr, paged[-1])
+    plan = _plan_resident(model, checkpoint)  # every check before any weight is read
     pager = colibri.Pager(
         source,
         budget_bytes=budget_bytes,
@@ -647,14 +661,12 @@ def from_pretrained(
         prefetch=prefetch,
         resident_bytes=0,
         expert_bytes=source.total_expert_nbytes,
+        layers=paged,
     )
     try:
-        for name, module in modules:
-            owner, _, attr = name.rpartition(".")
-            paged = PagedExperts(module, name, paging)
-            setattr(model.get_submodule(owner), attr, paged)
-            paging.layers.append(paged)
-        paging.resident_bytes = _load_resident(model, checkpoint, torch_dtype)
+        for module in paged:
+            module.__dict__["_paging"] = paging
+        paging.resident_bytes = _load_resident(model, checkpoint, plan, torch_dtype)
         model.eval()
         patch(model, routing_threads=num_threads)
         if partition is not None:
