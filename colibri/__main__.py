@@ -47,6 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     for name, module, text in (
         ("demo", "colibri.demo", "run a seed-shaped MoE larger than its memory budget"),
+        ("generate", "colibri.generate", "generate from a MoE checkpoint under a memory budget"),
         ("partition", "colibri._partition_cli", "build a partition from usage statistics"),
     ):
         try:

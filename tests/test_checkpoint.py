@@ -339,7 +339,8 @@ def test_shape_contradicting_config_resident_tensor(copy):
     (folder / "config.json").write_text(json.dumps(config))
     with pytest.raises(
         CheckpointError,
-        match=r"safetensors: tensor '(lm_head|model\.embed_tokens)\.weight' has shape \[96, 32\] but config\.json",
+        match=r"safetensors: tensor '(lm_head|model\.embed_tokens)\.weight' has shape "
+        r"\[96, 32\] but config\.json",
     ):
         from_pretrained(folder, budget=budget)
 
