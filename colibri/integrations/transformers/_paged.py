@@ -596,9 +596,10 @@ def from_pretrained(
     dtype : torch.dtype or str, optional
         Compute dtype; default: the dtype the experts are stored in (then expert views are
         used as they are; another dtype converts each expert on use).
-    partition : colibri.Partition or path, optional
+    partition : colibri.Partition, path or dict, optional
         Static expert partitioning: every router picks ``topk_groups`` groups of this
-        partition, then its top-k inside them (changes the model's routing).
+        partition, then its top-k inside them (changes the model's routing); a dict gives
+        one partition per layer index.
     topk_groups : int
         Groups each token may use with ``partition``.
     record_trace : bool
@@ -726,27 +727,38 @@ def _link(model: nn.Module, paging: Paging) -> None:
 
 
 def _partition(model: nn.Module, partition: Any, topk_groups: int) -> None:
+    """Give every router ``partition`` (one for all layers, or ``{layer: Partition}``)."""
     from colibri.integrations.transformers import _STATE
     from colibri.partition import Partition
 
-    if not isinstance(partition, Partition):
-        partition = Partition.load(partition)
+    if isinstance(partition, dict):
+        by_layer = {int(k): v for k, v in partition.items()}
+    else:
+        if not isinstance(partition, Partition):
+            partition = Partition.load(partition)
+        by_layer = None
     for name, module in model.named_modules():
         state = module.__dict__.get(_STATE)
         if state is None:
             continue
+        here = partition
+        if by_layer is not None:
+            found = _LAYER.findall(name)
+            here = by_layer.get(int(found[-1])) if found else None
+            if here is None:
+                continue
         routing = state.routing
         if "num_groups" in routing.options:
             raise UnsupportedCheckpointError(
                 f"{name}: this router already limits routing to its own groups "
                 f"(n_group={routing.options['num_groups']}); a partition cannot be added"
             )
-        if partition.num_experts != routing.num_experts:
+        if here.num_experts != routing.num_experts:
             raise ValueError(
-                f"from_pretrained(): partition covers {partition.num_experts} experts but "
+                f"from_pretrained(): partition covers {here.num_experts} experts but "
                 f"{name} routes {routing.num_experts}"
             )
-        routing.options["partition"] = partition
+        routing.options["partition"] = here
         routing.options["topk_groups"] = int(topk_groups)
         routing._key = None
         routing._refresh({n: read(module) for n, read in routing.tensors.items()})
