@@ -471,3 +471,37 @@ def test_peak_rss_is_bounded(tmp_path):
     assert got["read"] > 2 * budget  # the experts were streamed through the budget
     bound = got["base"]["VmRSS"] + got["resident"] + budget + OVERHEAD
     assert got["end"]["VmHWM"] <= bound, got
+
+
+def test_partition_keeps_each_token_in_one_group(saved, tmp_path):
+    """With a partition of 2 groups and topk_groups=1, a token's experts share a group
+    (without it, the random routers mix groups)."""
+    from colibri import Partition
+
+    folder, _, budget = saved("qwen3_moe")
+    groups = Partition([[0, 2, 4, 6], [1, 3, 5, 7]])
+    path = tmp_path / "groups.json"
+    groups.save(path)
+
+    def groups_per_token(model):
+        seen = []
+
+        def record(module, args):
+            seen.append(torch.tensor(groups.group_of.tolist())[args[1]])
+
+        for m in model.modules():
+            if isinstance(m, PagedExperts):
+                m.register_forward_pre_hook(record)
+        _logits(model, _inputs(10))
+        return torch.cat([g.reshape(-1, g.shape[-1]) for g in seen])
+
+    free = groups_per_token(from_pretrained(folder, budget=budget, page_size_kb=4))
+    assert (free.min(-1).values != free.max(-1).values).any()
+    for partition in (groups, str(path), {0: groups, 1: groups}):
+        model = from_pretrained(folder, budget=budget, page_size_kb=4, partition=partition)
+        held = groups_per_token(model)
+        assert (held.min(-1).values == held.max(-1).values).all()
+    with pytest.raises(ValueError, match="partition covers 6 experts"):
+        from_pretrained(
+            folder, budget=budget, page_size_kb=4, partition=Partition([[0, 1, 2], [3, 4, 5]])
+        )
