@@ -169,12 +169,10 @@ _TORCH_DTYPES = {
 def torch_view(array: np.ndarray) -> torch.Tensor:
     """A torch tensor over ``array``'s memory (no copy); bfloat16 arrays (ml_dtypes or raw
     uint16 bits) become ``torch.bfloat16``. Read-only memory: never write to the result."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
-        if array.dtype in _TORCH_DTYPES:
-            return torch.from_numpy(array)
-        if array.dtype.itemsize == 2:  # bfloat16 (ml_dtypes) or its raw bits
-            return torch.from_numpy(array.view(np.int16)).view(torch.bfloat16)
+    if array.dtype in _TORCH_DTYPES:
+        return torch.from_numpy(array)
+    if array.dtype.itemsize == 2:  # bfloat16 (ml_dtypes) or its raw bits
+        return torch.from_numpy(array.view(np.int16)).view(torch.bfloat16)
     raise TypeError(f"torch_view(): expert dtype {array.dtype} has no torch equivalent")
 
 
@@ -343,6 +341,13 @@ class PagedExperts(nn.Module):
         ids_np = ids.detach().cpu().numpy()
         used = np.unique(ids_np[(ids_np >= 0) & (ids_np < self.num_experts)])
         paging._observe(self.layer, used)
+        with warnings.catch_warnings():  # torch warns once: the pager's arrays are read-only
+            warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+            out = self._run(paging, hidden_states, ids, weights, used)
+        paging._last[self.layer] = used
+        return out
+
+    def _run(self, paging, hidden_states, ids, weights, used) -> torch.Tensor:
         predicted = False
         while True:
             out = torch.zeros_like(hidden_states)
@@ -358,7 +363,6 @@ class PagedExperts(nn.Module):
                 break
             except _Retry:
                 continue
-        paging._last[self.layer] = used
         return out
 
     def _expert(self, w, e, hidden_states, ids, weights, out) -> None:
