@@ -1,278 +1,406 @@
-"""``colibri demo``: a model bigger than its memory budget, token by token.
+"""``colibri demo``: a real transformers MoE checkpoint, generated from under a memory budget.
 
-On first run it writes a synthetic MoE weight file shaped like the seed's model (26
-experts, top-2, several layers; float16; 2 GiB by default) into a cache folder, one expert
-at a time. Then it streams tokens through ``MoELayer`` with expert weights paged from that
-file under a budget well below its size, and reports tokens/s, the pager's hit rate, bytes
-read per token and the process's peak RSS against the file size.
+On first run it writes, once, into a cache folder (``~/.cache/colibri``) a Qwen3-MoE
+checkpoint shaped like the seed's model: 26 routed experts per layer, top-2, attention with 16
+query / 4 key-value heads, norms, embeddings, random bfloat16 weights, sharded safetensors as
+``save_pretrained`` writes them, and a byte-level BPE tokenizer trained locally with the
+``tokenizers`` library (nothing is downloaded). Then it generates with the routed experts paged
+from those files under a budget of 1/8 of their size (``colibri generate``'s figures: prefill
+and decode tokens/s, hit rate, bytes read per token, prediction recall, peak RSS).
+``--partition`` adds Static Expert Partitioning (groups learned from a warm-up run);
+``--synthetic`` runs the older demo (a stack of FFN layers, no attention, numpy only).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
-import re
+import shutil
 import time
-from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
+from colibri._synthetic_demo import parse_size
+
+__all__ = ["DemoShape", "add_arguments", "ensure_checkpoint", "parse_size", "run"]
 
 NUM_EXPERTS = 26
 TOP_K = 2
-HIDDEN = 2048
-_UNITS = {"": 1, "B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 
 
-def parse_size(text: str) -> int:
-    """Bytes from "2GB", "512M", "1.5GiB", "4096"."""
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([KMGT]?)(?:I?B)?\s*", str(text), re.IGNORECASE)
-    if m is None:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (examples: 2GB, 512MiB, 65536)")
-    return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
+@dataclass(frozen=True)
+class DemoShape:
+    """The demo model's shape (defaults: the seed's routing, 2.9 GiB of bf16 experts)."""
 
+    layers: int = 15
+    hidden: int = 1024
+    expert_intermediate: int = 1280
+    vocab: int = 8192
+    heads: int = 16
+    kv_heads: int = 4
+    head_dim: int = 64
+    num_experts: int = NUM_EXPERTS
+    top_k: int = TOP_K
 
-def _mib(n: float) -> str:
-    return f"{n / (1 << 20):,.1f} MiB"
+    @property
+    def name(self) -> str:
+        return (
+            f"demo-qwen3moe-L{self.layers}-E{self.num_experts}k{self.top_k}-H{self.hidden}-"
+            f"I{self.expert_intermediate}-V{self.vocab}-A{self.heads}x{self.kv_heads}x"
+            f"{self.head_dim}-bf16"
+        )
+
+    @property
+    def expert_bytes(self) -> int:
+        """Bytes of all routed experts (bf16)."""
+        return self.layers * self.num_experts * 3 * self.hidden * self.expert_intermediate * 2
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the demo's options to ``parser``."""
     default_cache = os.environ.get("COLIBRI_CACHE", str(Path.home() / ".cache" / "colibri"))
     parser.add_argument(
-        "--cache-dir",
-        default=default_cache,
-        help="where the synthetic weight file is kept (default: %(default)s)",
+        "--cache-dir", default=default_cache, help="where the checkpoint is kept (%(default)s)"
     )
     parser.add_argument(
-        "--file-size",
-        type=parse_size,
-        default=parse_size("2GiB"),
-        help="size of the synthetic weight file (default: 2GiB)",
-    )
-    parser.add_argument("--layers", type=int, default=4, help="MoE layers (default: 4)")
-    parser.add_argument(
-        "--hidden",
-        type=int,
-        default=HIDDEN,
-        help="hidden size H; the expert size I follows from --file-size",
+        "--synthetic",
+        action="store_true",
+        help="the older demo: synthetic FFN layers without attention (needs numpy only)",
     )
     parser.add_argument(
-        "--budget",
-        type=parse_size,
-        default=None,
-        help="pager memory budget (default: 1/8 of the file size)",
+        "--budget", type=parse_size, default=None, help="expert memory (default: 1/8 of them)"
     )
     parser.add_argument("--page-size-kb", type=int, default=64, help="pager page size (KiB)")
     parser.add_argument(
-        "--policy",
-        default="lru",
-        choices=("fifo", "lru", "lfu", "lrfu", "nextuse"),
-        help="pager cache policy (default: lru; 'hot' needs saved usage counts, so it is "
-        "available from the Pager API, not here)",
-    )
+        "--policy", default="lru", choices=("fifo", "lru", "lfu", "lrfu", "nextuse"),
+        help="pager cache policy (default: lru)",
+    )  # fmt: skip
+    parser.add_argument("--threads", type=int, default=None, help="torch and routing threads")
+    parser.add_argument("--batch-size", type=int, default=1, help="sequences (tokens) per step")
     parser.add_argument(
-        "--threads",
-        type=int,
-        default=None,
-        help="threads for dispatch/gather/combine (default: OpenMP's)",
-    )
-    parser.add_argument("--tokens", type=int, default=256, help="tokens to stream")
+        "--partition", type=int, nargs="?", const=4, default=None, metavar="G",
+        help="Static Expert Partitioning: route inside G groups (default 4) learned per layer "
+        "from the experts a warm-up run used together; each token uses its best group",
+    )  # fmt: skip
+    parser.add_argument("--seed", type=int, default=0, help="seed of the weights")
+    parser.add_argument("--no-progress", action="store_true", help="hide progress bars")
+    parser.add_argument("--layers", type=int, default=None, help="layers (15; synthetic: 4)")
     parser.add_argument(
-        "--batch-size", type=int, default=1, help="tokens per step (1: decode-like)"
+        "--hidden", type=int, default=None, help="hidden size (1024; synthetic: 2048)"
     )
-    parser.add_argument(
-        "--partition",
-        type=int,
-        nargs="?",
-        const=4,
-        default=None,
-        metavar="G",
-        help="Static Expert Partitioning: route inside G groups of experts, "
-        "grouped by usage measured on a warm-up stream (default G: 4)",
+    real = parser.add_argument_group("the real model")
+    real.add_argument("--prompt", default="The colibri is a small bird that", help="text")
+    real.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate (64)")
+    real.add_argument(
+        "--prefetch", default="gate", choices=("gate", "previous", "off"),
+        help="next-layer prefetch (default gate: layer l+1's router on layer l's input)",
+    )  # fmt: skip
+    real.add_argument("--no-prefetch", dest="prefetch", action="store_const", const="off")
+    real.add_argument("--expert-intermediate", type=int, default=1280, help="expert size I")
+    real.add_argument("--vocab", type=int, default=8192, help="tokenizer vocabulary")
+    real.add_argument("--sample", action="store_true", help="sample instead of greedy")
+    real.add_argument("--no-stream", dest="stream", action="store_false", help="print at the end")
+    synthetic = parser.add_argument_group("--synthetic")
+    synthetic.add_argument("--file-size", type=parse_size, default=parse_size("2GiB"))
+    synthetic.add_argument("--tokens", type=int, default=256, help="tokens to stream")
+
+
+# --------------------------------------------------------------------------------------
+# The checkpoint.
+
+
+def _config(shape: DemoShape, tokenizer):
+    from transformers import Qwen3MoeConfig
+
+    return Qwen3MoeConfig(
+        vocab_size=shape.vocab,
+        hidden_size=shape.hidden,
+        intermediate_size=4 * shape.hidden,  # dense MLP size: unused, every layer is MoE
+        moe_intermediate_size=shape.expert_intermediate,
+        num_hidden_layers=shape.layers,
+        num_attention_heads=shape.heads,
+        num_key_value_heads=shape.kv_heads,
+        head_dim=shape.head_dim,
+        num_experts=shape.num_experts,
+        num_experts_per_tok=shape.top_k,
+        norm_topk_prob=True,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        max_position_embeddings=4096,
+        tie_word_embeddings=False,
+        rms_norm_eps=1e-6,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        dtype="bfloat16",
     )
-    parser.add_argument("--seed", type=int, default=0, help="seed for weights and tokens")
-    parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
 
 
-def demo_shape(file_size: int, layers: int, hidden: int) -> int:
-    """The expert intermediate size I that makes the float16 file about ``file_size``."""
-    per_expert = file_size / (layers * NUM_EXPERTS)
-    inter = int(per_expert // (3 * hidden * 2)) // 16 * 16
-    if inter < 16:
-        raise ValueError(
-            f"--file-size {file_size} is too small for {layers} layers of "
-            f"{NUM_EXPERTS} experts at hidden size {hidden}; raise it or lower "
-            "--hidden / --layers"
-        )
-    return inter
+def _tensors(config):
+    """``(name, shape, std)`` of every tensor, in file order, with save_pretrained's names
+    (per-expert ``mlp.experts.{e}.{gate,up,down}_proj.weight``)."""
+    from accelerate import init_empty_weights
+    from transformers import Qwen3MoeForCausalLM
+
+    with init_empty_weights():
+        model = Qwen3MoeForCausalLM(config)
+    hidden = config.hidden_size
+    for name, tensor in model.state_dict().items():
+        shape = tuple(tensor.shape)
+        if name.endswith("mlp.experts.gate_up_proj"):
+            base = name[: -len("gate_up_proj")]
+            num, rows2, cols = shape
+            for e in range(num):
+                yield f"{base}{e}.gate_proj.weight", (rows2 // 2, cols), cols**-0.5
+                yield f"{base}{e}.up_proj.weight", (rows2 // 2, cols), cols**-0.5
+                yield f"{base}{e}.down_proj.weight", (cols, rows2 // 2), (rows2 // 2) ** -0.5
+        elif name.endswith("mlp.experts.down_proj"):
+            continue  # written with gate and up, expert by expert
+        elif name.endswith("norm.weight"):
+            yield name, shape, 0.0  # ones
+        elif name.endswith("mlp.gate.weight"):
+            yield name, shape, 2.0 * hidden**-0.5  # routers with spread-out logits
+        elif name == "model.embed_tokens.weight":
+            yield name, shape, 1.0
+        else:
+            yield name, shape, shape[-1] ** -0.5
 
 
-def ensure_weight_file(
+def ensure_checkpoint(
     cache_dir: str | os.PathLike,
-    layers: int,
-    hidden: int,
-    inter: int,
-    seed: int,
+    shape: DemoShape = DemoShape(),
+    seed: int = 0,
     progress: bool = True,
+    shard_bytes: int = 256 << 20,
 ) -> Path:
-    """The cached weight file for this shape, written (one expert at a time) if missing."""
-    from colibri.formats.raw import manifest_path, write_experts
+    """The cached demo checkpoint directory for ``shape``, written (once, shard by shard,
+    with a progress bar) if missing. A write that is interrupted leaves no directory."""
+    import torch
+    from safetensors.torch import save_file
 
-    folder = Path(cache_dir).expanduser()
-    folder.mkdir(parents=True, exist_ok=True)
-    path = folder / f"demo-L{layers}-E{NUM_EXPERTS}-H{hidden}-I{inter}-s{seed}-f16.colibri"
-    if path.exists() and Path(manifest_path(path)).exists():
-        return path
-
-    def experts() -> Iterator[tuple[tuple[int, int], tuple[np.ndarray, ...]]]:
-        rng = np.random.default_rng(seed)
-        bar = _progress(layers * NUM_EXPERTS, "writing weights", "expert", progress)
-        for layer in range(layers):
-            for e in range(NUM_EXPERTS):
-                gate = rng.standard_normal((inter, hidden), np.float32) / hidden**0.5
-                up = rng.standard_normal((inter, hidden), np.float32) / hidden**0.5
-                down = rng.standard_normal((hidden, inter), np.float32) / inter**0.5
-                yield (layer, e), tuple(m.astype(np.float16) for m in (gate, up, down))
-                bar.update(1)
-        bar.close()
-
-    meta = {"generator": "colibri demo", "seed": seed, "num_experts": NUM_EXPERTS, "top_k": TOP_K}
-    write_experts(path, experts(), metadata=meta, overwrite=True)
-    return path
-
-
-def _progress(total: int, desc: str, unit: str, enabled: bool):
+    folder = Path(cache_dir).expanduser() / f"{shape.name}-s{seed}"
+    if (folder / "model.safetensors.index.json").exists():
+        return folder
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    partial = folder.parent / f".{folder.name}.partial-{os.getpid()}"
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir()
     try:
-        from tqdm import tqdm
-    except ImportError:
-        raise ImportError(
-            "the demo's progress bar needs tqdm: pip install colibri-moe[cli]"
-        ) from None
-    return tqdm(total=total, desc=desc, unit=unit, disable=not enabled, dynamic_ncols=True)
+        tokenizer = _train_tokenizer(partial, shape.vocab, seed)
+        config = _config(shape, tokenizer)
+        plan = list(_tensors(config))
+        total = sum(2 * _numel(s) for _, s, _ in plan)
+        shards: list[list] = [[]]
+        size = 0
+        for item in plan:
+            nbytes = 2 * _numel(item[1])
+            if size and size + nbytes > shard_bytes:
+                shards.append([])
+                size = 0
+            shards[-1].append(item)
+            size += nbytes
+        bar = _progress(total, f"writing the demo checkpoint ({total / (1 << 30):.2f} GiB)",
+                        progress)  # fmt: skip
+        gen = torch.Generator().manual_seed(seed)
+        weight_map = {}
+        for i, items in enumerate(shards):
+            file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+            tensors = {}
+            for name, dims, std in items:
+                if std == 0.0:
+                    tensors[name] = torch.ones(dims, dtype=torch.bfloat16)
+                else:
+                    tensors[name] = (torch.randn(dims, generator=gen) * std).to(torch.bfloat16)
+                weight_map[name] = file
+            save_file(tensors, str(partial / file), metadata={"format": "pt"})
+            bar.update(sum(t.numel() * 2 for t in tensors.values()))
+            del tensors
+        bar.close()
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (partial / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+        config.save_pretrained(partial)
+        os.replace(partial, folder)
+    finally:
+        shutil.rmtree(partial, ignore_errors=True)
+    return folder
 
 
-def _router_weights(layers: int, hidden: int, seed: int) -> list[tuple[np.ndarray, np.ndarray]]:
-    """Gate weight [E, H] and bias [E] per layer; the bias makes some experts popular."""
-    rng = np.random.default_rng(seed + 1)
-    return [
-        (
-            rng.standard_normal((NUM_EXPERTS, hidden), np.float32) / hidden**0.5,
-            rng.standard_normal(NUM_EXPERTS).astype(np.float32),
-        )
-        for _ in range(layers)
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def _corpus(seed: int, words: int = 600_000):
+    """Pseudo-text: Zipf-distributed made-up words (and some English), in sentences."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    consonants, vowels = "bcdfghjklmnprstvwz", "aeiou"
+    syllables = [c + v for c in consonants for v in vowels]
+    syllables += [c + v + "n" for c in consonants[:8] for v in vowels]
+    english = (  # noqa: SIM905 (a word list reads better as text)
+        "the of and to in is that it was for on are with as his they be at one have this from "
+        "or had by word but what some we can out other were all there when up use your how "
+        "said an each she which do their time if will way about many then them write would "
+        "like so these her long make thing see him two has look more day could go come did "
+        "number sound no most people my over know water than call first who may down side been "
+        "now find small bird colibri fast wing flower quick brown fox jumps lazy dog"
+    ).split()
+    vocab = english + [
+        "".join(rng.choice(syllables, size=rng.integers(1, 4))) for _ in range(20000)
     ]
+    p = 1.0 / np.arange(1, len(vocab) + 1)
+    drawn = rng.choice(len(vocab), size=words, p=p / p.sum())
+    for i in range(0, words, 12):
+        sentence = " ".join(vocab[w] for w in drawn[i : i + 12])
+        yield sentence[:1].upper() + sentence[1:] + rng.choice([".", ".", ",", "?", "!"])
 
 
-def _token_stream(tokens: int, hidden: int, seed: int, draw: int = 0) -> np.ndarray:
-    """[tokens, H] float32 hidden states with topic drift: runs of 16 tokens on one of 8
-    topics (fixed by ``seed``), plus noise; ``draw`` picks another stream of the same topics."""
-    topics = np.random.default_rng(seed + 2).standard_normal((8, hidden), np.float32) * 2.0
-    rng = np.random.default_rng([seed + 3, draw])
-    which = np.repeat(rng.integers(0, len(topics), -(-tokens // 16)), 16)[:tokens]
-    return topics[which] + rng.standard_normal((tokens, hidden), np.float32)
+def _train_tokenizer(folder: Path, vocab_size: int, seed: int):
+    """A byte-level BPE with Qwen2's pre-tokenisation, trained here on pseudo-text."""
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+    from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
+
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    tok = Tokenizer(models.BPE())
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])  # fmt: skip
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=specials, show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )  # fmt: skip
+    tok.train_from_iterator(_corpus(seed), trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token=specials[0], eos_token=specials[0], pad_token=specials[0]
+    )
+    fast.save_pretrained(folder)
+    return fast
 
 
-def _partitions(num_groups: int, gates: list, warmup: np.ndarray) -> list:
-    """One partition per layer: experts that co-occur on a warm-up stream grouped together
-    (``Partition.from_usage`` on that layer's routing statistics)."""
+def _progress(total: int, desc: str, enabled: bool):
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, unit="B", unit_scale=True, disable=not enabled,
+                dynamic_ncols=True)  # fmt: skip
+
+
+# --------------------------------------------------------------------------------------
+# Running it.
+
+
+def _learn_partitions(model, tokenizer, groups: int) -> dict:
+    """Per MoE layer, a Partition from the experts a warm-up prefill used together."""
+    import torch
+
     import colibri
+    from colibri.integrations.transformers import PagedExperts
 
-    partitions = []
-    for weight, bias in gates:
-        ctx = colibri.init(NUM_EXPERTS, TOP_K, collect_stats=True)
-        ctx.route(warmup @ weight.T + bias)
-        partitions.append(colibri.Partition.from_usage(ctx.stats, num_groups))
-    return partitions
+    ids: dict[int, list] = {}
+
+    def record(module, args):
+        ids.setdefault(module.layer, []).append(args[1].detach().reshape(-1, args[1].shape[-1]))
+
+    hooks = [m.register_forward_pre_hook(record) for m in model.modules()
+             if isinstance(m, PagedExperts)]  # fmt: skip
+    text = " ".join(_corpus(1, words=1200))
+    with torch.no_grad():
+        model(**tokenizer(text, return_tensors="pt", truncation=True, max_length=512))
+    for hook in hooks:
+        hook.remove()
+    model.colibri.reset_stats()
+    return {
+        layer: colibri.Partition.from_usage(
+            colibri.UsageStats.from_ids(
+                torch.cat(seen).numpy(), model.colibri.layers[0].num_experts
+            ),
+            groups,
+        )
+        for layer, seen in ids.items()
+    }
 
 
 def run(args: argparse.Namespace) -> int:
     """Run the demo; returns the process exit status."""
-    import psutil
+    if args.synthetic:
+        return _run_synthetic(args)
+    try:
+        import torch  # noqa: F401
+        import transformers  # noqa: F401
+    except ImportError as exc:
+        print(
+            f"colibri demo: the real model needs torch and transformers ({exc}); running the "
+            "synthetic demo instead (pip install 'colibri-moe[cli,transformers]' torch)",
+            flush=True,
+        )
+        return _run_synthetic(args)
+    from colibri import generate
 
-    import colibri
-
-    for name, value in (
-        ("--layers", args.layers),
-        ("--tokens", args.tokens),
-        ("--batch-size", args.batch_size),
-        ("--hidden", args.hidden),
-    ):
-        if value < 1:
-            raise SystemExit(f"colibri demo: {name} must be >= 1 (got {value})")
-    progress = not args.no_progress
-    inter = demo_shape(args.file_size, args.layers, args.hidden)
-    path = ensure_weight_file(args.cache_dir, args.layers, args.hidden, inter, args.seed, progress)
-    file_bytes = path.stat().st_size
-    expert_bytes = 3 * inter * args.hidden * 2
-    budget = args.budget if args.budget is not None else file_bytes // 8
-    gates = _router_weights(args.layers, args.hidden, args.seed)
-    stream = _token_stream(args.tokens, args.hidden, args.seed)
-
-    partitions = [None] * args.layers
-    if args.partition is not None:
-        warmup = _token_stream(512, args.hidden, args.seed, draw=1)
-        partitions = _partitions(args.partition, gates, warmup)
-
-    process = psutil.Process()
-    rss_before = process.memory_info().rss
-    pager = colibri.Pager(
-        path, budget_bytes=budget, page_size_kb=args.page_size_kb, policy=args.policy
+    for name in ("layers", "hidden", "expert_intermediate", "vocab", "max_new_tokens",
+                 "batch_size"):  # fmt: skip
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise SystemExit(f"colibri demo: --{name.replace('_', '-')} must be >= 1 (got {value})")
+    shape = DemoShape(
+        layers=args.layers or 15,
+        hidden=args.hidden or 1024,
+        expert_intermediate=args.expert_intermediate,
+        vocab=args.vocab,
     )
-    with pager:
-        layers = [
-            colibri.MoELayer(
-                weight,
-                pager,
-                TOP_K,
-                layer=i,
-                gate_bias=bias,
-                activation="gelu_tanh",
-                num_threads=args.threads,
-                **({} if partition is None else {"partition": partition}),
-            )
-            for i, ((weight, bias), partition) in enumerate(zip(gates, partitions, strict=True))
-        ]
-        peak_rss = process.memory_info().rss
-        bar = _progress(args.tokens, "tokens", "tok", progress)
-        start = time.perf_counter()
-        for lo in range(0, args.tokens, args.batch_size):
-            h = stream[lo : lo + args.batch_size]
-            for layer in layers:
-                out = layer(h)
-                h = h + out
-                h = h / np.sqrt(np.mean(h * h, axis=1, keepdims=True) + 1e-6)  # RMS norm
-            peak_rss = max(peak_rss, process.memory_info().rss)
-            bar.update(len(h))
-        elapsed = time.perf_counter() - start
-        bar.close()
-        stats = pager.stats
-
-    print(
-        f"model     : {args.layers} layers x {NUM_EXPERTS} experts (top-{TOP_K}), "
-        f"H={args.hidden} I={inter} float16, {_mib(expert_bytes)} per expert"
-    )
-    print(f"file      : {path} ({_mib(file_bytes)})")
-    print(
-        f"budget    : {_mib(budget)} ({budget / file_bytes:.1%} of the file), "
-        f"policy {args.policy}, {args.page_size_kb} KiB pages, pool {_mib(stats.pool_bytes)}"
-        + (f", partition into {args.partition} groups" if args.partition else "")
-    )
-    print(
-        f"tokens/s  : {args.tokens / elapsed:,.1f} ({args.tokens} tokens in {elapsed:.2f} s, "
-        f"batch {args.batch_size})"
-    )
-    cached = (stats.hits - stats.prefetch_hits) / max(stats.hits + stats.misses, 1)
-    print(
-        f"hit rate  : {stats.hit_rate:.1%} ({stats.hits} hits, {stats.misses} misses; "
-        f"{cached:.1%} already cached, the rest read ahead while earlier experts ran)"
-    )
-    print(f"read/token: {_mib(stats.bytes_read / args.tokens)}")
-    print(
-        f"peak RSS  : {_mib(peak_rss)} (before paging {_mib(rss_before)}; "
-        f"growth {_mib(peak_rss - rss_before)} vs file {_mib(file_bytes)})"
-    )
+    start = time.perf_counter()
+    folder = ensure_checkpoint(args.cache_dir, shape, args.seed, not args.no_progress)
+    budget = args.budget if args.budget is not None else shape.expert_bytes // 8
+    args.model_dir, args.partition_file, args.topk_groups = str(folder), None, 1
+    learn = args.partition
+    args.partition = None
+    model, tokenizer = generate.load(args, budget)
+    try:
+        if learn:
+            model = _with_partitions(model, tokenizer, learn, args, budget)
+        print(generate.describe(model))
+        print(
+            f"checkpoint: {shape.layers} layers, {shape.num_experts} experts top-{shape.top_k}, "
+            f"hidden {shape.hidden}, expert intermediate {shape.expert_intermediate}, vocab "
+            f"{shape.vocab}; ready in {time.perf_counter() - start:.1f} s"
+            + (f"; Static Expert Partitioning into {learn} groups" if learn else "")
+        )
+        generate.generate(model, tokenizer, args)
+    finally:
+        model.colibri.close()
     return 0
+
+
+def _with_partitions(model, tokenizer, groups: int, args, budget: int):
+    from colibri.integrations.transformers import from_pretrained
+
+    partitions = _learn_partitions(model, tokenizer, groups)
+    model.colibri.close()
+    return from_pretrained(
+        args.model_dir, budget=budget, policy=args.policy, page_size_kb=args.page_size_kb,
+        prefetch=args.prefetch, num_threads=args.threads, partition=partitions, topk_groups=1,
+    )  # fmt: skip
+
+
+def _run_synthetic(args: argparse.Namespace) -> int:
+    from colibri import _synthetic_demo
+
+    parser = argparse.ArgumentParser()
+    _synthetic_demo.add_arguments(parser)
+    synthetic = parser.parse_args([])
+    for name in vars(synthetic):
+        value = getattr(args, name, None)
+        if value is not None:
+            setattr(synthetic, name, value)
+    synthetic.layers = args.layers or 4
+    synthetic.hidden = args.hidden or _synthetic_demo.HIDDEN
+    return _synthetic_demo.run(synthetic)
 
 
 def main(argv: list[str] | None = None) -> int:

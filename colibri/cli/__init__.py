@@ -9,6 +9,7 @@ import importlib
 COMMANDS = (
     ("info", "colibri.cli.info", "version, compiler, OpenMP, threads and SIMD paths"),
     ("demo", "colibri.demo", "run an MoE model larger than its memory budget"),
+    ("generate", "colibri.generate", "generate from an MoE checkpoint under a memory budget"),
     ("partition", "colibri.cli.partition", "build a partition from usage statistics"),
 )
 

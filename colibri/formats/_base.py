@@ -247,7 +247,7 @@ def check_extents(
 _PROJ = {
     "w1": "gate", "w3": "up", "w2": "down", "gate_proj": "gate", "up_proj": "up",
     "down_proj": "down", "gate": "gate", "up": "up", "down": "down", "gate_up_proj": "gate_up",
-    "gate_up": "gate_up",
+    "gate_up": "gate_up", "input_linear": "gate_up", "output_linear": "down",
 }  # fmt: skip
 _PER_EXPERT = re.compile(
     r"^(?:.*\.)?layers\.(\d+)\.(?:.*\.)?experts\.(\d+)\.(w1|w2|w3|gate_proj|up_proj|down_proj)"
@@ -256,6 +256,10 @@ _PER_EXPERT = re.compile(
 _STACKED_HF = re.compile(
     r"^(?:.*\.)?layers\.(\d+)\.(?:.*\.)?experts\.(gate_up_proj|gate_proj|up_proj|down_proj)"
     r"(?:\.weight)?$"
+)
+# GraniteMoE: block_sparse_moe.input_linear [E, 2I, H] (gate|up), output_linear [E, H, I].
+_STACKED_GRANITE = re.compile(
+    r"^(?:.*\.)?layers\.(\d+)\.block_sparse_moe\.(input_linear|output_linear)\.weight$"
 )
 _STACKED_GGUF = re.compile(r"^blk\.(\d+)\.ffn_(gate_up|gate|up|down)_exps(?:\.weight)?$")
 
@@ -272,7 +276,8 @@ def assemble_experts(
     Recognised names: per-expert ``...layers.N....experts.M.{w1,w2,w3,gate_proj,up_proj,
     down_proj}.weight`` (Mixtral, Qwen, DeepSeek); stacked ``...layers.N....experts.
     {gate_up_proj [E, 2I, H], gate_proj, up_proj [E, I, H], down_proj [E, H, I]}``
-    (transformers v5); GGUF ``blk.N.ffn_{gate,up,gate_up,down}_exps``. Shared experts
+    (transformers v5), GraniteMoE's ``block_sparse_moe.{input,output}_linear.weight``; GGUF
+    ``blk.N.ffn_{gate,up,gate_up,down}_exps``. Shared experts
     (``shared_expert(s)``, ``_shexp``) are not routed experts and are ignored.
     """
     parts: dict[tuple[int, int], dict[str, TensorRef]] = {}
@@ -293,7 +298,7 @@ def assemble_experts(
                 raise FormatError(f"{path}: expert tensor {name!r} must be 2-D (got {t.shape})")
             put(int(m[1]), int(m[2]), _PROJ[m[3]], _ref(t, name, t.offset, t.nbytes, t.shape))
             continue
-        m = _STACKED_HF.match(name) or _STACKED_GGUF.match(name)
+        m = _STACKED_HF.match(name) or _STACKED_GRANITE.match(name) or _STACKED_GGUF.match(name)
         if not m:
             continue
         if len(t.shape) != 3:

@@ -282,3 +282,23 @@ def randomise_routers(model: torch.nn.Module, router_names: list[str], seed: int
                     elif tensor.dim() == 2 and tensor.shape[0] < tensor.shape[1]:
                         fan_in = tensor.shape[1]
                         tensor.copy_(torch.randn(tensor.shape, generator=gen) * 2 / fan_in**0.5)
+
+
+CHARACTERS = " abcdefghijklmnopqrstuvwxyz.,!?'0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZ"
+
+
+def save_tokenizer(folder) -> None:
+    """A character-level tokenizer (ids 0-3 special, then :data:`CHARACTERS`, 73 in all) that
+    ``AutoTokenizer.from_pretrained(folder)`` loads: text for the tiny models' vocabularies."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<pad>", "<s>", "</s>", "<unk>"]
+    vocab = {t: i for i, t in enumerate(specials + list(CHARACTERS))}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>",
+        unk_token="<unk>",
+    ).save_pretrained(folder)  # fmt: skip

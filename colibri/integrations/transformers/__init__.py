@@ -51,8 +51,14 @@ except ImportError as err:  # pragma: no cover - transformers cannot run without
 __all__ = [
     "CHECKED_VERSION",
     "DIFFERENCES",
+    "CheckpointError",
+    "PagedExperts",
     "PatchedRouter",
+    "Paging",
+    "PredictionStats",
+    "UnsupportedCheckpointError",
     "UnsupportedRouterError",
+    "from_pretrained",
     "patch",
     "patched_routers",
     "supported_routers",
@@ -1034,3 +1040,14 @@ def _remove(module: Any) -> bool:
         return False
     module.__dict__.pop(state.kind.method, None)
     return True
+
+
+# Checkpoints bigger than memory (imported last: they build on the names above).
+from colibri.integrations.transformers._checkpoint import CheckpointError  # noqa: E402
+from colibri.integrations.transformers._paged import (  # noqa: E402
+    PagedExperts,
+    Paging,
+    PredictionStats,
+    UnsupportedCheckpointError,
+    from_pretrained,
+)

@@ -1,0 +1,110 @@
+"""``colibri generate MODEL_DIR --budget ...``: streams what the resident model generates."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+
+from _support.hf_families import build_model, randomise_routers, save_tokenizer  # noqa: E402
+from colibri.__main__ import main  # noqa: E402
+from colibri.integrations.transformers import patch, unpatch  # noqa: E402
+
+PROMPT = "hello world"
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("gen")
+    model = build_model("qwen3_moe")
+    randomise_routers(model, [r.name for r in patch(model)])
+    unpatch(model)
+    model.save_pretrained(folder, max_shard_size="20KB")
+    save_tokenizer(folder)
+    patch(model)
+    return folder, model
+
+
+def _reference(folder, model, new_tokens, batch=1):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    encoded = tokenizer([PROMPT] * batch, return_tensors="pt")
+    out = model.generate(**encoded, do_sample=False, max_new_tokens=new_tokens, pad_token_id=0)
+    return tokenizer.decode(out[0], skip_special_tokens=True)
+
+
+def test_generate_streams_the_resident_models_text(checkpoint, capsys):
+    folder, model = checkpoint
+    code = main(["generate", str(folder), "--budget", "48KiB", "--prompt", PROMPT,
+                 "--max-new-tokens", "8", "--page-size-kb", "4"])  # fmt: skip
+    captured = capsys.readouterr()
+    out = captured.out
+    assert code == 0, captured.err
+    lines = out.splitlines()
+    assert lines[0].startswith(str(folder)) and "2 MoE layers x 8 experts" in lines[0]
+    assert lines[1] == _reference(folder, model, 8)
+    assert re.search(r"prefill 11 tokens in [\d.]+ s \([\d.]+ tok/s\); decode 7 tokens", out)
+    assert re.search(r"hit rate [\d.]+%, [\d.]+ MiB read per decoded token", out)
+    assert re.search(r"prediction \(gate\) recall [\d.]+%", out)
+    assert re.search(
+        r"peak RSS [\d.]+ [MG]iB against a budget of [\d.]+ MiB for experts \+ [\d.]+ MiB of "
+        r"resident weights \(RssAnon [\d.]+ [MG]iB, RssFile [\d.]+ [MG]iB now\)",
+        out,
+    )
+
+
+def test_generate_options(checkpoint, capsys):
+    folder, model = checkpoint
+    from colibri import Partition
+
+    partition = folder.parent / "groups.json"
+    if not partition.exists():
+        Partition.contiguous(8, 2).save(partition)
+    code = main(["generate", str(folder), "--budget", "65536", "--prompt", PROMPT,
+                 "--max-new-tokens", "4", "--batch-size", "3", "--no-prefetch",
+                 "--policy", "fifo", "--threads", "1", "--page-size-kb", "4", "--no-stream",
+                 "--partition", str(partition), "--topk-groups", "1"])  # fmt: skip
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "decode 9 tokens" in out  # 3 sequences x 3 tokens after the first
+    assert "recall n/a (prefetch off)" in out and "0 experts prefetched" in out
+    assert "(fifo, 4 KiB pages)" in out
+
+
+def test_generate_refuses_a_broken_checkpoint(checkpoint, tmp_path, capsys):
+    import shutil
+
+    folder, _ = checkpoint
+    broken = tmp_path / "broken"
+    shutil.copytree(folder, broken)
+    config = json.loads((broken / "config.json").read_text())
+    config["hidden_size"] = 40
+    (broken / "config.json").write_text(json.dumps(config))
+    assert main(["generate", str(broken), "--budget", "1MiB", "--prompt", PROMPT]) == 2
+    err = capsys.readouterr().err
+    assert "colibri generate:" in err and "config.json" in err and "fix:" in err
+    with pytest.raises(SystemExit):
+        main(["generate", str(folder), "--budget", "lots"])
+    assert "budget must be a positive size" in capsys.readouterr().err
+
+
+def test_generate_as_a_program(checkpoint):
+    """The installed entry point, in a fresh process."""
+    folder, model = checkpoint
+    env = dict(os.environ, PYTHONWARNINGS="ignore")
+    result = subprocess.run(
+        [sys.executable, "-m", "colibri", "generate", str(folder), "--budget", "64KiB",
+         "--prompt", PROMPT, "--max-new-tokens", "5", "--page-size-kb", "4"],
+        capture_output=True, text=True, env=env, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines()[1] == _reference(folder, model, 5)
