@@ -261,8 +261,11 @@ class ExpertWeights:
     def __init__(self, layout: ExpertLayout, buffers) -> None:
         """``buffers``: the three matrices' bytes, ``uint8`` arrays in gate, up, down order."""
         self.layer, self.expert, self.layout = layout.layer, layout.expert, layout
+        gate, up, down = layout.matrices
         self.gate, self.up, self.down = (
-            ref.view(buf) for ref, buf in zip(layout.matrices, buffers, strict=True)
+            gate.view(buffers[0]),
+            up.view(buffers[1]),
+            down.view(buffers[2]),
         )
 
     @property
@@ -447,6 +450,7 @@ class _ReadIO(_IO):
         if populate:
             self.pool[::4096] = 0
         self.plans: dict[Key, list[tuple[str, int, int, int]]] = {}
+        self.relative: dict[Key, tuple[int, int, int]] = {}  # matrix offsets in a slot
 
     def _plan(self, key: Key) -> list[tuple[str, int, int, int]]:
         """Reads that fill a slot with gate|up|down: ``(path, file_offset, slot_offset,
@@ -479,11 +483,12 @@ class _ReadIO(_IO):
             base.release()
 
     def owners(self, slot, key):
-        at, out = slot.index * self.slot_bytes, []
-        for ref in self.experts[key].matrices:
-            out.append((self.pool, at))
-            at += ref.nbytes
-        return out
+        base, pool = slot.index * self.slot_bytes, self.pool
+        rel = self.relative.get(key)
+        if rel is None:
+            gate, up, _ = self.experts[key].matrices
+            rel = self.relative[key] = (0, gate.nbytes, gate.nbytes + up.nbytes)
+        return [(pool, base + r) for r in rel]
 
     def close(self, slots):
         self.reader.close()  # the pool lives on in the views that still use it
@@ -535,6 +540,7 @@ class _MapIO(_IO):
         self.tables = [_PageTable(-(-s // self.page_size), sharing) for s in self.sizes]
         self.window = max(1, _MAP_WINDOW // self.page_size)  # pages the kernel may map at once
         self.index = {p: i for i, p in enumerate(self.paths)}
+        self.where: dict[Key, list[tuple[int, int]]] = {}  # (file, offset) of each matrix
 
     def claim(self, slot, key):
         return sum(self.tables[f].hold(first, end) for f, first, end in self.spans[key])
@@ -568,8 +574,13 @@ class _MapIO(_IO):
         return freed
 
     def owners(self, slot, key):
-        index = self.index
-        return [(self.maps[index[r.path]].array, r.offset) for r in self.experts[key].matrices]
+        where = self.where.get(key)
+        if where is None:
+            where = self.where[key] = [
+                (self.index[r.path], r.offset) for r in self.experts[key].matrices
+            ]
+        maps = self.maps
+        return [(maps[f].array, offset) for f, offset in where]
 
     def close(self, slots):
         for m in self.maps:
@@ -1004,14 +1015,14 @@ class Pager:
         """Views of a ready slot's matrices; they own this call's pin."""
         layout = self.source.experts[slot.key]
         pin = _Pin(self._cache, slot)
+        owners = self._io.owners(slot, slot.key)
+        if any(owner is None for owner, _ in owners):
+            raise ValueError("this Pager was closed during the load")
         regions: dict[int, np.ndarray] = {}
         buffers = []
-        for ref, (owner, at) in zip(layout.matrices, self._io.owners(slot, slot.key),
-                                    strict=True):  # fmt: skip
-            if owner is None:
-                raise ValueError("this Pager was closed during the load")
+        for ref, (owner, at) in zip(layout.matrices, owners):  # noqa: B905 (3 and 3)
             whole = regions.get(id(owner))
-            if whole is None:
+            if whole is None:  # usually one region: the expert's owner holds all three
                 whole = regions[id(owner)] = np.asarray(_Region(owner, pin))
             buffers.append(whole[at : at + ref.nbytes])
         return ExpertWeights(layout, buffers)
