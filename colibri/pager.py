@@ -175,6 +175,12 @@ class PagerStats(LayerStats):
         """Bytes per second while reading."""
         return self.bytes_read / self.read_seconds if self.read_seconds else 0.0
 
+    @property
+    def bytes_paged_in(self) -> int:
+        """Bytes of the pages made resident (``pages_loaded * page_size``): the I/O unit;
+        above ``bytes_read`` by the parts of pages that hold no byte of the expert loaded."""
+        return self.pages_loaded * self.page_size
+
 
 def process_memory() -> tuple[int | None, int | None]:
     """``(RssFile, RssAnon)`` of this process in bytes (Linux), else ``(None, None)``."""
