@@ -14,7 +14,7 @@ Backends (``io=``):
     Every file is mapped read-only once; views are zero-copy arrays into the mapping (two
     processes serving one file share one copy in the page cache). The pager keeps one counter
     per page (a compact numpy array per file: how many resident experts use the page). Loading
-    an expert makes its new pages resident (``MADV_WILLNEED`` + ``MADV_POPULATE_READ``),
+    an expert makes its pages resident (``MADV_POPULATE_READ``; without it ``MADV_WILLNEED``),
     evicting it drops the pages no other resident expert uses (``MADV_DONTNEED``), so a page
     shared by two experts is released with the last of them. The kernel may map more than
     asked (it maps whole large folios of the page cache, up to 2 MiB, on a fault); right after
