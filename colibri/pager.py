@@ -245,10 +245,10 @@ class _Region:
 
     __slots__ = ("__array_interface__", "_owner", "_pin")
 
-    def __init__(self, owner: np.ndarray, pin: _Pin) -> None:
+    def __init__(self, owner: np.ndarray, address: int, pin: _Pin) -> None:
         self._owner, self._pin = owner, pin
         self.__array_interface__ = {
-            "data": (owner.ctypes.data, True),  # read-only
+            "data": (address, True),  # read-only; ``owner.ctypes.data``, known beforehand
             "shape": (owner.nbytes,),
             "typestr": "|u1",
             "version": 3,
@@ -430,7 +430,8 @@ class _IO:
     def release(self, slot: _Slot, key: Key) -> int:
         raise NotImplementedError
 
-    def owners(self, slot: _Slot, key: Key) -> list[tuple[np.ndarray, int]]:
+    def owners(self, slot: _Slot, key: Key) -> list[tuple[np.ndarray, int, int]]:
+        """``(owner array, its address, byte offset in it)`` of gate, up and down."""
         raise NotImplementedError
 
     def close(self, slots: list[_Slot]) -> None:
@@ -453,6 +454,7 @@ class _ReadIO(_IO):
             self.reader.close()
             raise
         self.pool = np.zeros(num_slots * slot_bytes, dtype=np.uint8)  # calloc: lazily committed
+        self.address = self.pool.ctypes.data
         if populate:
             self.pool[::4096] = 0
         self.plans: dict[Key, list[tuple[str, int, int, int]]] = {}
@@ -494,7 +496,7 @@ class _ReadIO(_IO):
         if rel is None:
             gate, up, _ = self.experts[key].matrices
             rel = self.relative[key] = (0, gate.nbytes, gate.nbytes + up.nbytes)
-        return [(pool, base + r) for r in rel]
+        return [(pool, self.address, base + r) for r in rel]
 
     def close(self, slots):
         self.reader.close()  # the pool lives on in the views that still use it
@@ -586,7 +588,7 @@ class _MapIO(_IO):
                 (self.index[r.path], r.offset) for r in self.experts[key].matrices
             ]
         maps = self.maps
-        return [(maps[f].array, offset) for f, offset in where]
+        return [(maps[f].array, maps[f].address, offset) for f, offset in where]
 
     def close(self, slots):
         for m in self.maps:
@@ -648,7 +650,7 @@ class _ViewIO(_IO):
         for ref in self.experts[key].matrices:
             for m in slot.io:
                 if m.path == ref.path and m.offset <= ref.offset <= m.offset + m.length:
-                    out.append((m.array, ref.offset - m.offset))
+                    out.append((m.array, m.address, ref.offset - m.offset))
                     break
         return out
 
@@ -796,6 +798,8 @@ class Pager:
             for key, layout in self.source.experts.items()
         }
         self._files = {key: {f for f, _, _ in spans} for key, spans in self._spans.items()}
+        self._all_files = set(range(len(self.source.files)))
+        self._single_file = len(self._all_files) == 1
         most = max(sum(end - first for _, first, end in s) for s in self._spans.values())
         slot_bytes = max(most, 1) * self.page_size
         num_slots = self.budget_bytes // slot_bytes
@@ -910,6 +914,9 @@ class Pager:
             self.source.layout(*key)  # KeyError naming the valid range
         return keys
 
+    def _step_files(self, keys: list[Key]) -> set[int]:
+        return set().union(*(self._files[k] for k in keys))
+
     def _check_open(self) -> None:
         if self._cache.closed:
             raise ValueError("this Pager is closed")
@@ -1022,14 +1029,14 @@ class Pager:
         layout = self.source.experts[slot.key]
         pin = _Pin(self._cache, slot)
         owners = self._io.owners(slot, slot.key)
-        if any(owner is None for owner, _ in owners):
-            raise ValueError("this Pager was closed during the load")
         regions: dict[int, np.ndarray] = {}
         buffers = []
-        for ref, (owner, at) in zip(layout.matrices, owners):  # noqa: B905 (3 and 3)
-            whole = regions.get(id(owner))
+        for ref, (owner, address, at) in zip(layout.matrices, owners):  # noqa: B905 (3 and 3)
+            whole = regions.get(address)
             if whole is None:  # usually one region: the expert's owner holds all three
-                whole = regions[id(owner)] = np.asarray(_Region(owner, pin))
+                if owner is None:
+                    raise ValueError("this Pager was closed during the load")
+                whole = regions[address] = np.asarray(_Region(owner, address, pin))
             buffers.append(whole[at : at + ref.nbytes])
         return ExpertWeights(layout, buffers)
 
@@ -1070,7 +1077,7 @@ class Pager:
                 f"load(): {len(keys)} unique experts requested but the budget holds "
                 f"{self.capacity} ({self.slot_bytes} bytes each); raise budget_bytes"
             )
-        self._io.check(set().union(*(self._files[k] for k in keys)))
+        self._io.check(self._all_files if self._single_file else self._step_files(keys))
         cache = self._cache
         step = set(keys)
         ready: list[_Slot] = []
