@@ -142,14 +142,20 @@ def policy_traces(tokens):
     return out
 
 
-def bench_policies(tokens):
+def bench_policies(tokens, saved=()):
     budgets = (0.125, 0.25, 0.5)
     print("## Cache policies against Belady (offline replay, hit %)\n")
     print("budget = share of all experts held; `vs LRU` = best and worst margin of each policy")
     print("over LRU across the budgets (points); hot learns its counts from another draw.\n")
     gaps = {p: [] for p in POLICIES}
     margins = {p: [] for p in POLICIES}
-    for name, (trace, earlier, total) in policy_traces(tokens).items():
+    traces = policy_traces(tokens)
+    for path in saved:  # e.g. recorded from a real checkpoint with Pager(record_trace=True)
+        trace = Trace.load(path)
+        half = len(trace.steps) // 2  # hot learns from the first half
+        keys = {(layer, e) for layer, ids in trace.steps for e in ids}
+        traces[f"saved {os.path.basename(path)}"] = (trace, Trace(trace.steps[:half]), len(keys))
+    for name, (trace, earlier, total) in traces.items():
         print(f"### {name}\n")
         print("| budget | slots | " + " | ".join(POLICIES) + " | Belady |")
         print("|---|---|" + "---|" * (len(POLICIES) + 1))
@@ -371,12 +377,82 @@ def bench_share(folder, quick):
     print()
 
 
+def svg_plot(curves, path, title, xlabel="budget (% of all experts)", ylabel="hit %"):
+    """A line chart of ``{name: [(x, y), ...]}`` as a stand-alone SVG (no plotting library)."""
+    w, h, left, right, top, bottom = 640, 400, 56, 120, 36, 48
+    xs = [x for pts in curves.values() for x, _ in pts]
+    x0, x1, y0, y1 = min(xs), max(xs), 0.0, 100.0
+    colours = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2",
+               "#000000"]  # fmt: skip
+
+    def px(x, y):
+        return (left + (x - x0) / (x1 - x0) * (w - left - right),
+                h - bottom - (y - y0) / (y1 - y0) * (h - top - bottom))  # fmt: skip
+
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" '
+           'font-family="sans-serif" font-size="12">',
+           '<rect width="100%" height="100%" fill="white"/>',
+           f'<text x="{w / 2}" y="20" text-anchor="middle">{title}</text>']  # fmt: skip
+    for y in range(0, 101, 20):
+        a, b = px(x0, y), px(x1, y)
+        out.append(f'<line x1="{a[0]:.1f}" y1="{a[1]:.1f}" x2="{b[0]:.1f}" y2="{b[1]:.1f}" '
+                   'stroke="#ddd"/>')  # fmt: skip
+        out.append(f'<text x="{a[0] - 6:.1f}" y="{a[1] + 4:.1f}" text-anchor="end">{y}</text>')
+    for x in sorted(set(xs)):
+        a = px(x, 0)
+        out.append(f'<text x="{a[0]:.1f}" y="{a[1] + 16:.1f}" text-anchor="middle">{x:g}</text>')
+    out.append(f'<text x="{(left + w - right) / 2}" y="{h - 10}" text-anchor="middle">'
+               f"{xlabel}</text>")  # fmt: skip
+    out.append(f'<text x="14" y="{h / 2}" transform="rotate(-90 14 {h / 2})" '
+               f'text-anchor="middle">{ylabel}</text>')  # fmt: skip
+    for i, (name, pts) in enumerate(curves.items()):
+        colour = colours[i % len(colours)]
+        line = " ".join(f"{px(x, y)[0]:.1f},{px(x, y)[1]:.1f}" for x, y in pts)
+        dash = ' stroke-dasharray="6 3"' if name == "Belady" else ""
+        out.append(f'<polyline points="{line}" fill="none" stroke="{colour}" '
+                   f'stroke-width="2"{dash}/>')  # fmt: skip
+        ly = top + 16 * i + 8
+        out.append(f'<line x1="{w - right + 10}" y1="{ly}" x2="{w - right + 30}" y2="{ly}" '
+                   f'stroke="{colour}" stroke-width="2"{dash}/>')  # fmt: skip
+        out.append(f'<text x="{w - right + 36}" y="{ly + 4}">{name}</text>')
+    out.append("</svg>")
+    with open(path, "w") as f:
+        f.write("\n".join(out) + "\n")
+
+
+def plot_policies(tokens, folder):
+    """Hit rate against budget, every policy and Belady, for two traces: ``*.svg``."""
+    traces = policy_traces(tokens)
+    fracs = (0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.6)
+    for name, slug in (("generator noise=1.0 seq=256", "generator"),
+                       ("topic HMM 4 layers x 26, top-2", "topic")):  # fmt: skip
+        trace, earlier, total = traces[name]
+        widest = max(len(ids) for _, ids in trace)
+        curves = {p: [] for p in (*POLICIES, "Belady")}
+        for frac in fracs:
+            capacity = max(int(frac * total), widest)
+            for p in POLICIES:
+                opts = {"counts": earlier.counts()} if p == "hot" else {}
+                curves[p].append((100 * frac, 100 * replay(trace, capacity, p, **opts).hit_rate))
+            curves["Belady"].append((100 * frac, 100 * belady(trace, capacity).hit_rate))
+        path = os.path.join(folder, f"pager_policies_{slug}.svg")
+        svg_plot(curves, path, f"Hit rate against budget: {name}")
+        print(f"wrote {path}")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, default=1000, help="tokens in the replay traces")
     ap.add_argument("--quick", action="store_true", help="tiny run for smoke testing")
     ap.add_argument("--section", choices=("io", "share", "policies"), action="append")
     ap.add_argument("--dir", default=None, help="where to write the weight files (kept)")
+    ap.add_argument(
+        "--trace",
+        action="append",
+        default=[],
+        help="a saved colibri Trace (JSON) to add to the policy tables",
+    )
+    ap.add_argument("--plot", metavar="DIR", help="write hit rate / budget SVG charts to DIR")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
@@ -384,7 +460,7 @@ def main():
         return
     if args.quick:
         args.tokens = 100
-    sections = args.section or ["io", "share", "policies"]
+    sections = args.section or ([] if args.plot else ["io", "share", "policies"])
     folder = args.dir or tempfile.mkdtemp(prefix="colibri-bench-")
     print(
         f"python {sys.version.split()[0]}, numpy {np.__version__}, backends {IO_BACKENDS}, "
@@ -395,7 +471,9 @@ def main():
     if "share" in sections:
         bench_share(folder, args.quick)
     if "policies" in sections:
-        bench_policies(args.tokens)
+        bench_policies(args.tokens, args.trace)
+    if args.plot:
+        plot_policies(args.tokens, args.plot)
 
 
 if __name__ == "__main__":

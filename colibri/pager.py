@@ -14,7 +14,7 @@ Backends (``io=``):
     Every file is mapped read-only once; views are zero-copy arrays into the mapping (two
     processes serving one file share one copy in the page cache). The pager keeps one counter
     per page (a compact numpy array per file: how many resident experts use the page). Loading
-    an expert makes its new pages resident (``MADV_WILLNEED`` + ``MADV_POPULATE_READ``),
+    an expert makes its pages resident (``MADV_POPULATE_READ``; without it ``MADV_WILLNEED``),
     evicting it drops the pages no other resident expert uses (``MADV_DONTNEED``), so a page
     shared by two experts is released with the last of them. The kernel may map more than
     asked (it maps whole large folios of the page cache, up to 2 MiB, on a fault); right after
@@ -175,6 +175,12 @@ class PagerStats(LayerStats):
         """Bytes per second while reading."""
         return self.bytes_read / self.read_seconds if self.read_seconds else 0.0
 
+    @property
+    def bytes_paged_in(self) -> int:
+        """Bytes of the pages made resident (``pages_loaded * page_size``): the I/O unit;
+        above ``bytes_read`` by the parts of pages that hold no byte of the expert loaded."""
+        return self.pages_loaded * self.page_size
+
 
 def process_memory() -> tuple[int | None, int | None]:
     """``(RssFile, RssAnon)`` of this process in bytes (Linux), else ``(None, None)``."""
@@ -239,10 +245,10 @@ class _Region:
 
     __slots__ = ("__array_interface__", "_owner", "_pin")
 
-    def __init__(self, owner: np.ndarray, pin: _Pin) -> None:
+    def __init__(self, owner: np.ndarray, address: int, pin: _Pin) -> None:
         self._owner, self._pin = owner, pin
         self.__array_interface__ = {
-            "data": (owner.ctypes.data, True),  # read-only
+            "data": (address, True),  # read-only; ``owner.ctypes.data``, known beforehand
             "shape": (owner.nbytes,),
             "typestr": "|u1",
             "version": 3,
@@ -261,8 +267,11 @@ class ExpertWeights:
     def __init__(self, layout: ExpertLayout, buffers) -> None:
         """``buffers``: the three matrices' bytes, ``uint8`` arrays in gate, up, down order."""
         self.layer, self.expert, self.layout = layout.layer, layout.expert, layout
+        gate, up, down = layout.matrices
         self.gate, self.up, self.down = (
-            ref.view(buf) for ref, buf in zip(layout.matrices, buffers, strict=True)
+            gate.view(buffers[0]),
+            up.view(buffers[1]),
+            down.view(buffers[2]),
         )
 
     @property
@@ -421,7 +430,8 @@ class _IO:
     def release(self, slot: _Slot, key: Key) -> int:
         raise NotImplementedError
 
-    def owners(self, slot: _Slot, key: Key) -> list[tuple[np.ndarray, int]]:
+    def owners(self, slot: _Slot, key: Key) -> list[tuple[np.ndarray, int, int]]:
+        """``(owner array, its address, byte offset in it)`` of gate, up and down."""
         raise NotImplementedError
 
     def close(self, slots: list[_Slot]) -> None:
@@ -444,9 +454,11 @@ class _ReadIO(_IO):
             self.reader.close()
             raise
         self.pool = np.zeros(num_slots * slot_bytes, dtype=np.uint8)  # calloc: lazily committed
+        self.address = self.pool.ctypes.data
         if populate:
             self.pool[::4096] = 0
         self.plans: dict[Key, list[tuple[str, int, int, int]]] = {}
+        self.relative: dict[Key, tuple[int, int, int]] = {}  # matrix offsets in a slot
 
     def _plan(self, key: Key) -> list[tuple[str, int, int, int]]:
         """Reads that fill a slot with gate|up|down: ``(path, file_offset, slot_offset,
@@ -479,11 +491,12 @@ class _ReadIO(_IO):
             base.release()
 
     def owners(self, slot, key):
-        at, out = slot.index * self.slot_bytes, []
-        for ref in self.experts[key].matrices:
-            out.append((self.pool, at))
-            at += ref.nbytes
-        return out
+        base, pool = slot.index * self.slot_bytes, self.pool
+        rel = self.relative.get(key)
+        if rel is None:
+            gate, up, _ = self.experts[key].matrices
+            rel = self.relative[key] = (0, gate.nbytes, gate.nbytes + up.nbytes)
+        return [(pool, self.address, base + r) for r in rel]
 
     def close(self, slots):
         self.reader.close()  # the pool lives on in the views that still use it
@@ -535,6 +548,7 @@ class _MapIO(_IO):
         self.tables = [_PageTable(-(-s // self.page_size), sharing) for s in self.sizes]
         self.window = max(1, _MAP_WINDOW // self.page_size)  # pages the kernel may map at once
         self.index = {p: i for i, p in enumerate(self.paths)}
+        self.where: dict[Key, list[tuple[int, int]]] = {}  # (file, offset) of each matrix
 
     def claim(self, slot, key):
         return sum(self.tables[f].hold(first, end) for f, first, end in self.spans[key])
@@ -568,8 +582,13 @@ class _MapIO(_IO):
         return freed
 
     def owners(self, slot, key):
-        index = self.index
-        return [(self.maps[index[r.path]].array, r.offset) for r in self.experts[key].matrices]
+        where = self.where.get(key)
+        if where is None:
+            where = self.where[key] = [
+                (self.index[r.path], r.offset) for r in self.experts[key].matrices
+            ]
+        maps = self.maps
+        return [(maps[f].array, maps[f].address, offset) for f, offset in where]
 
     def close(self, slots):
         for m in self.maps:
@@ -631,7 +650,7 @@ class _ViewIO(_IO):
         for ref in self.experts[key].matrices:
             for m in slot.io:
                 if m.path == ref.path and m.offset <= ref.offset <= m.offset + m.length:
-                    out.append((m.array, ref.offset - m.offset))
+                    out.append((m.array, m.address, ref.offset - m.offset))
                     break
         return out
 
@@ -779,6 +798,8 @@ class Pager:
             for key, layout in self.source.experts.items()
         }
         self._files = {key: {f for f, _, _ in spans} for key, spans in self._spans.items()}
+        self._all_files = set(range(len(self.source.files)))
+        self._single_file = len(self._all_files) == 1
         most = max(sum(end - first for _, first, end in s) for s in self._spans.values())
         slot_bytes = max(most, 1) * self.page_size
         num_slots = self.budget_bytes // slot_bytes
@@ -893,6 +914,9 @@ class Pager:
             self.source.layout(*key)  # KeyError naming the valid range
         return keys
 
+    def _step_files(self, keys: list[Key]) -> set[int]:
+        return set().union(*(self._files[k] for k in keys))
+
     def _check_open(self) -> None:
         if self._cache.closed:
             raise ValueError("this Pager is closed")
@@ -1004,15 +1028,15 @@ class Pager:
         """Views of a ready slot's matrices; they own this call's pin."""
         layout = self.source.experts[slot.key]
         pin = _Pin(self._cache, slot)
+        owners = self._io.owners(slot, slot.key)
         regions: dict[int, np.ndarray] = {}
         buffers = []
-        for ref, (owner, at) in zip(layout.matrices, self._io.owners(slot, slot.key),
-                                    strict=True):  # fmt: skip
-            if owner is None:
-                raise ValueError("this Pager was closed during the load")
-            whole = regions.get(id(owner))
-            if whole is None:
-                whole = regions[id(owner)] = np.asarray(_Region(owner, pin))
+        for ref, (owner, address, at) in zip(layout.matrices, owners):  # noqa: B905 (3 and 3)
+            whole = regions.get(address)
+            if whole is None:  # usually one region: the expert's owner holds all three
+                if owner is None:
+                    raise ValueError("this Pager was closed during the load")
+                whole = regions[address] = np.asarray(_Region(owner, address, pin))
             buffers.append(whole[at : at + ref.nbytes])
         return ExpertWeights(layout, buffers)
 
@@ -1053,7 +1077,7 @@ class Pager:
                 f"load(): {len(keys)} unique experts requested but the budget holds "
                 f"{self.capacity} ({self.slot_bytes} bytes each); raise budget_bytes"
             )
-        self._io.check(set().union(*(self._files[k] for k in keys)))
+        self._io.check(self._all_files if self._single_file else self._step_files(keys))
         cache = self._cache
         step = set(keys)
         ready: list[_Slot] = []

@@ -335,6 +335,7 @@ def test_faults_and_rss_in_the_stats(weights):
         s = pager.stats
         assert s.minor_faults + s.major_faults > 0
         assert s.per_layer[0].pages_loaded == 8 * EXPERT // 4096 == s.resident_pages
+        assert s.bytes_paged_in == s.bytes_read == 8 * EXPERT  # aligned: no partial page
         assert s.rss_file >= s.resident_pages * 4096 and s.rss_anon > 0
 
 
