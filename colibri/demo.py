@@ -76,7 +76,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--policy", default="lru", choices=("fifo", "lru", "lfu", "lrfu", "nextuse"),
         help="pager cache policy (default: lru)",
     )  # fmt: skip
-    parser.add_argument("--threads", type=int, default=None, help="torch and routing threads")
+    parser.add_argument(
+        "--threads", type=int, default=1,
+        help="torch and routing threads (default 1: the other core reads experts ahead; two "
+        "torch threads ran 6x slower here when other work shared the cores)",
+    )  # fmt: skip
     parser.add_argument("--batch-size", type=int, default=1, help="sequences (tokens) per step")
     parser.add_argument(
         "--partition", type=int, nargs="?", const=4, default=None, metavar="G",

@@ -285,6 +285,13 @@ def test_bfloat16_checkpoint(tmp_path):
     ids = _inputs(9)
     got, want = _logits(model, ids).float(), _logits(ref, ids).float()
     torch.testing.assert_close(got, want, rtol=2**-7, atol=2**-7 * want.abs().max().item())
+    # run in float32 on the same bytes: each expert converted on use, the float32 math of the
+    # resident model with the same (bf16) values
+    wide = from_pretrained(tmp_path, budget=_two_experts(ref), page_size_kb=4, dtype="float32")
+    same = build_model("qwen3_moe")  # float32, its own float32 rotary tables
+    same.load_state_dict(ref.state_dict())
+    patch(same)
+    torch.testing.assert_close(_logits(wide, ids), _logits(same, ids), rtol=0, atol=1e-5)
 
 
 def test_parse_size():
