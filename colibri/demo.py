@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from colibri._synthetic_demo import parse_size
+from colibri.generate import _policy_names
 
 __all__ = ["DemoShape", "add_arguments", "ensure_checkpoint", "parse_size", "run"]
 
@@ -73,8 +74,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--page-size-kb", type=int, default=64, help="pager page size (KiB)")
     parser.add_argument(
-        "--policy", default="lru", choices=("fifo", "lru", "lfu", "lrfu", "nextuse"),
-        help="pager cache policy (default: lru)",
+        "--policy", default="adaptive", choices=_policy_names(),
+        help="pager cache policy (default: adaptive)",
     )  # fmt: skip
     parser.add_argument(
         "--threads", type=int, default=1,

@@ -25,6 +25,13 @@ def _size(text: str) -> int:
         raise argparse.ArgumentTypeError(str(exc).replace("from_pretrained(): ", "")) from None
 
 
+def _policy_names() -> tuple[str, ...]:
+    """The cache policies a run can start with ("hot" needs saved usage counts)."""
+    from colibri.policies import POLICIES
+
+    return tuple(name for name in POLICIES if name != "hot")
+
+
 def _positive(text: str) -> int:
     try:
         value = int(text)
@@ -51,9 +58,9 @@ def add_arguments(parser: argparse.ArgumentParser, *, model: bool = True) -> Non
     )
     parser.add_argument(
         "--policy",
-        default="lru",
-        choices=("fifo", "lru", "lfu", "lrfu", "nextuse"),
-        help="pager cache policy (default: lru)",
+        default="adaptive",
+        choices=_policy_names(),
+        help="pager cache policy (default: adaptive)",
     )
     parser.add_argument("--page-size-kb", type=int, default=64, help="pager page size (KiB)")
     parser.add_argument("--threads", type=_positive, default=None, help="torch and routing threads")

@@ -566,7 +566,7 @@ def from_pretrained(
     path,
     *,
     budget: int | str,
-    policy: str = "lru",
+    policy: str = "adaptive",
     page_size_kb: int = 64,
     prefetch: str = "gate",
     num_threads: int | None = None,
@@ -588,7 +588,8 @@ def from_pretrained(
         Most bytes of expert weights held in memory at once (``805306368``, ``"768MiB"``,
         ``"3GiB"``); everything else of the model is resident on top of it.
     policy : str
-        The pager's cache policy (``"lru"``, ``"fifo"``, ``"lfu"``, ``"lrfu"``, ...).
+        The pager's cache policy (``"adaptive"``, the pager's default, ``"lru"``, ``"fifo"``,
+        ``"lrfu"``, ...).
     page_size_kb : int
         The pager's page size (a power of two >= 4).
     prefetch : str
