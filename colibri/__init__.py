@@ -23,6 +23,7 @@ except ImportError as _exc:  # pragma: no cover - what a user of the unbuilt tre
         "development, `pip install --no-build-isolation -e .` builds it in place "
         "(README, Develop)."
     ) from _exc
+from colibri._errors import ColibriError, FormatError
 from colibri.config import Config
 from colibri.dispatch import DispatchPlan, combine, dispatch, gather
 from colibri.layer import ExpertFFN, InMemoryExperts, MoELayer
@@ -48,10 +49,12 @@ def get_include() -> str:
 
 __all__ = [
     "BudgetError",
+    "ColibriError",
     "Config",
     "Context",
     "DispatchPlan",
     "ExpertFFN",
+    "FormatError",
     "InMemoryExperts",
     "MoELayer",
     "Pager",

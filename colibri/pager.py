@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from colibri._errors import ColibriError
 from colibri.config import check_page_size_kb
 from colibri.formats import WeightSource, open_weights
 from colibri.formats._base import ExpertLayout
@@ -51,7 +52,7 @@ Key = tuple[int, int]
 _EMPTY, _LOADING, _READY, _FAILED = 0, 1, 2, 3
 
 
-class BudgetError(MemoryError):
+class BudgetError(ColibriError, MemoryError):
     """The budget cannot hold what a call needs (too small, or every slot pinned by views)."""
 
 

@@ -172,7 +172,7 @@ def test_trace_save_load(tmp_path):
     trace.save(tmp_path / "t.json")
     assert Trace.load(tmp_path / "t.json").steps == trace.steps
     (tmp_path / "bad.json").write_text('{"nope": 1}')
-    with pytest.raises(ValueError, match="not a colibri trace"):
+    with pytest.raises(ValueError, match="'steps' is missing"):
         Trace.load(tmp_path / "bad.json")
 
 
