@@ -104,8 +104,7 @@ def parse(data: bytes, source: str, *, what: str, max_depth: int = MAX_DEPTH) ->
         raise FormatError(f"{source}: {what} is not UTF-8 JSON ({error})") from None
     if _depth_exceeds(data, max_depth):
         raise FormatError(
-            f"{source}: {what} nests deeper than {max_depth} levels; the file is corrupt or "
-            "hostile"
+            f"{source}: {what} nests deeper than {max_depth} levels; the file is corrupt or hostile"
         )
 
     def unique(pairs: list[tuple[str, Any]]) -> dict[str, Any]:

@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import json
 import os
+import struct
 import zipfile
+import zlib
 from collections.abc import Iterable
 
 import numpy as np
@@ -383,9 +385,10 @@ def _read_npz(name: str) -> dict:
                 fields = {key: npz[key] for key in npz.files}
     except FormatError:
         raise
-    except (OSError, zipfile.BadZipFile, EOFError, ValueError) as error:
-        if isinstance(error, FileNotFoundError):
-            raise
+    except FileNotFoundError:
+        raise
+    except (OSError, zipfile.BadZipFile, EOFError, ValueError, zlib.error, struct.error,
+            NotImplementedError) as error:  # fmt: skip
         raise FormatError(f"{name}: not a readable .npz archive ({error})") from None
     for key in ("format", "version"):
         if key in fields:

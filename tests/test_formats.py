@@ -226,8 +226,9 @@ def test_handcrafted_safetensors_is_valid(tmp_path):
          bytes(24), r"shape\[0\]' must be an integer >= 0"),
         (lambda h: h["model.layers.0.mlp.experts.0.gate_proj.weight"].update(
             data_offsets=[8, 0]), bytes(24), "begin <= end"),
-        (lambda h: h.pop("model.layers.0.mlp.experts.0.down_proj.weight"), bytes(24),
+        (lambda h: h.pop("model.layers.0.mlp.experts.0.down_proj.weight"), bytes(16),
          "lacks its down"),
+        (lambda h: h, bytes(25), "without holes"),  # a byte after the last tensor
     ],
 )  # fmt: skip
 def test_corrupt_safetensors_headers(tmp_path, mutate, data, match):

@@ -90,6 +90,17 @@ def read_header(path: str) -> dict[str, TensorInfo]:
                 "or its header is corrupt"
             )
         tensors[name] = TensorInfo(name, path, start + begin, end - begin, dtype, tuple(shape))
+    covered = 0  # the format forbids holes (no polyglot files): tensors tile the data section
+    for t in sorted(tensors.values(), key=lambda t: (t.offset, t.nbytes)):
+        if t.offset - start != covered:
+            break
+        covered += t.nbytes
+    if covered != size - start:
+        raise FormatError(
+            f"{path}: the tensors' data_offsets must tile the data section [0, {size - start}) "
+            f"without holes or overlaps, as the safetensors format requires (they cover [0, "
+            f"{covered}) then leave a gap or overlap); the file is truncated or corrupt"
+        )
     check_extents(path, size, start, tensors.values())
     return tensors
 
