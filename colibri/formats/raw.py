@@ -39,6 +39,7 @@ __all__ = ["RawWriter", "manifest_path", "open_raw", "write_experts"]
 FORMAT_NAME = "colibri-experts"
 FORMAT_VERSION = 1
 _PROJS = ("gate", "up", "down")
+_TOKEN_BYTES = 16
 _QUANT_NAME = re.compile(r"[A-Z][A-Z0-9_]{0,15}")
 
 
@@ -122,19 +123,25 @@ class RawWriter:
         ``check(tmp_path, entries)``, when given, runs on the finished temporary file before
         anything is renamed; if it raises, nothing is published and the temporary is removed.
         """
-        self._file.flush()
-        os.fsync(self._file.fileno())
-        self._file.close()
-        if check is not None:
-            try:
+        # The data ends with a random token the manifest repeats: the two files are published by
+        # two renames, and a process killed between them must not pair new data with an old
+        # manifest unnoticed (open_raw compares the tokens).
+        token = os.urandom(_TOKEN_BYTES)
+        try:
+            self._file.write(token)
+            self._file.flush()
+            os.fsync(self._file.fileno())
+            self._file.close()
+            if check is not None:
                 check(self._tmp, self._entries)
-            except BaseException:
-                self.abort()
-                raise
+        except BaseException:
+            self.abort()
+            raise
         manifest = {
             "format": FORMAT_NAME, "version": FORMAT_VERSION,
-            "data": os.path.basename(self.path), "data_bytes": self._offset,
-            "alignment": self.alignment, "metadata": self.metadata, "experts": self._entries,
+            "data": os.path.basename(self.path), "data_bytes": self._offset + _TOKEN_BYTES,
+            "token": token.hex(), "alignment": self.alignment, "metadata": self.metadata,
+            "experts": self._entries,
         }  # fmt: skip
         fd, tmp_manifest = temporary_beside(self.manifest)
         created = False
@@ -158,8 +165,9 @@ class RawWriter:
     def abort(self) -> None:
         """Drop the temporary file; the final paths are left untouched."""
         if not self._file.closed:
-            self._file.close()
-        if os.path.exists(self._tmp):
+            with contextlib.suppress(OSError):  # a full disk fails the last flush as well
+                self._file.close()
+        with contextlib.suppress(FileNotFoundError):
             os.unlink(self._tmp)
 
     def __enter__(self) -> RawWriter:
@@ -297,5 +305,15 @@ def open_raw(path: str | os.PathLike) -> WeightSource:
     if not experts:
         raise _fail(mpath, "the manifest lists no experts")
     check_extents(dpath, size, 0, tensors)
+    if "token" in manifest:  # written by RawWriter.commit at the end of the data
+        token = _json.string(manifest["token"], mpath, "token")
+        with open(dpath, "rb") as f:
+            f.seek(max(size - _TOKEN_BYTES, 0))
+            tail = f.read(_TOKEN_BYTES).hex()
+        if tail != token:
+            raise _fail(
+                dpath, "does not end with the token its manifest names: data and manifest come "
+                "from different writes (an overwrite was interrupted); write the file again"
+            )  # fmt: skip
     meta = _json.mapping(manifest.get("metadata") or {}, mpath, "metadata")
     return WeightSource("colibri-raw", (dpath,), experts, meta)
