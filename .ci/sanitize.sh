@@ -29,7 +29,7 @@ fi
 
 export ASAN_OPTIONS="detect_leaks=0:halt_on_error=1:abort_on_error=1:strict_string_checks=1:detect_stack_use_after_return=1"
 export UBSAN_OPTIONS="halt_on_error=1:print_stacktrace=1"
-export HYPOTHESIS_PROFILE=sanitize  # tests/conftest.py: fewer examples (each is slower here)
+export COLIBRI_FUZZ_EXAMPLES="${COLIBRI_FUZZ_EXAMPLES:-40}"  # tests/test_fuzz.py: fewer, slower here
 # pytest from the repository root imports the installed, instrumented colibri (importlib mode)
 LD_PRELOAD="$libasan" pytest -q -p no:cacheprovider \
   tests/test_routing.py tests/test_dlpack.py tests/test_dispatch.py tests/test_pager.py \

@@ -25,6 +25,7 @@ from typing import Any
 from colibri._errors import FormatError
 
 __all__ = [
+    "INT32_MAX",
     "INT64_MAX",
     "MAX_BYTES",
     "MAX_DEPTH",
@@ -44,6 +45,8 @@ MAX_BYTES = 100 * 1024 * 1024
 #: Deepest nesting accepted; colibri's own files nest at most 4 levels.
 MAX_DEPTH = 32
 INT64_MAX = (1 << 63) - 1
+#: Largest layer or expert index (ids are int32).
+INT32_MAX = (1 << 31) - 1
 
 _STRINGS = re.compile(rb'"(?:[^"\\]|\\.)*"', re.DOTALL)
 _INNERMOST = re.compile(rb"\[\]|\{\}")

@@ -25,7 +25,6 @@ __all__ = ["FidelityReport", "Partition", "evaluate", "fidelity"]
 _FORMAT = "colibri.Partition"
 _VERSION = 1
 _UNBOUNDED = np.iinfo(np.int64).max // 4  # a load cap that never binds
-_MAX_EXPERTS = (1 << 31) - 1  # expert ids are int32
 
 
 def _count(value: object, name: str, where: str) -> int:
@@ -315,7 +314,7 @@ class Partition:
             groups = _json.sequence(_json.field(document, "groups", name), name, "groups")
             listed = 0
             for i, group in enumerate(groups):
-                listed += len(_json.int_list(group, name, f"groups[{i}]", hi=_MAX_EXPERTS))
+                listed += len(_json.int_list(group, name, f"groups[{i}]", hi=_json.INT32_MAX))
             stored_e = _json.field(document, "num_experts", name, required=False)
             if stored_e is not None and _json.integer(stored_e, name, "num_experts") != listed:
                 raise ValueError(

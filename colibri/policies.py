@@ -46,7 +46,6 @@ __all__ = [
 ]
 
 Key = tuple[int, int]
-_MAX_ID = (1 << 31) - 1  # layers and expert ids are int32
 
 
 class CachePolicy:
@@ -425,8 +424,8 @@ class Trace:
         steps = _json.sequence(_json.field(data, "steps", name), name, "steps")
         for i, step in enumerate(steps):
             layer, ids = _json.sequence(step, name, f"steps[{i}]", min_len=2, max_len=2)
-            _json.integer(layer, name, f"steps[{i}][0]", hi=_MAX_ID)
-            _json.int_list(ids, name, f"steps[{i}][1]", hi=_MAX_ID)
+            _json.integer(layer, name, f"steps[{i}][0]", hi=_json.INT32_MAX)
+            _json.int_list(ids, name, f"steps[{i}][1]", hi=_json.INT32_MAX)
         return cls(steps)
 
 

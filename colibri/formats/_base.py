@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from colibri._errors import FormatError
-from colibri._json import MAX_BYTES
+from colibri._json import INT32_MAX, MAX_BYTES
 
 __all__ = [
     "ExpertLayout",
@@ -35,7 +35,7 @@ __all__ = [
 #: Largest JSON header or manifest colibri agrees to parse (safetensors uses the same bound).
 MAX_HEADER_BYTES = MAX_BYTES
 #: Largest layer or expert index a file may name (ids are int32).
-MAX_INDEX = (1 << 31) - 1
+MAX_INDEX = INT32_MAX
 
 #: Element sizes in bytes of the dtypes a layout may name (safetensors spelling).
 DTYPE_SIZES: dict[str, int] = {
