@@ -309,7 +309,7 @@ def test_sigkill_leaves_old_or_new(tmp_path, writer):
 @pytest.mark.slow
 @pytest.mark.parametrize("writer", sorted(WRITERS))
 def test_sigkill_leaves_old_or_new_long(tmp_path, writer):
-    _check_after_kills(writer, str(tmp_path), rounds=25, seed=7)
+    _check_after_kills(writer, str(tmp_path), rounds=12, seed=7)
 
 
 def test_sigkill_during_the_demos_first_write(tmp_path):

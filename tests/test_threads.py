@@ -5,6 +5,7 @@ the test instead of hanging it), and the only exceptions allowed are documented 
 from __future__ import annotations
 
 import collections
+import sys
 import threading
 
 import numpy as np
@@ -60,12 +61,17 @@ class Crew:
         self.threads.append(threading.Thread(target=run, name=name, daemon=True))
 
     def run(self, seconds: float):
-        for thread in self.threads:
-            thread.start()
-        self.stop.wait(seconds)
-        self.stop.set()
-        for thread in self.threads:
-            thread.join(JOIN)
+        interval = sys.getswitchinterval()
+        sys.setswitchinterval(1e-6)  # switch threads often: races show up in seconds
+        try:
+            for thread in self.threads:
+                thread.start()
+            self.stop.wait(seconds)
+            self.stop.set()
+            for thread in self.threads:
+                thread.join(JOIN)
+        finally:
+            sys.setswitchinterval(interval)
         alive = [t.name for t in self.threads if t.is_alive()]
         assert not alive, f"deadlock: {alive} still running {JOIN} s after the stop"
         if self.errors:
