@@ -10,7 +10,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 work="$(mktemp -d "${TMPDIR:-/tmp}/colibri-sanitize.XXXXXX")"
-trap 'rm -rf "$work"' EXIT
+# sanitizer reports go to files (pytest's output capture would swallow them on an abort)
+trap 'cat "$work"/sanitizer.* >&2 2>/dev/null || true; rm -rf "$work"' EXIT
 python3 -m venv "$work/venv"
 # shellcheck disable=SC1091
 source "$work/venv/bin/activate"
@@ -27,8 +28,8 @@ if [[ ! -e "$libasan" ]]; then
   exit 2
 fi
 
-export ASAN_OPTIONS="detect_leaks=0:halt_on_error=1:abort_on_error=1:strict_string_checks=1:detect_stack_use_after_return=1"
-export UBSAN_OPTIONS="halt_on_error=1:print_stacktrace=1"
+export ASAN_OPTIONS="detect_leaks=0:halt_on_error=1:abort_on_error=1:strict_string_checks=1:detect_stack_use_after_return=1:log_path=$work/sanitizer"
+export UBSAN_OPTIONS="halt_on_error=1:print_stacktrace=1:log_path=$work/sanitizer"
 export COLIBRI_FUZZ_EXAMPLES="${COLIBRI_FUZZ_EXAMPLES:-40}"  # tests/test_fuzz.py: fewer, slower here
 # pytest from the repository root imports the installed, instrumented colibri (importlib mode).
 # The peak-RSS test is left out: ASan's shadow memory and quarantine are resident memory too.
