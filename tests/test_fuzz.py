@@ -7,7 +7,7 @@ a round trip) or raise colibri's documented error: ``FormatError`` for files, ``
 crash kills it (run under ``.ci/sanitize.sh`` for memory errors that do not crash).
 
 The default suite runs ``COLIBRI_FUZZ_EXAMPLES`` (default 150) examples per target; the
-``slow`` twins run 8 times as many. The inputs generated are counted per target and printed
+``slow`` twins run 4 times as many. The inputs generated are counted per target and printed
 at the end of the session.
 """
 
@@ -43,7 +43,7 @@ torch = pytest.importorskip("torch")
 gguf = pytest.importorskip("gguf")
 
 FAST = int(os.environ.get("COLIBRI_FUZZ_EXAMPLES", "150"))
-SLOW = 8 * FAST
+SLOW = 4 * FAST
 COUNTS: collections.Counter[str] = collections.Counter()
 _TMP = tempfile.mkdtemp(prefix="colibri-fuzz-")
 
