@@ -25,6 +25,7 @@ except ImportError as _exc:  # pragma: no cover - what a user of the unbuilt tre
         "development, `pip install --no-build-isolation -e .` builds it in place "
         "(README, Develop)."
     ) from _exc
+from colibri._errors import ColibriError, FormatError
 from colibri.dispatch import DispatchPlan, combine, dispatch, gather
 from colibri.layer import ExpertFFN, InMemoryExperts, MoELayer
 from colibri.pager import BudgetError, FileChangedError, Pager
@@ -51,11 +52,13 @@ def get_include() -> str:
 
 __all__ = [
     "BudgetError",
+    "ColibriError",
     "Config",
     "Context",
     "DispatchPlan",
     "ExpertFFN",
     "FileChangedError",
+    "FormatError",
     "InMemoryExperts",
     "MoELayer",
     "Pager",

@@ -3,13 +3,20 @@
 An interrupted write leaves either the old file or nothing at the destination, never a half
 file. Without ``overwrite`` an existing destination is refused, also when it appears while the
 temporary file is being written (the final step is a hard link, which fails on an existing
-name; on file systems without hard links it falls back to a checked rename).
+name; on file systems without hard links it falls back to a checked rename). The new file is
+flushed to disk before it is published, and (``write_atomically``) the folder after.
+
+Temporaries are hidden files named ``.<name>.<host>.<pid>.<random>.tmp``. A process killed
+mid-write (``SIGKILL``, power loss) cannot remove its own; the next write of the same file
+removes those whose process is gone (same host, POSIX).
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import re
+import socket
 import tempfile
 from collections.abc import Callable
 from typing import BinaryIO
@@ -34,6 +41,7 @@ def write_atomically(
             file.flush()
             os.fsync(file.fileno())
         publish(temporary, path, overwrite=overwrite)
+        _sync_folder(path)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(temporary)
@@ -47,9 +55,52 @@ def refuse_existing(path: str, overwrite: bool) -> None:
 
 
 def temporary_beside(path: str) -> tuple[int, str]:
-    """A new temporary file in ``path``'s folder (same file system): ``(fd, name)``."""
+    """A new temporary file in ``path``'s folder (same file system): ``(fd, name)``.
+
+    Temporaries of ``path`` left by dead processes of this host are removed first.
+    """
     folder = os.path.dirname(os.path.abspath(path))
-    return tempfile.mkstemp(dir=folder, prefix="." + os.path.basename(path) + ".", suffix=".tmp")
+    base = os.path.basename(path)
+    _sweep(folder, base)
+    return tempfile.mkstemp(dir=folder, prefix=f".{base}.{_host()}.{os.getpid()}.", suffix=".tmp")
+
+
+def _host() -> str:
+    return re.sub(r"[^A-Za-z0-9-]", "-", socket.gethostname())[:32] or "host"
+
+
+def _sweep(folder: str, base: str) -> None:
+    """Remove ``folder``'s temporaries of ``base`` whose writer (this host) no longer runs."""
+    if os.name != "posix":  # os.kill(pid, 0) would terminate the process on Windows
+        return
+    pattern = re.compile(re.escape(f".{base}.{_host()}.") + r"(\d+)\.[^.]+\.tmp")
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return
+    for name in names:
+        match = pattern.fullmatch(name)
+        if match is None:
+            continue
+        try:
+            os.kill(int(match[1]), 0)
+        except ProcessLookupError:  # its writer is gone: the file can never be published
+            with contextlib.suppress(OSError):
+                os.unlink(os.path.join(folder, name))
+        except (PermissionError, OverflowError):  # alive (another user's) or not a pid
+            pass
+
+
+def _sync_folder(path: str) -> None:
+    """Flush the folder entry of a just-published ``path`` (POSIX; a no-op elsewhere)."""
+    if os.name != "posix":
+        return
+    with contextlib.suppress(OSError):
+        fd = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 def publish(temporary: str, path: str, *, overwrite: bool) -> None:

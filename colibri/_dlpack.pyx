@@ -14,7 +14,8 @@ from cpython.pycapsule cimport (PyCapsule_CheckExact, PyCapsule_GetPointer, PyCa
 from cpython.exc cimport PyErr_Clear, PyErr_SetString
 from cpython.long cimport PyLong_AsVoidPtr
 from cpython.ref cimport Py_DECREF
-from libc.stdint cimport int64_t, uintptr_t
+from libc.stdint cimport (INT64_MAX, INT64_MIN, PTRDIFF_MAX, UINTPTR_MAX, int64_t, uint64_t,
+                          uintptr_t)
 
 import numpy as np
 
@@ -118,7 +119,10 @@ cdef class HostTensor:
         cdef int64_t n = 1
         cdef int i
         for i in range(self.ndim):
-            n *= self.dims[i]
+            if self.dims[i] == 0:
+                return 0  # before multiplying: the other dimensions' product may not fit
+        for i in range(self.ndim):
+            n *= self.dims[i]  # fits: _fill checked it
         return n
 
     cdef bint span(self, char **lo, char **hi) noexcept:
@@ -189,22 +193,45 @@ cdef int _fill(HostTensor t, DLTensor *dl, str what) except -1:
                           "it first (torch: .cpu(), jax: jax.device_get, cupy: .get())")
     if dl.ndim < 0 or dl.ndim > MAX_NDIM:
         raise ValueError(f"{what}: ndim={dl.ndim} is out of range (at most {MAX_NDIM})")
+    if dl.ndim > 0 and dl.shape == NULL:
+        raise ValueError(f"{what}: DLPack tensor has ndim={dl.ndim} but a NULL shape")
     t.dtype = <DType>_dl_dtype(dl.dtype, what)
     t.itemsize = _ITEMSIZE[t.dtype]
     t.ndim = dl.ndim
     cdef int i
-    cdef int64_t step = 1
+    cdef int64_t step = 1, count = 1, extent = 0, reach
+    cdef bint empty = False
     for i in range(dl.ndim):
         if dl.shape[i] < 0:
             raise ValueError(f"{what}: negative dimension {dl.shape[i]} in DLPack shape")
         t.dims[i] = dl.shape[i]
+        empty = empty or dl.shape[i] == 0
+    for i in range(dl.ndim):  # checked: the element count and the byte extent fit in int64
+        if not empty and count > (INT64_MAX // t.itemsize) // t.dims[i]:
+            raise ValueError(f"{what}: DLPack shape {t.shape} holds more than 2**63 bytes")
+        count *= t.dims[i]
     if dl.strides == NULL:
         for i in range(dl.ndim - 1, -1, -1):
             t.steps[i] = step
-            step *= t.dims[i]
+            if t.dims[i] and step > INT64_MAX // t.dims[i]:
+                step = 0  # past a zero dimension (the count is checked): no element addressed
+            else:
+                step *= t.dims[i]
     else:
         for i in range(dl.ndim):
             t.steps[i] = dl.strides[i]
+            if empty or t.dims[i] < 2:
+                continue
+            reach = (INT64_MAX // t.itemsize - extent) // (t.dims[i] - 1)
+            if dl.strides[i] == INT64_MIN or -reach > dl.strides[i] or dl.strides[i] > reach:
+                strides = tuple([dl.strides[j] for j in range(dl.ndim)])
+                raise ValueError(f"{what}: DLPack strides {strides} with shape {t.shape} span "
+                                 "more than 2**63 bytes")
+            extent += (dl.strides[i] if dl.strides[i] > 0 else -dl.strides[i]) * (t.dims[i] - 1)
+    if dl.byte_offset > <uint64_t>PTRDIFF_MAX or (
+            dl.data != NULL and dl.byte_offset > UINTPTR_MAX - <uintptr_t>dl.data):
+        raise ValueError(f"{what}: DLPack byte_offset {dl.byte_offset} points past the end of "
+                         "the address space")
     t.data = <char *>dl.data + dl.byte_offset if dl.data != NULL else NULL
     if t.data == NULL and t.size() != 0:
         raise BufferError(f"{what}: DLPack tensor has a NULL data pointer")

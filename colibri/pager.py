@@ -62,6 +62,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from colibri._errors import ColibriError
 from colibri._validate import check_page_size_kb
 from colibri.formats import WeightSource, open_weights
 from colibri.formats._base import ExpertLayout
@@ -115,7 +116,7 @@ _MAP_WINDOW = _pmd_bytes()
 _VIEW_GRANULARITY = mmap.ALLOCATIONGRANULARITY
 
 
-class BudgetError(MemoryError):
+class BudgetError(ColibriError, MemoryError):
     """The budget cannot hold what a call needs (too small, or every slot pinned by views)."""
 
 

@@ -545,13 +545,24 @@ class Trace:
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> Trace:
-        """Read a trace written by :meth:`save`."""
-        with open(path) as f:
-            data = json.load(f)
-        try:
-            return cls((int(layer), ids) for layer, ids in data["steps"])
-        except (KeyError, TypeError, ValueError) as exc:
-            raise ValueError(f"{path}: not a colibri trace ({exc})") from None
+        """Read a trace written by :meth:`save`.
+
+        Raises
+        ------
+        FormatError
+            (a ``ValueError``) The file is not strict JSON or not ``{"steps": [[layer, [ids]],
+            ...]}`` with non-negative int32 layers and ids; the message names the step.
+        """
+        from colibri import _json
+
+        name = os.fspath(path)
+        data = _json.mapping(_json.load(name, what="the trace"), name, "the trace")
+        steps = _json.sequence(_json.field(data, "steps", name), name, "steps")
+        for i, step in enumerate(steps):
+            layer, ids = _json.sequence(step, name, f"steps[{i}]", min_len=2, max_len=2)
+            _json.integer(layer, name, f"steps[{i}][0]", hi=_json.INT32_MAX)
+            _json.int_list(ids, name, f"steps[{i}][1]", hi=_json.INT32_MAX)
+        return cls(steps)
 
 
 @dataclass(frozen=True)

@@ -98,7 +98,7 @@ def test_sharded_safetensors_with_index(tmp_path):
 
     weight_map[next(iter(weight_map))] = "../escape.safetensors"
     index.write_text(json.dumps({"weight_map": weight_map}))
-    with pytest.raises(FormatError, match="shards must be plain file names"):
+    with pytest.raises(FormatError, match="must be a plain file name"):
         open_weights(index)
 
 
@@ -213,21 +213,22 @@ def test_handcrafted_safetensors_is_valid(tmp_path):
 @pytest.mark.parametrize(
     ("mutate", "data", "match"),
     [
-        (lambda h: h, bytes(10), "outside the data section"),  # truncated data
+        (lambda h: h, bytes(10), "inside the data section"),  # truncated data
         (lambda h: h["model.layers.0.mlp.experts.0.up_proj.weight"].update(data_offsets=[4, 12]),
          bytes(24), "overlap"),
         (lambda h: h["model.layers.0.mlp.experts.0.down_proj.weight"].update(
-            data_offsets=[1 << 40, (1 << 40) + 8]), bytes(24), "outside the data section"),
+            data_offsets=[1 << 40, (1 << 40) + 8]), bytes(24), "inside the data section"),
         (lambda h: h["model.layers.0.mlp.experts.0.gate_proj.weight"].update(dtype="F32"),
          bytes(24), "needs 16"),
         (lambda h: h["model.layers.0.mlp.experts.0.gate_proj.weight"].update(dtype="Q9"),
-         bytes(24), "unknown dtype"),
+         bytes(24), "dtype' must be one of F64"),
         (lambda h: h["model.layers.0.mlp.experts.0.gate_proj.weight"].update(shape=[-2, 2]),
-         bytes(24), "invalid shape"),
+         bytes(24), r"shape\[0\]' must be an integer >= 0"),
         (lambda h: h["model.layers.0.mlp.experts.0.gate_proj.weight"].update(
-            data_offsets=[8, 0]), bytes(24), "invalid data_offsets"),
-        (lambda h: h.pop("model.layers.0.mlp.experts.0.down_proj.weight"), bytes(24),
+            data_offsets=[8, 0]), bytes(24), "begin <= end"),
+        (lambda h: h.pop("model.layers.0.mlp.experts.0.down_proj.weight"), bytes(16),
          "lacks its down"),
+        (lambda h: h, bytes(25), "without holes"),  # a byte after the last tensor
     ],
 )  # fmt: skip
 def test_corrupt_safetensors_headers(tmp_path, mutate, data, match):
@@ -262,7 +263,7 @@ def test_huge_header_is_refused_before_reading(tmp_path):
 @pytest.mark.parametrize("blob", [b"\xff\xfe not json", b"[1, 2, 3]", b'{"a": 1'])
 def test_non_json_header(tmp_path, blob):
     path = raw_safetensors(tmp_path / "a.safetensors", blob, bytes(8))
-    with pytest.raises(FormatError, match="JSON"):
+    with pytest.raises(FormatError, match="JSON|must be an object"):
         open_weights(path)
 
 
@@ -319,7 +320,7 @@ def test_raw_manifest_attacks(tmp_path):
     attempt(bad, "file name next to the manifest")
     bad = json.loads(json.dumps(manifest))
     bad["experts"][0]["matrices"]["down"]["offset"] = -5
-    attempt(bad, "malformed")
+    attempt(bad, r"'experts\[0\]\.matrices\.down\.offset' must be an integer >= 0")
     (tmp_path / "x.colibri.json").write_bytes(b"\x00garbage")
     with pytest.raises(FormatError, match="not valid JSON"):
         open_weights(path)

@@ -185,7 +185,7 @@ def test_trace_save_load(tmp_path):
     trace.save(tmp_path / "t.json")
     assert Trace.load(tmp_path / "t.json").steps == trace.steps
     (tmp_path / "bad.json").write_text('{"nope": 1}')
-    with pytest.raises(ValueError, match="not a colibri trace"):
+    with pytest.raises(ValueError, match="'steps' is missing"):
         Trace.load(tmp_path / "bad.json")
 
 
@@ -346,6 +346,7 @@ def test_truncated_file_names_the_file_and_pager_recovers(io, tmp_path, weights)
             f.truncate(size)
         with pytest.raises(FileChangedError, match="modified|size"):  # same size, new mtime
             pager.load(0, [0])
+    path = write_experts(tmp_path / "t.colibri", experts, overwrite=True)  # whole again
     source = open_weights(path)  # validated at its full size
     with open(path, "r+b") as f:
         f.truncate(size - 4096)

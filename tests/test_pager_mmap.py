@@ -49,7 +49,8 @@ def make_experts(layers, experts, inter, hidden, seed=0):
 def weights(tmp_path_factory):
     experts = make_experts(L, E, I, H)
     path = write_experts(tmp_path_factory.mktemp("m") / "experts.colibri", experts)
-    assert os.path.getsize(path) == L * E * EXPERT  # a whole number of 64 KiB pages
+    # experts fill whole 64 KiB pages; the writer's 16-byte token follows the last one
+    assert os.path.getsize(path) == L * E * EXPERT + 16
     return path, experts
 
 

@@ -9,6 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from colibri import FormatError
 from colibri.partition import Partition, evaluate, fidelity
 from colibri.routing import UsageStats
 
@@ -277,10 +278,16 @@ def test_save_load_round_trip(tmp_path):
         ({"format": "colibri.Partition", "version": 1, "groups": [[0], [2]]}, "out of range"),
         (
             {"format": "colibri.Partition", "version": 1, "num_experts": 3, "groups": [[0], [1]]},
-            "no group",
+            "'num_experts' is 3 but the groups list 2",
         ),
-        ({"format": "colibri.Partition", "version": 1, "groups": [[0, 0.5]]}, "ints"),
-        ({"format": "colibri.Partition", "version": 1, "groups": {"a": 1}}, "list of lists"),
+        (
+            {"format": "colibri.Partition", "version": 1, "groups": [[0, 0.5]]},
+            r"'groups\[0\]\[1\]' must be an integer",
+        ),
+        (
+            {"format": "colibri.Partition", "version": 1, "groups": {"a": 1}},
+            "'groups' must be a list",
+        ),
         ({"format": "colibri.Partition", "version": 2, "groups": [[0]]}, "version"),
         ({"groups": [[0]]}, "not a colibri partition"),
         ([1, 2], "not a colibri partition"),
@@ -289,7 +296,7 @@ def test_save_load_round_trip(tmp_path):
 def test_invalid_files_name_the_file(tmp_path, document, message):
     path = tmp_path / "bad.json"
     path.write_text(json.dumps(document))
-    with pytest.raises(ValueError, match=rf"bad\.json: invalid partition: .*{message}"):
+    with pytest.raises(FormatError, match=rf"bad\.json: (invalid partition: )?.*{message}"):
         Partition.load(path)
 
 

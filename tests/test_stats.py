@@ -177,7 +177,7 @@ def test_corrupt_files_name_the_file(tmp_path):
     with pytest.raises(ValueError, match="'counts' is missing"):
         UsageStats.load(path)
     write({**document, "counts": [1.5, 2, 1]})
-    with pytest.raises(ValueError, match="integers"):
+    with pytest.raises(ValueError, match=r"'counts\[0\]' must be an integer"):
         UsageStats.load(path)
     write({**document, "coactivation": [[1, 1], [1, 2, 1]]})
     with pytest.raises(ValueError, match="square"):

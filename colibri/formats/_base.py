@@ -17,6 +17,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from colibri._errors import FormatError
+from colibri._json import INT32_MAX, MAX_BYTES
+
 __all__ = [
     "ExpertLayout",
     "FormatError",
@@ -30,7 +33,9 @@ __all__ = [
 ]
 
 #: Largest JSON header or manifest colibri agrees to parse (safetensors uses the same bound).
-MAX_HEADER_BYTES = 100 * 1024 * 1024
+MAX_HEADER_BYTES = MAX_BYTES
+#: Largest layer or expert index a file may name (ids are int32).
+MAX_INDEX = INT32_MAX
 
 #: Element sizes in bytes of the dtypes a layout may name (safetensors spelling).
 DTYPE_SIZES: dict[str, int] = {
@@ -43,10 +48,6 @@ _NUMPY_DTYPES = {
     "I16": np.int16, "I8": np.int8, "U64": np.uint64, "U32": np.uint32, "U16": np.uint16,
     "U8": np.uint8, "BOOL": np.bool_,
 }  # fmt: skip
-
-
-class FormatError(ValueError):
-    """A weight file or manifest is corrupt, truncated, malicious or not understood."""
 
 
 def numpy_dtype(name: str) -> np.dtype:
@@ -264,6 +265,16 @@ _STACKED_GRANITE = re.compile(
 _STACKED_GGUF = re.compile(r"^blk\.(\d+)\.ffn_(gate_up|gate|up|down)_exps(?:\.weight)?$")
 
 
+def _index(path: str, name: str, value: int | str) -> int:
+    """A layer or expert index read from a tensor name, bounded by :data:`MAX_INDEX`."""
+    if isinstance(value, str) and len(value) > 10 or int(value) > MAX_INDEX:
+        raise FormatError(
+            f"{path}: tensor {name!r} names index {str(value)[:20]}, more than the "
+            f"{MAX_INDEX} allowed"
+        )
+    return int(value)
+
+
 def _ref(t: TensorInfo, name: str, offset: int, nbytes: int, shape) -> TensorRef:
     return TensorRef(name, t.path, offset, nbytes, t.dtype, tuple(int(d) for d in shape))
 
@@ -282,7 +293,8 @@ def assemble_experts(
     """
     parts: dict[tuple[int, int], dict[str, TensorRef]] = {}
 
-    def put(layer: int, expert: int, proj: str, ref: TensorRef) -> None:
+    def put(layer: int | str, expert: int | str, proj: str, ref: TensorRef) -> None:
+        layer, expert = (_index(path, ref.name, v) for v in (layer, expert))
         slot = parts.setdefault((layer, expert), {})
         if proj in slot:
             raise FormatError(
@@ -294,17 +306,19 @@ def assemble_experts(
     for name, t in tensors.items():
         m = _PER_EXPERT.match(name)
         if m:
-            if len(t.shape) != 2:
-                raise FormatError(f"{path}: expert tensor {name!r} must be 2-D (got {t.shape})")
-            put(int(m[1]), int(m[2]), _PROJ[m[3]], _ref(t, name, t.offset, t.nbytes, t.shape))
+            if len(t.shape) != 2 or 0 in t.shape:
+                raise FormatError(
+                    f"{path}: expert tensor {name!r} must be 2-D and not empty (got {t.shape})"
+                )
+            put(m[1], m[2], _PROJ[m[3]], _ref(t, name, t.offset, t.nbytes, t.shape))
             continue
         m = _STACKED_HF.match(name) or _STACKED_GRANITE.match(name) or _STACKED_GGUF.match(name)
         if not m:
             continue
-        if len(t.shape) != 3:
+        if len(t.shape) != 3 or 0 in t.shape:
             raise FormatError(
-                f"{path}: stacked expert tensor {name!r} must be 3-D [E, rows, cols] "
-                f"(got {list(t.shape)})"
+                f"{path}: stacked expert tensor {name!r} must be 3-D [E, rows, cols] and not "
+                f"empty (got {list(t.shape)})"
             )
         num, rows, _ = t.shape
         stride = t.row_bytes() * rows
@@ -316,10 +330,10 @@ def assemble_experts(
             if proj == "gate_up":
                 half = stride // 2
                 shape = (rows // 2, t.shape[2])
-                put(int(m[1]), e, "gate", _ref(t, f"{name}[{e}][:I]", base, half, shape))
-                put(int(m[1]), e, "up", _ref(t, f"{name}[{e}][I:]", base + half, half, shape))
+                put(m[1], e, "gate", _ref(t, f"{name}[{e}][:I]", base, half, shape))
+                put(m[1], e, "up", _ref(t, f"{name}[{e}][I:]", base + half, half, shape))
             else:
-                put(int(m[1]), e, proj, _ref(t, f"{name}[{e}]", base, stride, t.shape[1:]))
+                put(m[1], e, proj, _ref(t, f"{name}[{e}]", base, stride, t.shape[1:]))
 
     experts = {}
     for (layer, expert), slot in sorted(parts.items()):

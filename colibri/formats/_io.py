@@ -40,6 +40,8 @@ import threading
 
 import numpy as np
 
+from colibri._errors import ColibriError
+
 __all__ = ["FileChangedError", "FileMap", "FileReader", "check_same", "identity"]
 
 _HAS_PREAD = hasattr(os, "pread")
@@ -71,7 +73,7 @@ def _libc_madvise():
 _MADVISE = _libc_madvise()
 
 
-class FileChangedError(OSError):
+class FileChangedError(ColibriError, OSError):
     """A weight file was truncated, replaced, deleted or modified while a Pager used it."""
 
 

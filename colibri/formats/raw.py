@@ -14,14 +14,16 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 from collections.abc import Iterable, Mapping
 
 import numpy as np
 
+from colibri import _json
 from colibri._atomic_file import publish, refuse_existing, temporary_beside
 from colibri.formats._base import (
     DTYPE_SIZES,
-    MAX_HEADER_BYTES,
+    MAX_INDEX,
     ExpertLayout,
     FormatError,
     TensorInfo,
@@ -37,6 +39,8 @@ __all__ = ["RawWriter", "manifest_path", "open_raw", "write_experts"]
 FORMAT_NAME = "colibri-experts"
 FORMAT_VERSION = 1
 _PROJS = ("gate", "up", "down")
+_TOKEN_BYTES = 16
+_QUANT_NAME = re.compile(r"[A-Z][A-Z0-9_]{0,15}")
 
 
 def manifest_path(path: str | os.PathLike) -> str:
@@ -119,19 +123,25 @@ class RawWriter:
         ``check(tmp_path, entries)``, when given, runs on the finished temporary file before
         anything is renamed; if it raises, nothing is published and the temporary is removed.
         """
-        self._file.flush()
-        os.fsync(self._file.fileno())
-        self._file.close()
-        if check is not None:
-            try:
+        # The data ends with a random token the manifest repeats: the two files are published by
+        # two renames, and a process killed between them must not pair new data with an old
+        # manifest unnoticed (open_raw compares the tokens).
+        token = os.urandom(_TOKEN_BYTES)
+        try:
+            self._file.write(token)
+            self._file.flush()
+            os.fsync(self._file.fileno())
+            self._file.close()
+            if check is not None:
                 check(self._tmp, self._entries)
-            except BaseException:
-                self.abort()
-                raise
+        except BaseException:
+            self.abort()
+            raise
         manifest = {
             "format": FORMAT_NAME, "version": FORMAT_VERSION,
-            "data": os.path.basename(self.path), "data_bytes": self._offset,
-            "alignment": self.alignment, "metadata": self.metadata, "experts": self._entries,
+            "data": os.path.basename(self.path), "data_bytes": self._offset + _TOKEN_BYTES,
+            "token": token.hex(), "alignment": self.alignment, "metadata": self.metadata,
+            "experts": self._entries,
         }  # fmt: skip
         fd, tmp_manifest = temporary_beside(self.manifest)
         created = False
@@ -155,8 +165,9 @@ class RawWriter:
     def abort(self) -> None:
         """Drop the temporary file; the final paths are left untouched."""
         if not self._file.closed:
-            self._file.close()
-        if os.path.exists(self._tmp):
+            with contextlib.suppress(OSError):  # a full disk fails the last flush as well
+                self._file.close()
+        with contextlib.suppress(FileNotFoundError):
             os.unlink(self._tmp)
 
     def __enter__(self) -> RawWriter:
@@ -211,73 +222,98 @@ def _fail(path: str, why: str) -> FormatError:
     return FormatError(f"{path}: {why}")
 
 
+def _matrix(m: object, mpath: str, key: str, dpath: str, name: str) -> TensorInfo:
+    m = _json.mapping(m, mpath, key)
+    get = {f: _json.field(m, f, mpath, f"{key}.") for f in ("dtype", "shape", "offset", "nbytes")}
+    dtype = _json.string(get["dtype"], mpath, f"{key}.dtype")
+    shape = _json.int_list(get["shape"], mpath, f"{key}.shape", min_len=2, max_len=2)
+    offset = _json.integer(get["offset"], mpath, f"{key}.offset")
+    nbytes = _json.integer(get["nbytes"], mpath, f"{key}.nbytes")
+    block = (1, 0)
+    if dtype not in DTYPE_SIZES:  # a GGUF quantization stored as raw blocks, one per row
+        if not _QUANT_NAME.fullmatch(dtype):
+            raise _fail(mpath, f"{key + '.dtype'!r} must be a safetensors or GGUF dtype name "
+                        f"(got {_json.show(dtype)})")  # fmt: skip
+        rows = shape[0]
+        if rows == 0 or nbytes % rows:
+            raise _fail(mpath, f"{key + '.nbytes'!r} must be a whole number of the {rows} rows "
+                        f"of a quantized matrix (got {nbytes})")  # fmt: skip
+        block = (shape[1], nbytes // rows)
+    return TensorInfo(name, dpath, offset, nbytes, dtype, tuple(shape), block)
+
+
 def open_raw(path: str | os.PathLike) -> WeightSource:
     """Open a raw file from its data path or its manifest path; validate every entry."""
     path = os.path.abspath(os.fspath(path))
     mpath = path if path.endswith(".json") else manifest_path(path)
-    if file_size(mpath) > MAX_HEADER_BYTES:
-        raise _fail(mpath, f"manifest larger than {MAX_HEADER_BYTES} bytes")
-    try:
-        with open(mpath, "rb") as f:
-            manifest = json.loads(f.read().decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise _fail(mpath, f"the manifest is not valid JSON ({exc})") from None
+    file_size(mpath)  # FileNotFoundError naming the path
+    manifest = _json.load(mpath, what="the manifest")
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT_NAME:
         raise _fail(mpath, f'not a colibri manifest (no "format": "{FORMAT_NAME}")')
     if manifest.get("version") != FORMAT_VERSION:
-        raise _fail(mpath, f"manifest version {manifest.get('version')!r} is not supported")
-    data = manifest.get("data")
-    if not isinstance(data, str) or os.path.basename(data) != data or data in ("", ".", ".."):
-        raise _fail(mpath, f"'data' must be a file name next to the manifest (got {data!r})")
+        raise _fail(
+            mpath, f"'version' must be {FORMAT_VERSION} (got {_json.show(manifest.get('version'))})"
+        )
+    data = _json.string(_json.field(manifest, "data", mpath), mpath, "data")
+    if data in ("", ".", "..") or any(c in data for c in "/\\\0") or os.path.isabs(data):
+        raise _fail(
+            mpath, f"'data' must be a file name next to the manifest (got {_json.show(data)})"
+        )
     dpath = os.path.join(os.path.dirname(mpath), data)
     size = file_size(dpath)
-    if manifest.get("data_bytes") != size:
+    data_bytes = _json.integer(_json.field(manifest, "data_bytes", mpath), mpath, "data_bytes")
+    if data_bytes != size:
         raise _fail(
-            dpath, f"is {size} bytes but its manifest says {manifest.get('data_bytes')!r}; "
+            dpath, f"is {size} bytes but its manifest says {data_bytes}; "
             "the file is truncated or does not belong to this manifest"
         )  # fmt: skip
-    entries = manifest.get("experts")
-    if not isinstance(entries, list):
-        raise _fail(mpath, "'experts' must be a list")
+    if "alignment" in manifest:
+        _json.integer(manifest["alignment"], mpath, "alignment", lo=1)
+    entries = _json.sequence(_json.field(manifest, "experts", mpath), mpath, "experts")
     tensors, experts = [], {}
     for i, entry in enumerate(entries):
-        try:
-            key = (entry["layer"], entry["expert"])
-            mats = entry["matrices"]
-            if not all(type(k) is int and k >= 0 for k in key):
-                raise TypeError("layer/expert must be non-negative integers")
-            refs = []
-            for proj in _PROJS:
-                m = mats[proj]
-                name = f"layer {key[0]} expert {key[1]} {proj}"
-                dtype, shape, offset, nbytes = m["dtype"], m["shape"], m["offset"], m["nbytes"]
-                if not isinstance(dtype, str) or not isinstance(shape, list):
-                    raise TypeError(f"{proj}: bad dtype or shape")
-                if not all(type(v) is int and v >= 0 for v in (offset, nbytes, *shape)):
-                    raise TypeError(f"{proj}: offsets and shape must be non-negative integers")
-                if len(shape) != 2:
-                    raise TypeError(f"{proj}: shape must be 2-D")
-                block = (1, 0)
-                if dtype not in DTYPE_SIZES:
-                    rows = shape[0]
-                    if rows == 0 or nbytes % rows:
-                        raise TypeError(f"{proj}: quantized bytes not a whole number of rows")
-                    block = (shape[1], nbytes // rows)  # one block per row, length-checked
-                info = TensorInfo(name, dpath, offset, nbytes, dtype, tuple(shape), block)
-                tensors.append(info)
-                refs.append(TensorRef(name, dpath, offset, nbytes, dtype, tuple(shape)))
-        except (KeyError, TypeError) as exc:
-            raise _fail(mpath, f"expert entry {i} is malformed ({exc})") from None
+        where = f"experts[{i}]"
+        entry = _json.mapping(entry, mpath, where)
+        key = tuple(
+            _json.integer(_json.field(entry, f, mpath, f"{where}."), mpath, f"{where}.{f}",
+                          hi=MAX_INDEX)
+            for f in ("layer", "expert")
+        )  # fmt: skip
+        mats = _json.mapping(
+            _json.field(entry, "matrices", mpath, f"{where}."), mpath, f"{where}.matrices"
+        )
+        infos = [
+            _matrix(
+                _json.field(mats, proj, mpath, f"{where}.matrices."), mpath,
+                f"{where}.matrices.{proj}", dpath, f"layer {key[0]} expert {key[1]} {proj}",
+            )
+            for proj in _PROJS
+        ]  # fmt: skip
         if key in experts:
             raise _fail(mpath, f"layer {key[0]} expert {key[1]} appears twice")
-        gate, up, down = refs
+        gate, up, down = (
+            TensorRef(t.name, t.path, t.offset, t.nbytes, t.dtype, t.shape) for t in infos
+        )
         if up.shape != gate.shape or down.shape != gate.shape[::-1]:
-            raise _fail(mpath, f"layer {key[0]} expert {key[1]} has inconsistent shapes")
+            raise _fail(
+                mpath, f"layer {key[0]} expert {key[1]} has inconsistent shapes: gate "
+                f"{list(gate.shape)}, up {list(up.shape)}, down {list(down.shape)} (expected "
+                "gate [I, H], up [I, H], down [H, I])"
+            )  # fmt: skip
+        tensors.extend(infos)
         experts[key] = ExpertLayout(key[0], key[1], gate, up, down)
     if not experts:
         raise _fail(mpath, "the manifest lists no experts")
     check_extents(dpath, size, 0, tensors)
-    meta = manifest.get("metadata") or {}
-    if not isinstance(meta, dict):
-        raise _fail(mpath, "'metadata' must be an object")
+    if "token" in manifest:  # written by RawWriter.commit at the end of the data
+        token = _json.string(manifest["token"], mpath, "token")
+        with open(dpath, "rb") as f:
+            f.seek(max(size - _TOKEN_BYTES, 0))
+            tail = f.read(_TOKEN_BYTES).hex()
+        if tail != token:
+            raise _fail(
+                dpath, "does not end with the token its manifest names: data and manifest come "
+                "from different writes (an overwrite was interrupted); write the file again"
+            )  # fmt: skip
+    meta = _json.mapping(manifest.get("metadata") or {}, mpath, "metadata")
     return WeightSource("colibri-raw", (dpath,), experts, meta)

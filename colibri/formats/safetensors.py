@@ -8,10 +8,10 @@ before the source is returned; the file is only read, never mapped.
 
 from __future__ import annotations
 
-import json
 import os
 import struct
 
+from colibri import _json
 from colibri.formats._base import (
     DTYPE_SIZES,
     MAX_HEADER_BYTES,
@@ -57,36 +57,49 @@ def read_header(path: str) -> dict[str, TensorInfo]:
                 "the length prefix; the file is truncated"
             )
         raw = f.read(length)
-    try:
-        header = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise FormatError(f"{path}: the safetensors header is not valid JSON ({exc})") from None
-    if not isinstance(header, dict):
-        raise FormatError(f"{path}: the safetensors header must be a JSON object")
+    if len(raw) != length:
+        raise FormatError(f"{path}: the file shrank while its header was read")
+    header = _json.mapping(
+        _json.parse(raw, path, what="the safetensors header"), path, "the safetensors header"
+    )
     start = 8 + length
     tensors = {}
     for name, entry in header.items():
         if name == "__metadata__":
+            for key, value in _json.mapping(entry, path, name).items():
+                _json.string(value, path, f"__metadata__.{key}")
             continue
-        if not isinstance(entry, dict):
-            raise FormatError(f"{path}: tensor {name!r}: header entry is not an object")
-        dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
+        entry = _json.mapping(entry, path, name)
+        dtype = _json.string(_json.field(entry, "dtype", path, f"{name}."), path, f"{name}.dtype")
         if dtype not in DTYPE_SIZES:
             raise FormatError(
-                f"{path}: tensor {name!r} has unknown dtype {dtype!r} "
-                f"(known: {', '.join(DTYPE_SIZES)})"
+                f"{path}: {name + '.dtype'!r} must be one of {', '.join(DTYPE_SIZES)} "
+                f"(got {_json.show(dtype)})"
             )
-        if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
-            raise FormatError(f"{path}: tensor {name!r} has an invalid shape {shape!r}")
-        if (
-            not isinstance(offsets, list)
-            or len(offsets) != 2
-            or not all(type(o) is int and o >= 0 for o in offsets)
-            or offsets[1] < offsets[0]
-        ):
-            raise FormatError(f"{path}: tensor {name!r} has invalid data_offsets {offsets!r}")
-        tensors[name] = TensorInfo(
-            name, path, start + offsets[0], offsets[1] - offsets[0], dtype, tuple(shape)
+        shape = _json.int_list(
+            _json.field(entry, "shape", path, f"{name}."), path, f"{name}.shape", max_len=64
+        )
+        begin, end = _json.int_list(
+            _json.field(entry, "data_offsets", path, f"{name}."), path, f"{name}.data_offsets",
+            min_len=2, max_len=2,
+        )  # fmt: skip
+        if end < begin or end > size - start:
+            raise FormatError(
+                f"{path}: {name + '.data_offsets'!r} must be [begin, end] inside the data section "
+                f"[0, {size - start}], begin <= end (got {[begin, end]}); the file is truncated "
+                "or its header is corrupt"
+            )
+        tensors[name] = TensorInfo(name, path, start + begin, end - begin, dtype, tuple(shape))
+    covered = 0  # the format forbids holes (no polyglot files): tensors tile the data section
+    for t in sorted(tensors.values(), key=lambda t: (t.offset, t.nbytes)):
+        if t.offset - start != covered:
+            break
+        covered += t.nbytes
+    if covered != size - start:
+        raise FormatError(
+            f"{path}: the tensors' data_offsets must tile the data section [0, {size - start}) "
+            f"without holes or overlaps, as the safetensors format requires (they cover [0, "
+            f"{covered}) then leave a gap or overlap); the file is truncated or corrupt"
         )
     check_extents(path, size, start, tensors.values())
     return tensors
@@ -114,28 +127,27 @@ def open_sharded(index_path: str | os.PathLike) -> WeightSource:
     """
     index_path = os.path.abspath(os.fspath(index_path))
     folder = os.path.dirname(index_path)
-    if file_size(index_path) > MAX_HEADER_BYTES:
-        raise FormatError(f"{index_path}: index larger than {MAX_HEADER_BYTES} bytes")
-    try:
-        with open(index_path, "rb") as f:
-            index = json.loads(f.read().decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise FormatError(f"{index_path}: the index is not valid JSON ({exc})") from None
-    weight_map = index.get("weight_map") if isinstance(index, dict) else None
-    if not isinstance(weight_map, dict) or not weight_map:
-        raise FormatError(f"{index_path}: the index has no 'weight_map' object")
+    file_size(index_path)  # FileNotFoundError naming the path
+    index = _json.mapping(_json.load(index_path, what="the index"), index_path, "the index")
+    weight_map = _json.mapping(
+        _json.field(index, "weight_map", index_path), index_path, "weight_map"
+    )
+    if not weight_map:
+        raise FormatError(f"{index_path}: 'weight_map' must name at least one tensor (got {{}})")
+    if "metadata" in index:
+        _json.mapping(index["metadata"], index_path, "metadata")
     shards: dict[str, dict[str, TensorInfo]] = {}
     tensors: dict[str, TensorInfo] = {}
     for name, shard in weight_map.items():
         if (
             not isinstance(shard, str)
+            or shard in ("", ".", "..")
+            or any(c in shard for c in "/\\\0")
             or os.path.isabs(shard)
-            or os.path.normpath(shard).startswith("..")
-            or os.path.dirname(os.path.normpath(shard))
         ):
             raise FormatError(
-                f"{index_path}: tensor {name!r} points to {shard!r}; shards must be plain file "
-                "names in the index's folder"
+                f"{index_path}: {'weight_map.' + name!r} must be a plain file name in the "
+                f"index's folder (got {_json.show(shard)})"
             )
         if shard not in shards:
             shards[shard] = read_header(os.path.join(folder, shard))

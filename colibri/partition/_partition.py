@@ -14,7 +14,9 @@ from collections.abc import Iterable
 
 import numpy as np
 
+from colibri import _json
 from colibri._atomic_file import write_atomically
+from colibri._errors import FormatError
 from colibri._validate import check_int
 from colibri.routing import UsageStats
 
@@ -305,34 +307,38 @@ class Partition:
 
         Raises
         ------
-        ValueError
-            The file is not a colibri partition or is inconsistent (the message names the file).
+        FormatError
+            (a ``ValueError``) The file is not a colibri partition, is not strict JSON, or is
+            inconsistent; the message names the file and the key.
         """
         name = os.fspath(path)
-        with open(name, "rb") as f:
-            data = f.read()
+        document = _json.load(name, what="the partition")
         try:
-            try:
-                document = json.loads(data)
-            except (UnicodeDecodeError, json.JSONDecodeError) as error:
-                raise ValueError(f"not valid JSON ({error})") from None
             if not isinstance(document, dict) or document.get("format") != _FORMAT:
                 raise ValueError("not a colibri partition (missing 'format': 'colibri.Partition')")
             if document.get("version") != _VERSION:
                 raise ValueError(
-                    f"unsupported version {document.get('version')!r} (this colibri reads "
-                    f"{_VERSION})"
+                    f"unsupported version {_json.show(document.get('version'))} (this colibri "
+                    f"reads {_VERSION})"
                 )
-            stored_e = document.get("num_experts")
-            groups = document.get("groups")
-            if not isinstance(groups, list) or not all(isinstance(g, list) for g in groups):
-                raise ValueError("field 'groups' must be a list of lists of expert ids")
+            groups = _json.sequence(_json.field(document, "groups", name), name, "groups")
+            listed = 0
+            for i, group in enumerate(groups):
+                listed += len(_json.int_list(group, name, f"groups[{i}]", hi=_json.INT32_MAX))
+            stored_e = _json.field(document, "num_experts", name, required=False)
+            if stored_e is not None and _json.integer(stored_e, name, "num_experts") != listed:
+                raise ValueError(
+                    f"'num_experts' is {stored_e} but the groups list {listed} expert ids; "
+                    "every expert must be in exactly one group"
+                )
             partition = cls(groups, num_experts=stored_e)
             if num_experts is not None and partition.num_experts != num_experts:
                 raise ValueError(f"it has {partition.num_experts} experts, expected {num_experts}")
+        except FormatError:
+            raise
         except (TypeError, ValueError) as error:
             message = str(error).removeprefix("Partition: ")
-            raise ValueError(f"{name}: invalid partition: {message}") from None
+            raise FormatError(f"{name}: invalid partition: {message}") from None
         return partition
 
 

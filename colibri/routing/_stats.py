@@ -10,15 +10,18 @@ Saved as ``.npz`` (compact) or ``.json`` (readable); the format follows the file
 
 from __future__ import annotations
 
-import io
 import json
 import os
+import struct
 import zipfile
+import zlib
 from collections.abc import Iterable
 
 import numpy as np
 
+from colibri import _json
 from colibri._atomic_file import write_atomically
+from colibri._errors import FormatError
 
 __all__ = ["UsageStats"]
 
@@ -26,6 +29,9 @@ _FORMAT = "colibri.UsageStats"
 _VERSION = 1
 # Tokens per chunk when counting pairs (bounds the temporary index arrays).
 _CHUNK_TOKENS = 1 << 16
+# Bounds on what a loaded file may hold: expert ids are int32; unpacked .npz members.
+_MAX_EXPERTS = 1 << 14
+_MAX_NPZ_BYTES = 1 << 31
 
 
 def _integer_array(value: object, name: str, ndim: int) -> np.ndarray:
@@ -304,21 +310,22 @@ class UsageStats:
         """
         kind = _kind(path, "load")
         name = os.fspath(path)
-        with open(name, "rb") as f:
-            data = f.read()
+        fields = _read_json(name) if kind == "json" else _read_npz(name)
         try:
-            fields = _read_json(data) if kind == "json" else _read_npz(data)
             if fields.get("format") != _FORMAT:
-                raise ValueError(f"not colibri usage statistics (format {fields.get('format')!r})")
+                raise ValueError(
+                    f"not colibri usage statistics (format {_json.show(fields.get('format'))})"
+                )
             if fields.get("version") != _VERSION:
                 raise ValueError(
-                    f"unsupported version {fields.get('version')!r} (this colibri reads {_VERSION})"
+                    f"unsupported version {_json.show(fields.get('version'))} (this colibri "
+                    f"reads {_VERSION})"
                 )
             for key in ("counts", "coactivation", "tokens"):
                 if key not in fields:
                     raise ValueError(f"field {key!r} is missing")
             counts = np.asarray(fields["counts"])
-            if counts.dtype == object or counts.dtype.kind == "f":
+            if counts.dtype == object or counts.dtype.kind not in "iu":
                 raise ValueError("field 'counts' must hold integers")
             tokens = fields["tokens"]
             if isinstance(tokens, np.ndarray):
@@ -328,12 +335,14 @@ class UsageStats:
             stats = cls(counts, _matrix(fields["coactivation"]), tokens)
             if "num_experts" in fields and fields["num_experts"] != stats.num_experts:
                 raise ValueError(
-                    f"num_experts is {fields['num_experts']!r} but counts has "
+                    f"num_experts is {_json.show(fields['num_experts'])} but counts has "
                     f"{stats.num_experts} entries"
                 )
+        except FormatError:
+            raise
         except (ValueError, TypeError) as error:
             message = str(error).removeprefix("UsageStats: ")
-            raise ValueError(f"{name}: invalid usage statistics: {message}") from None
+            raise FormatError(f"{name}: invalid usage statistics: {message}") from None
         return stats
 
 
@@ -346,27 +355,65 @@ def _kind(path: str | os.PathLike[str], verb: str) -> str:
     return suffix[1:]
 
 
-def _read_json(data: bytes) -> dict:
-    try:
-        document = json.loads(data)
-    except (UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise ValueError(f"not valid JSON ({error})") from None
-    if not isinstance(document, dict):
-        raise ValueError("the JSON document must be an object")
+def _read_json(name: str) -> dict:
+    what = "the usage statistics"
+    document = _json.mapping(_json.load(name, what=what), name, what)
+    for key in ("tokens", "num_experts"):
+        if key in document:
+            _json.integer(document[key], name, key)
+    if "counts" in document:
+        _json.int_list(document["counts"], name, "counts", min_len=1, max_len=_MAX_EXPERTS)
+        rows = _json.sequence(document.get("coactivation"), name, "coactivation")
+        for i, row in enumerate(rows):
+            _json.int_list(row, name, f"coactivation[{i}]", max_len=_MAX_EXPERTS)
     return document
 
 
-def _read_npz(data: bytes) -> dict:
+def _read_npz(name: str) -> dict:
     try:
-        with np.load(io.BytesIO(data), allow_pickle=False) as archive:
-            fields = {key: archive[key] for key in archive.files}
-    except (OSError, zipfile.BadZipFile, EOFError) as error:
-        raise ValueError(f"not a readable .npz archive ({error})") from None
+        with open(name, "rb") as f, zipfile.ZipFile(f) as archive:
+            declared = sum(info.file_size for info in archive.infolist())
+            if declared > _MAX_NPZ_BYTES:
+                raise FormatError(
+                    f"{name}: the archive unpacks to {declared} bytes, more than the "
+                    f"{_MAX_NPZ_BYTES} allowed"
+                )
+            for info in archive.infolist():
+                _check_member(name, archive, info)
+            f.seek(0)
+            with np.load(f, allow_pickle=False) as npz:
+                fields = {key: npz[key] for key in npz.files}
+    except FormatError:
+        raise
+    except FileNotFoundError:
+        raise
+    except (OSError, zipfile.BadZipFile, EOFError, ValueError, zlib.error, struct.error,
+            NotImplementedError) as error:  # fmt: skip
+        raise FormatError(f"{name}: not a readable .npz archive ({error})") from None
     for key in ("format", "version"):
         if key in fields:
             value = fields[key]
             fields[key] = value.item() if value.shape == () else value.tolist()
     return fields
+
+
+def _check_member(name: str, archive: zipfile.ZipFile, info: zipfile.ZipInfo) -> None:
+    """Refuse an .npy member whose header claims more data than the member holds."""
+    with archive.open(info) as member:
+        version = np.lib.format.read_magic(member)
+        if version not in ((1, 0), (2, 0)):
+            raise ValueError(f"member {info.filename!r} has .npy version {version}")
+        read = (
+            np.lib.format.read_array_header_1_0
+            if version == (1, 0)
+            else (np.lib.format.read_array_header_2_0)
+        )
+        shape, _, dtype = read(member)
+    if dtype.hasobject or np.prod(shape, dtype=object) * dtype.itemsize > info.file_size:
+        raise FormatError(
+            f"{name}: member {info.filename!r} declares {dtype} {list(shape)}, more than its "
+            f"{info.file_size} bytes hold (or objects, which are never loaded)"
+        )
 
 
 def _matrix(value: object) -> np.ndarray:

@@ -89,6 +89,8 @@ class Capsule:
         dtype=None,
         device=(1, 0),
         null_data=False,
+        null_shape=False,
+        lanes=1,
     ):
         self.base = base
         self.deleted = 0
@@ -100,8 +102,8 @@ class Capsule:
             None if null_data else base.ctypes.data,
             DLDevice(*device),
             ndim,
-            DLDataType(code, bits, 1),
-            ctypes.cast(self.shape, ctypes.POINTER(ctypes.c_int64)),
+            DLDataType(code, bits, lanes),
+            None if null_shape else ctypes.cast(self.shape, ctypes.POINTER(ctypes.c_int64)),
             None
             if self.strides is None
             else ctypes.cast(self.strides, ctypes.POINTER(ctypes.c_int64)),

@@ -48,6 +48,8 @@ except ImportError as err:  # pragma: no cover - transformers cannot run without
         "pip install colibri-moe[transformers]"
     ) from err
 
+from colibri._errors import ColibriError
+
 __all__ = [
     "CHECKED_VERSION",
     "DIFFERENCES",
@@ -109,7 +111,7 @@ DIFFERENCES: dict[str, str] = {
 CHECKED_VERSION = "5.23.0"
 
 
-class UnsupportedRouterError(NotImplementedError):
+class UnsupportedRouterError(ColibriError, NotImplementedError):
     """A router whose routing colibri cannot reproduce exactly."""
 
 

@@ -24,8 +24,9 @@ INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 
 
-class CheckpointError(ValueError):
-    """A checkpoint directory that is incomplete, inconsistent or not servable."""
+class CheckpointError(FormatError):
+    """A checkpoint directory that is incomplete, inconsistent or not servable (a
+    :class:`colibri.FormatError`, so a ``ValueError`` too)."""
 
 
 # The names colibri.formats recognises as routed-expert tensors (per expert, or stacked [E, ...]).

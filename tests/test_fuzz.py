@@ -1,0 +1,636 @@
+"""Property-based fuzzers over every parser and the DLPack intake.
+
+Each target takes generated hostile input and must either succeed with a result that checks out
+against an independent reading (json, the safetensors library, numpy views of the same memory,
+a round trip) or raise colibri's documented error: ``FormatError`` for files, ``TypeError`` /
+``ValueError`` / ``BufferError`` / ``MemoryError`` for DLPack. Anything else fails the test; a
+crash kills it (run under ``.ci/sanitize.sh`` for memory errors that do not crash).
+
+The default suite runs ``COLIBRI_FUZZ_EXAMPLES`` (default 150) examples per target; the
+``slow`` twins run 4 times as many. The inputs generated are counted per target and printed
+at the end of the session.
+"""
+
+from __future__ import annotations
+
+import collections
+import gc
+import json
+import math
+import os
+import shutil
+import struct
+import tempfile
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import colibri
+from _support.capsules import Capsule
+from colibri import FormatError, Partition, UsageStats
+from colibri import _json as strict
+from colibri._dlpack import host_tensor
+from colibri.formats import open_weights
+from colibri.formats._base import DTYPE_SIZES
+from colibri.formats.raw import write_experts
+from colibri.policies import Trace
+
+safetensors_numpy = pytest.importorskip("safetensors.numpy")
+safetensors_torch = pytest.importorskip("safetensors.torch")
+torch = pytest.importorskip("torch")
+gguf = pytest.importorskip("gguf")
+
+FAST = int(os.environ.get("COLIBRI_FUZZ_EXAMPLES", "150"))
+SLOW = 4 * FAST
+COUNTS: collections.Counter[str] = collections.Counter()
+_TMP = tempfile.mkdtemp(prefix="colibri-fuzz-")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _report(request):
+    yield
+    shutil.rmtree(_TMP, ignore_errors=True)
+    reporter = request.config.pluginmanager.get_plugin("terminalreporter")
+    targets = sorted({k.split(":")[0] for k in COUNTS})
+    lines = [
+        f"  {t}: {COUNTS[t]} inputs, {COUNTS[t + ':refused']} refused with documented errors"
+        for t in targets
+    ]
+    total = sum(COUNTS[t] for t in targets)
+    capture = request.config.pluginmanager.get_plugin("capturemanager")
+    if reporter is not None and capture is not None:
+        with capture.global_and_fixture_disabled():
+            reporter.write_line(f"\nfuzz inputs this session: {total}")
+            for line in lines:
+                reporter.write_line(line)
+
+
+def fuzz(strategy, name):
+    """A ``(fast, slow)`` pair of hypothesis tests of ``body(value)``, counted as ``name``."""
+
+    def wrap(body):
+        def counted(value):
+            COUNTS[name] += 1
+            if not body(value):
+                COUNTS[name + ":refused"] += 1
+
+        def make(examples):
+            config = settings(
+                max_examples=examples, deadline=None, database=None,
+                suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
+                                       HealthCheck.filter_too_much],
+            )  # fmt: skip
+            return config(given(strategy)(counted))
+
+        return make(FAST), pytest.mark.slow(make(SLOW))
+
+    return wrap
+
+
+def _path(name: str) -> str:
+    return os.path.join(_TMP, name)
+
+
+REFUSED = object()
+
+
+def attempt(call, errors=(FormatError,)):
+    """``call()``, or ``REFUSED`` when it raised one of the documented ``errors``."""
+    try:
+        return call()
+    except errors as error:
+        if isinstance(error, FormatError):
+            assert _TMP in str(error), error  # the message names the file
+        return REFUSED
+
+
+# -- generated JSON ----------------------------------------------------------------------------
+
+scalars = (
+    st.none() | st.booleans() | st.integers(-(1 << 70), 1 << 70)
+    | st.sampled_from([0, 1, -1, 2, 8, 1 << 31, (1 << 63) - 1, 1 << 63, 1 << 64])
+    | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=12)
+    | st.sampled_from(["F16", "F32", "BF16", "Q4_K", "gate", "up", "down", ""])
+)  # fmt: skip
+values = st.recursive(
+    scalars, lambda inner: st.lists(inner, max_size=5)
+    | st.dictionaries(st.text(max_size=8), inner, max_size=5), max_leaves=20,
+)  # fmt: skip
+
+
+def mutate_tree(draw, tree):
+    """Replace, delete or retype one random node of a JSON tree (a deep copy)."""
+    tree = json.loads(json.dumps(tree))
+    nodes = [([], tree)]
+    paths = []
+    while nodes:
+        at, node = nodes.pop()
+        children = node.items() if isinstance(node, dict) else enumerate(node) if isinstance(
+            node, list) else ()  # fmt: skip
+        for key, child in children:
+            paths.append((node, key))
+            nodes.append((at + [key], child))
+    for _ in range(draw(st.integers(1, 3))):
+        parent, key = draw(st.sampled_from(paths))
+        action = draw(st.sampled_from(["replace", "replace", "delete", "wrap"]))
+        if action == "delete" and isinstance(parent, dict):
+            parent.pop(key, None)
+        elif action == "wrap" and (isinstance(parent, dict) and key in parent or
+                                   isinstance(parent, list) and key < len(parent)):  # fmt: skip
+            parent[key] = [parent[key]]
+        elif isinstance(parent, dict) or key < len(parent):
+            parent[key] = draw(values)
+    return tree
+
+
+def _usually(draw, good, bad):
+    """``good`` four times in five, else a draw from ``bad``."""
+    return good if draw(st.integers(0, 4)) else draw(bad)
+
+
+def mutate_bytes(draw, data: bytes) -> bytes:
+    """Flip, insert, delete or truncate a few bytes."""
+    data = bytearray(data)
+    for _ in range(draw(st.integers(1, 4))):
+        if not data:
+            break
+        i = draw(st.integers(0, len(data) - 1))
+        action = draw(st.sampled_from(["flip", "set", "insert", "delete", "truncate"]))
+        if action == "flip":
+            data[i] ^= 1 << draw(st.integers(0, 7))
+        elif action == "set":
+            data[i] = draw(st.sampled_from(b'{}[]",:0123456789-eE \x00\xff'))
+        elif action == "insert":
+            data[i:i] = draw(st.binary(min_size=1, max_size=8))
+        elif action == "delete":
+            del data[i : i + draw(st.integers(1, 8))]
+        else:
+            del data[i:]
+    return bytes(data)
+
+
+# -- the strict JSON reader --------------------------------------------------------------------
+
+
+@st.composite
+def json_documents(draw):
+    text = json.dumps(draw(values)).encode()
+    return mutate_bytes(draw, text) if draw(st.booleans()) else text
+
+
+def _depth(data: bytes) -> int:
+    depth = best = 0
+    for c in data:
+        depth += (c in b"[{") - (c in b"]}")
+        best = max(best, depth)
+    return best
+
+
+def _dup_or_constant(data: bytes) -> bool:
+    found = []
+
+    def hook(pairs):
+        found.extend([1] * (len(pairs) - len(dict(pairs))))
+        return dict(pairs)
+
+    try:
+        json.loads(data, object_pairs_hook=hook, parse_constant=lambda c: found.append(c))
+    except (ValueError, RecursionError):
+        return False
+    return bool(found)
+
+
+@fuzz(json_documents(), "json")
+def _json_body(data):
+    try:
+        expected = json.loads(data.decode("utf-8"))  # bytes would also be read as UTF-16/32
+    except (ValueError, RecursionError):
+        expected = REFUSED
+    got = attempt(lambda: strict.parse(data, _path("doc.json"), what="the document"))
+    if got is REFUSED:  # json refuses it too, or it repeats a key, uses NaN or nests deep
+        assert expected is REFUSED or _dup_or_constant(data) or _depth(data) > 32, data
+        return False
+    assert expected is not REFUSED and got == expected, data
+    return True
+
+
+test_json_parse, test_json_parse_long = _json_body
+
+
+# -- safetensors headers, checked against the safetensors library ------------------------------
+
+EXPERT = "model.layers.{}.mlp.experts.{}.{}_proj.weight"
+
+
+@st.composite
+def safetensors_files(draw):
+    """A small per-expert checkpoint whose header is generated, then perhaps mutated."""
+    rows, cols = draw(st.integers(1, 3)), draw(st.integers(1, 3))
+    header, offset = {}, 0
+    for expert in range(draw(st.integers(1, 2))):
+        for proj in ("gate", "up", "down"):
+            shape = [cols, rows] if proj == "down" else [rows, cols]
+            if draw(st.integers(0, 9)) == 0:
+                shape = draw(st.lists(st.integers(0, 4), max_size=3))
+            dtype = draw(st.sampled_from(["F16", "F32", "BF16", "I8"]))
+            nbytes = math.prod(shape) * DTYPE_SIZES[dtype]
+            header[EXPERT.format(0, expert, proj)] = {
+                "dtype": dtype, "shape": shape, "data_offsets": [offset, offset + nbytes]
+            }  # fmt: skip
+            offset += nbytes + draw(st.sampled_from([0, 0, 0, 2]))  # holes are allowed
+    if draw(st.booleans()):
+        header["__metadata__"] = {"format": "pt"}
+    data_len = offset + draw(st.sampled_from([0, 0, 0, 0, 1, -1, -8]))
+    if draw(st.integers(0, 2)) == 0:
+        header = mutate_tree(draw, header)
+    blob = json.dumps(header).encode()
+    blob += b" " * draw(st.integers(0, 8))
+    body = struct.pack("<Q", len(blob)) + blob + bytes(range(256)) * 2
+    body = body[: 8 + len(blob) + max(data_len, 0)]
+    return mutate_bytes(draw, body) if draw(st.integers(0, 4)) == 0 else body
+
+
+@fuzz(safetensors_files(), "safetensors")
+def _safetensors_body(data):
+    path = _path("m.safetensors")
+    with open(path, "wb") as f:
+        f.write(data)
+    source = attempt(lambda: open_weights(path))
+    try:
+        reference = safetensors_torch.load(data)  # torch: bfloat16 too
+    except Exception:  # noqa: BLE001 - the library's own errors, any kind
+        reference = None
+    if source is REFUSED:
+        return False
+    # accepted: every expert matrix is the bytes the safetensors library reads for it
+    assert reference is not None, "colibri accepted a file the safetensors library refuses"
+    for layout in source.experts.values():
+        for ref in layout.matrices:
+            assert ref.offset + ref.nbytes <= len(data)
+            expected = reference[ref.name]
+            assert tuple(expected.shape) == ref.shape
+            raw = expected.reshape(-1).view(torch.uint8).numpy().tobytes()
+            assert data[ref.offset : ref.offset + ref.nbytes] == raw
+    return True
+
+
+test_safetensors_header, test_safetensors_header_long = _safetensors_body
+
+
+@st.composite
+def indexes(draw):
+    names = [EXPERT.format(0, 0, p) for p in ("gate", "up", "down")]
+    shards = st.sampled_from(
+        ["s.safetensors", "s.safetensors", "missing.safetensors", "", ".", "..", "a/b", "/abs",
+         "x\x00y", 3, None, ["s.safetensors"]]
+    )  # fmt: skip
+    index = {"metadata": {"total_size": 24},
+             "weight_map": {n: _usually(draw, "s.safetensors", shards) for n in names}}  # fmt: skip
+    if draw(st.booleans()):
+        index = mutate_tree(draw, index)
+    text = json.dumps(index).encode()
+    return mutate_bytes(draw, text) if draw(st.integers(0, 3)) == 0 else text
+
+
+@fuzz(indexes(), "index")
+def _index_body(data):
+    if not os.path.exists(_path("s.safetensors")):
+        safetensors_numpy.save_file(
+            {EXPERT.format(0, 0, p): np.ones((2, 2), np.float16) for p in ("gate", "up", "down")},
+            _path("s.safetensors"),
+        )
+    path = _path("m.safetensors.index.json")
+    with open(path, "wb") as f:
+        f.write(data)
+    source = attempt(lambda: open_weights(path), errors=(FormatError, FileNotFoundError))
+    if source is REFUSED:
+        return False
+    assert source.files == (_path("s.safetensors"),)
+    return True
+
+
+test_sharded_index, test_sharded_index_long = _index_body
+
+
+# -- colibri raw manifests ---------------------------------------------------------------------
+
+
+def _raw_manifest():
+    path = _path("x.colibri")
+    if not os.path.exists(path):
+        gate, down = np.ones((2, 3), np.float16), np.ones((3, 2), np.float16)
+        experts = {(lay, e): (gate * e, gate, down) for lay in range(2) for e in range(2)}
+        write_experts(path, experts, alignment=64, metadata={"groups": {"0": [[0], [1]]}})
+    with open(path + ".json") as f:
+        return path, json.load(f)
+
+
+@st.composite
+def manifests(draw):
+    _, manifest = _raw_manifest()
+    if draw(st.integers(0, 3)):
+        manifest = mutate_tree(draw, manifest)
+    text = json.dumps(manifest).encode()
+    return mutate_bytes(draw, text) if draw(st.integers(0, 3)) == 0 else text
+
+
+@fuzz(manifests(), "manifest")
+def _manifest_body(data):
+    path, _ = _raw_manifest()
+    mpath = _path("y.colibri.json")
+    with open(mpath, "wb") as f:
+        f.write(data)
+    source = attempt(lambda: open_weights(mpath), errors=(FormatError, FileNotFoundError))
+    if source is REFUSED:
+        return False
+    size = os.path.getsize(path)
+    spans = []
+    for layout in source.experts.values():
+        for ref in layout.matrices:
+            width = DTYPE_SIZES.get(ref.dtype)
+            assert width is None or ref.nbytes == math.prod(ref.shape) * width
+            assert ref.offset >= 0 and ref.offset + ref.nbytes <= size
+            spans.append((ref.offset, ref.offset + ref.nbytes))
+    spans = sorted(s for s in spans if s[0] != s[1])
+    assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:], strict=False))  # no overlaps
+    return True
+
+
+test_raw_manifest, test_raw_manifest_long = _manifest_body
+
+
+# -- GGUF, through the gguf package ------------------------------------------------------------
+
+
+def _gguf_bytes() -> bytes:
+    path = _path("m.gguf")
+    if not os.path.exists(path):
+        w = gguf.GGUFWriter(path, "llama")
+        w.add_tensor("blk.0.ffn_gate_exps.weight", np.ones((2, 3, 4), np.float32))
+        w.add_tensor("blk.0.ffn_up_exps.weight", np.ones((2, 3, 4), np.float32))
+        w.add_tensor("blk.0.ffn_down_exps.weight", np.ones((2, 4, 3), np.float32))
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+    with open(path, "rb") as f:
+        return f.read()
+
+
+@st.composite
+def gguf_files(draw):
+    data = bytearray(_gguf_bytes())
+    for _ in range(draw(st.integers(0, 4))):  # header fields: counts, lengths, types, offsets
+        i = draw(st.integers(0, min(len(data), 400) - 1))
+        data[i] = draw(st.sampled_from([0, 1, 2, 0x7F, 0x80, 0xFF, data[i] ^ 1]))
+    if draw(st.integers(0, 4)) == 0:
+        del data[draw(st.integers(0, len(data))) :]
+    return bytes(data)
+
+
+@fuzz(gguf_files(), "gguf")
+def _gguf_body(data):
+    path = _path("f.gguf")
+    with open(path, "wb") as f:
+        f.write(data)
+    source = attempt(lambda: open_weights(path))
+    if source is REFUSED:
+        return False
+    for layout in source.experts.values():
+        for ref in layout.matrices:
+            assert ref.offset + ref.nbytes <= len(data)
+    return True
+
+
+test_gguf, test_gguf_long = _gguf_body
+
+
+# -- partitions, usage statistics, traces: refused, or a value that round-trips ------------------
+
+group_lists = st.lists(st.lists(st.integers(-2, 9) | values, max_size=5), max_size=5)
+
+
+@st.composite
+def partitions(draw):
+    groups = draw(st.permutations(range(draw(st.integers(1, 6)))))
+    cut = draw(st.integers(1, len(groups)))
+    groups = [list(groups[:cut]), list(groups[cut:])] if cut < len(groups) else [list(groups)]
+    if draw(st.integers(0, 2)) == 0:
+        groups = draw(group_lists)
+    num = len(groups) if draw(st.integers(0, 3)) == 0 else sum(len(g) for g in groups)
+    doc = {"format": "colibri.Partition", "version": 1, "num_experts": num, "groups": groups}
+    if draw(st.booleans()):
+        doc = mutate_tree(draw, doc)
+    text = json.dumps(doc).encode()
+    return mutate_bytes(draw, text) if draw(st.integers(0, 3)) == 0 else text
+
+
+@fuzz(partitions(), "partition")
+def _partition_body(data):
+    path = _path("p.json")
+    with open(path, "wb") as f:
+        f.write(data)
+    partition = attempt(lambda: Partition.load(path))
+    if partition is REFUSED:
+        return False
+    flat = sorted(e for g in partition.groups for e in g)
+    assert flat == list(range(partition.num_experts))  # every expert exactly once
+    partition.save(_path("p2.json"), overwrite=True)
+    assert Partition.load(_path("p2.json")) == partition
+    return True
+
+
+test_partition_load, test_partition_load_long = _partition_body
+
+
+def _stats_document():
+    stats = UsageStats.from_ids([[0, 1], [1, 2], [2, 0]], 3)
+    stats.save(_path("u0.json"), overwrite=True)
+    with open(_path("u0.json")) as f:
+        return json.load(f)
+
+
+@st.composite
+def stats_files(draw):
+    if draw(st.booleans()):  # .npz: bytes of a valid archive, mutated
+        stats = UsageStats.from_ids([[0, 1], [1, 2]], 3)
+        stats.save(_path("u0.npz"), overwrite=True)
+        with open(_path("u0.npz"), "rb") as f:
+            return ".npz", mutate_bytes(draw, f.read())
+    document = _stats_document()
+    text = json.dumps(mutate_tree(draw, document) if draw(st.integers(0, 3)) else document).encode()
+    return ".json", mutate_bytes(draw, text) if draw(st.integers(0, 3)) == 0 else text
+
+
+@fuzz(stats_files(), "stats")
+def _stats_body(case):
+    suffix, data = case
+    path = _path("u" + suffix)
+    with open(path, "wb") as f:
+        f.write(data)
+    stats = attempt(lambda: UsageStats.load(path))
+    if stats is REFUSED:
+        return False
+    co = stats.coactivation
+    assert (co == co.T).all() and (np.diagonal(co) == stats.counts).all()
+    assert stats.counts.max(initial=0) <= stats.tokens
+    stats.save(_path("u2" + suffix), overwrite=True)
+    assert UsageStats.load(_path("u2" + suffix)) == stats
+    return True
+
+
+test_stats_load, test_stats_load_long = _stats_body
+
+
+@st.composite
+def traces(draw):
+    layers = st.integers(0, 3) | st.integers(-1, 3) | values
+    ids = st.lists(st.integers(0, 9), max_size=4) | st.lists(st.integers(-1, 9) | values)
+    steps = draw(st.lists(st.tuples(layers, ids), max_size=6))
+    doc = {"steps": [list(s) for s in steps]}
+    text = json.dumps(doc).encode()
+    return mutate_bytes(draw, text) if draw(st.integers(0, 3)) == 0 else text
+
+
+@fuzz(traces(), "trace")
+def _trace_body(data):
+    path = _path("t.json")
+    with open(path, "wb") as f:
+        f.write(data)
+    trace = attempt(lambda: Trace.load(path))
+    if trace is REFUSED:
+        return False
+    for layer, ids in trace.steps:
+        assert type(layer) is int and layer >= 0
+        assert all(type(e) is int and 0 <= e < 1 << 31 for e in ids)
+    return True
+
+
+test_trace_load, test_trace_load_long = _trace_body
+
+
+# -- DLPack intake: hand-made capsules ----------------------------------------------------------
+
+E_ROUTE = 8
+_RNG = np.random.default_rng(3)
+BASES = {
+    dtype: (_RNG.standard_normal(600) * 4).astype(dtype)
+    for dtype in (np.float32, np.float64, np.float16)
+}
+_CONTEXTS = {}
+
+
+def _context(k: int):
+    if k not in _CONTEXTS:
+        _CONTEXTS[k] = colibri.init(E_ROUTE, k)
+    return _CONTEXTS[k]
+
+
+@st.composite
+def in_bounds(draw):
+    """Shape, strides (any sign, zero included) and byte offset whose elements all lie inside
+    the base array: colibri must read exactly what numpy reads through the same geometry."""
+    dtype = draw(st.sampled_from(list(BASES)))
+    n = BASES[dtype].size
+    shape = [draw(st.integers(0, 5))] * draw(st.integers(0, 1)) + [E_ROUTE]
+    strides = None
+    if draw(st.booleans()):
+        strides = [draw(st.integers(-40, 40)) for _ in shape]
+    steps = strides or [E_ROUTE, 1][-len(shape) :]
+    low = sum(min(0, s * (d - 1)) for s, d in zip(steps, shape, strict=True) if d)
+    high = sum(max(0, s * (d - 1)) for s, d in zip(steps, shape, strict=True) if d)
+    if high - low >= n:
+        steps = strides = None
+        low, high = 0, math.prod(shape) - 1
+    offset = draw(st.integers(-low, n - 1 - high))
+    versioned = draw(st.booleans())
+    flags = draw(st.sampled_from([0, 1])) if versioned else 0  # READ_ONLY is fine for logits
+    return dtype, shape, strides, offset, versioned, flags, draw(st.integers(1, 3))
+
+
+@fuzz(in_bounds(), "dlpack-route")
+def _route_body(case):
+    dtype, shape, strides, offset, versioned, flags, k = case
+    base = BASES[dtype]
+    itemsize = base.itemsize
+    cap = Capsule(base, shape=shape, strides=strides, byte_offset=offset * itemsize,
+                  versioned=versioned, flags=flags)  # fmt: skip
+    view = np.ndarray(  # numpy checks that the geometry stays inside base
+        shape, dtype, buffer=base, offset=offset * itemsize,
+        strides=None if strides is None else [s * itemsize for s in strides],
+    )  # fmt: skip
+    ctx = _context(k)
+    ids, weights = ctx.route(cap.capsule)
+    ref_ids, ref_weights = ctx.route(np.ascontiguousarray(view))
+    assert ids.shape == ref_ids.shape == (*shape[:-1], k)
+    assert ((ids >= 0) & (ids < E_ROUTE)).all()  # never an out-of-range expert id
+    np.testing.assert_array_equal(ids, ref_ids)
+    np.testing.assert_array_equal(weights, ref_weights)
+    gc.collect()
+    assert cap.deleted == 1
+    return True
+
+
+test_dlpack_route_geometry, test_dlpack_route_geometry_long = _route_body
+
+big_ints = st.sampled_from([0, 1, 2, 7, (1 << 31) - 1, 1 << 31, 1 << 32, (1 << 62) + 1,
+                            (1 << 63) - 1]) | st.integers(0, (1 << 63) - 1)  # fmt: skip
+any_int64 = big_ints | big_ints.map(lambda v: -v - 1) | st.integers(-64, 64)
+
+
+@st.composite
+def hostile_capsules(draw):
+    ndim = _usually(draw, draw(st.integers(0, 3)), st.integers(0, 10))
+    shape = [_usually(draw, draw(st.integers(0, 6)), st.integers(-3, -1) | big_ints)
+             for _ in range(ndim)]  # fmt: skip
+    strides = None
+    if draw(st.booleans()):
+        strides = [_usually(draw, draw(st.integers(-9, 9)), any_int64) for _ in range(ndim)]
+    dtypes = st.sampled_from(
+        [(4, 16), (0, 32), (0, 64), (1, 8), (6, 8), (2, 8), (5, 64), (3, 64), (7, 32)]
+    ) | st.tuples(st.integers(0, 255), st.integers(0, 255))
+    return {
+        "shape": shape,
+        "strides": strides,
+        "byte_offset": _usually(draw, draw(st.sampled_from([0, 4])), st.sampled_from(
+            [3, 1 << 40, (1 << 63) + 8, (1 << 64) - 4]) | st.integers(0, (1 << 64) - 1)),
+        "dtype": _usually(draw, draw(st.sampled_from([(2, 32), (2, 64), (2, 16)])), dtypes),
+        "lanes": _usually(draw, 1, st.sampled_from([0, 2, 65535])),
+        "device": (_usually(draw, 1, st.sampled_from([2, 3, 4, 13, 99, -1])),
+                   _usually(draw, 0, st.integers(-1, 3))),
+        "versioned": draw(st.booleans()),
+        "version": (_usually(draw, 1, st.sampled_from([0, 2, 1 << 31])),
+                    draw(st.integers(0, 1 << 31))),
+        "flags": draw(st.integers(0, 7)),
+        "null_data": draw(st.integers(0, 5)) == 0,
+        "null_shape": ndim > 0 and draw(st.integers(0, 9)) == 0,
+    }  # fmt: skip
+
+
+DLPACK_ERRORS = (TypeError, ValueError, BufferError)
+
+
+@fuzz(hostile_capsules(), "dlpack-metadata")
+def _metadata_body(fields):
+    """Metadata only: colibri must validate it without reading a byte of the tensor."""
+    cap = Capsule(BASES[np.float32], **fields)
+    tensor = attempt(lambda: host_tensor(cap.capsule), errors=DLPACK_ERRORS)
+    accepted = tensor is not REFUSED
+    if accepted:
+        assert tensor.shape == tuple(fields["shape"])
+        if fields["strides"] is not None and math.prod(fields["shape"]):
+            assert tensor.strides == tuple(fields["strides"])
+        shape = tensor.shape
+        if len(shape) not in (1, 2) or shape[-1] != E_ROUTE or not math.prod(shape):
+            # route() must refuse it before reading (or route nothing: T = 0)
+            routed = attempt(lambda: _context(2).route(tensor), errors=DLPACK_ERRORS)
+            assert routed is REFUSED or math.prod(shape) == 0
+        del tensor
+    gc.collect()
+    assert cap.deleted == 1  # consumed exactly once, whatever happened
+    return accepted
+
+
+test_dlpack_metadata, test_dlpack_metadata_long = _metadata_body

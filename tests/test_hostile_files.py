@@ -1,0 +1,284 @@
+"""Hand-made hostile files for every loader: each is refused with a FormatError (a ColibriError
+and a ValueError) naming the file and the key, never a crash, a hang or a silent wrong answer."""
+
+import json
+import os
+import struct
+import zipfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import colibri
+from colibri import ColibriError, FormatError, Partition, UsageStats
+from colibri.formats import open_weights
+from colibri.formats.raw import write_experts
+from colibri.policies import Trace
+
+safetensors_numpy = pytest.importorskip("safetensors.numpy")
+
+DEEP = b"[" * 100_000 + b"]" * 100_000
+GATE = "model.layers.0.mlp.experts.0.gate_proj.weight"
+UP = "model.layers.0.mlp.experts.0.up_proj.weight"
+DOWN = "model.layers.0.mlp.experts.0.down_proj.weight"
+
+
+def entry(begin, end, shape=(2, 2), dtype="F16"):
+    return {"dtype": dtype, "shape": list(shape), "data_offsets": [begin, end]}
+
+
+def header_text(pairs):
+    """A JSON object from ``(key, raw JSON value)`` pairs, repeated keys kept."""
+    return "{" + ",".join(f"{json.dumps(k)}:{v}" for k, v in pairs) + "}"
+
+
+def good_pairs():
+    return [(n, json.dumps(entry(8 * i, 8 * i + 8))) for i, n in enumerate((GATE, UP, DOWN))]
+
+
+def safetensors_file(path, header, data=bytes(24)):
+    blob = header.encode() if isinstance(header, str) else header
+    path.write_bytes(struct.pack("<Q", len(blob)) + blob + data)
+    return path
+
+
+def refused(call, path, match):
+    with pytest.raises(FormatError, match=match) as info:
+        call(path)
+    assert isinstance(info.value, ColibriError) and isinstance(info.value, ValueError)
+    assert os.fspath(path) in str(info.value)
+    return info.value
+
+
+# -- the faults the issue found by hand --------------------------------------------------------
+
+
+def test_duplicate_tensor_name_is_refused_as_safetensors_does(tmp_path):
+    pairs = good_pairs()
+    pairs.append((GATE, json.dumps(entry(16, 24))))  # GATE again; json kept the last one
+    path = safetensors_file(tmp_path / "dup.safetensors", header_text(pairs))
+    with pytest.raises(Exception, match="(?i)duplicate|invalid"):  # the reference refuses too
+        safetensors_numpy.load_file(str(path))
+    refused(open_weights, path, f"names the key '{GATE}' twice")
+
+
+def test_dtype_that_is_a_list(tmp_path):
+    pairs = good_pairs()
+    pairs[0] = (GATE, json.dumps({"dtype": ["F16"], "shape": [2, 2], "data_offsets": [0, 8]}))
+    path = safetensors_file(tmp_path / "d.safetensors", header_text(pairs))
+    refused(open_weights, path, rf"'{GATE}\.dtype' must be a string \(got a list of 1 items\)")
+
+
+def _write_deep(kind, tmp_path):
+    """A deeply nested document in the place each loader reads JSON from."""
+    if kind == "safetensors":
+        return open_weights, safetensors_file(tmp_path / "m.safetensors", DEEP)
+    if kind == "index":
+        (tmp_path / "m.safetensors.index.json").write_bytes(b'{"weight_map": ' + DEEP + b"}")
+        return open_weights, tmp_path / "m.safetensors.index.json"
+    if kind == "manifest":
+        path = write_experts(tmp_path / "x.colibri", {(0, 0): [np.ones((2, 2))] * 3})
+        (tmp_path / "x.colibri.json").write_bytes(DEEP)
+        return open_weights, path + ".json"
+    path = tmp_path / f"{kind}.json"
+    path.write_bytes(b'{"format": ' + DEEP + b"}")
+    load = {"partition": Partition.load, "stats": UsageStats.load, "trace": Trace.load}[kind]
+    return load, path
+
+
+@pytest.mark.parametrize(
+    "kind", ["safetensors", "index", "manifest", "partition", "stats", "trace"]
+)
+def test_deep_nesting_is_refused_before_parsing(tmp_path, kind):
+    load, path = _write_deep(kind, tmp_path)
+    refused(load, path, "nests deeper than 32 levels")
+
+
+# -- every loader: duplicate keys, NaN, size, types ---------------------------------------------
+
+
+def _good_files(tmp_path):
+    """One valid file per loader, as ``(load, path)``."""
+    experts = {(0, e): [np.full((2, 3), e, np.float32)] * 2 + [np.ones((3, 2), np.float32)]
+               for e in range(2)}  # fmt: skip
+    raw = write_experts(tmp_path / "x.colibri", experts)
+    safetensors_numpy.save_file(
+        {GATE: np.ones((2, 2), np.float16), UP: np.ones((2, 2), np.float16),
+         DOWN: np.ones((2, 2), np.float16)}, str(tmp_path / "s.safetensors"),
+    )  # fmt: skip
+    index = tmp_path / "m.safetensors.index.json"
+    index.write_text(json.dumps({"weight_map": dict.fromkeys((GATE, UP, DOWN), "s.safetensors")}))
+    Partition([[0, 2], [1]]).save(tmp_path / "p.json")
+    UsageStats.from_ids([[0, 1], [1, 2]], 3).save(tmp_path / "u.json")
+    Trace([(0, [1, 2]), (1, [0])]).save(tmp_path / "t.json")
+    return {
+        "manifest": (open_weights, raw + ".json"),
+        "index": (open_weights, index),
+        "partition": (Partition.load, tmp_path / "p.json"),
+        "stats": (UsageStats.load, tmp_path / "u.json"),
+        "trace": (Trace.load, tmp_path / "t.json"),
+    }
+
+
+KINDS = ["manifest", "index", "partition", "stats", "trace"]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_good_files_load(tmp_path, kind):
+    load, path = _good_files(tmp_path)[kind]
+    load(path)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_repeated_top_level_key(tmp_path, kind):
+    load, path = _good_files(tmp_path)[kind]
+    text = Path(path).read_text().strip()
+    key = next(iter(json.loads(text)))
+    value = json.dumps(json.loads(text)[key])
+    with open(path, "w") as f:  # the same key again, first: json.loads would keep the last
+        f.write("{" + json.dumps(key) + ": " + value + ", " + text[1:])
+    refused(load, path, f"names the key '{key}' twice")
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("constant", ["NaN", "Infinity", "-Infinity"])
+def test_non_json_constants(tmp_path, kind, constant):
+    load, path = _good_files(tmp_path)[kind]
+    text = Path(path).read_text().strip()
+    with open(path, "w") as f:
+        f.write('{"x": ' + constant + ", " + text[1:])
+    refused(load, path, f"not valid JSON .*{constant}")
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_oversized_file_is_refused_before_reading(tmp_path, kind):
+    load, path = _good_files(tmp_path)[kind]
+    with open(path, "r+b") as f:  # sparse: nothing is written, nothing may be read
+        f.truncate(colibri._json.MAX_BYTES + 1)
+    refused(load, path, "more than the 104857600 allowed")
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_huge_number(tmp_path, kind):
+    load, path = _good_files(tmp_path)[kind]
+    text = Path(path).read_text().strip()
+    with open(path, "w") as f:
+        f.write('{"x": 1' + "0" * 5000 + ", " + text[1:])
+    refused(load, path, "not valid JSON")
+
+
+# -- types and ranges, each naming its key --------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("value", "match"),
+    [
+        ([0, 1 << 64], r"data_offsets\[1\]' must be an integer >= 0 that fits in int64"),
+        ([0, 8.0], r"data_offsets\[1\]' must be an integer"),
+        ([True, 8], r"data_offsets\[0\]' must be an integer"),
+        ([0, 8, 16], r"data_offsets' must be a list of exactly 2 items"),
+        ("0-8", r"data_offsets' must be a list"),
+    ],
+)
+def test_safetensors_offsets(tmp_path, value, match):
+    pairs = good_pairs()
+    pairs[0] = (GATE, json.dumps({"dtype": "F16", "shape": [2, 2], "data_offsets": value}))
+    refused(open_weights, safetensors_file(tmp_path / "o.safetensors", header_text(pairs)), match)
+
+
+def test_safetensors_metadata_must_map_strings(tmp_path):
+    pairs = [*good_pairs(), ("__metadata__", '{"format": 3}')]
+    path = safetensors_file(tmp_path / "m.safetensors", header_text(pairs))
+    with pytest.raises(Exception):  # noqa: B017 - the reference refuses it as well
+        safetensors_numpy.load_file(str(path))
+    refused(open_weights, path, r"'__metadata__\.format' must be a string")
+
+
+def test_empty_stacked_tensor_does_not_loop(tmp_path):
+    """[2**40, 0, 4] holds 0 bytes, so its length checks out; splitting it was 2**40 steps."""
+    name = "model.layers.0.mlp.experts.gate_up_proj"
+    header = header_text([(name, json.dumps(entry(0, 0, shape=(1 << 40, 0, 4))))])
+    path = safetensors_file(tmp_path / "e.safetensors", header, b"")
+    refused(open_weights, path, "must be 3-D .* and not empty")
+
+
+def test_absurd_layer_index_in_a_tensor_name(tmp_path):
+    name = "model.layers." + "9" * 5000 + ".mlp.experts.0.gate_proj.weight"
+    pairs = good_pairs()
+    pairs[0] = (name, pairs[0][1])
+    refused(open_weights, safetensors_file(tmp_path / "n.safetensors", header_text(pairs)),
+            "more than the 2147483647 allowed")  # fmt: skip
+
+
+@pytest.mark.parametrize("shard", ["", ".", "..", "a\x00b", "sub/s.safetensors", "/etc/passwd", 3])
+def test_index_shard_names(tmp_path, shard):
+    path = tmp_path / "m.safetensors.index.json"
+    path.write_text(json.dumps({"weight_map": {GATE: shard}}))
+    refused(open_weights, path, "must be a plain file name in the index's folder")
+
+
+def test_trace_steps_must_be_integers(tmp_path):
+    path = tmp_path / "t.json"
+    for steps, match in [
+        ([[1.7, [0]]], r"'steps\[0\]\[0\]' must be an integer"),  # int(1.7) read layer 1
+        ([["3", [0]]], r"'steps\[0\]\[0\]' must be an integer"),
+        ([[0, [True]]], r"'steps\[0\]\[1\]\[0\]' must be an integer"),
+        ([[0, [-1]]], r"'steps\[0\]\[1\]\[0\]' must be an integer in \[0, 2147483647\]"),
+        ([[0, [0], 5]], r"'steps\[0\]' must be a list of exactly 2 items"),
+    ]:
+        path.write_text(json.dumps({"steps": steps}))
+        refused(Trace.load, path, match)
+
+
+def test_partition_num_experts_is_checked_before_allocating(tmp_path):
+    path = tmp_path / "p.json"
+    document = {"format": "colibri.Partition", "version": 1, "num_experts": 10**12}
+    path.write_text(json.dumps({**document, "groups": [[0], [1]]}))
+    refused(Partition.load, path, "'num_experts' is 1000000000000 but the groups list 2")
+
+
+def test_manifest_field_types(tmp_path):
+    path = write_experts(tmp_path / "x.colibri", {(0, 0): [np.ones((2, 2))] * 3})
+    manifest = json.loads(Path(path + ".json").read_text())
+    cases = [
+        (("experts", 0, "layer"), "0", r"'experts\[0\]\.layer' must be an integer"),
+        (("experts", 0, "expert"), 1 << 40, r"'experts\[0\]\.expert' must be an integer in"),
+        (("experts", 0, "matrices", "up", "shape"), [2, 2, 1], r"up\.shape' must be a list of"),
+        (("experts", 0, "matrices", "up", "dtype"), "q4;rm", r"up\.dtype' must be a"),
+        (("data_bytes",), 1.5e3, r"'data_bytes' must be an integer"),
+        (("experts",), {}, r"'experts' must be a list"),
+    ]
+    for keys, value, match in cases:
+        bad = json.loads(json.dumps(manifest))
+        node = bad
+        for key in keys[:-1]:
+            node = node[key]
+        node[keys[-1]] = value
+        with open(path + ".json", "w") as f:
+            json.dump(bad, f)
+        refused(open_weights, path + ".json", match)
+
+
+def test_npz_member_claiming_more_than_it_holds(tmp_path):
+    """An .npy header of int64 [2**40] over 8 bytes: np.load would allocate 8 TiB first."""
+    good = tmp_path / "good.npz"
+    UsageStats.from_ids([[0, 1]], 2).save(good)
+    header = {"descr": "<i8", "fortran_order": False, "shape": (1 << 40,)}
+    bad = tmp_path / "bad.npz"
+    with zipfile.ZipFile(good) as src, zipfile.ZipFile(bad, "w") as dst:
+        for info in src.infolist():
+            data = src.read(info)
+            if info.filename == "counts.npy":
+                with dst.open("counts.npy", "w") as member:
+                    np.lib.format.write_array_header_1_0(member, header)
+                    member.write(bytes(8))
+                continue
+            dst.writestr(info, data)
+    refused(UsageStats.load, bad, "declares int64 .1099511627776.")
+
+
+def test_npz_with_objects_is_refused(tmp_path):
+    bad = tmp_path / "o.npz"
+    np.savez(bad, counts=np.array([1, None], dtype=object))
+    refused(UsageStats.load, bad, "objects")

@@ -1,0 +1,199 @@
+"""Threads under load: several threads route, page, prefetch and close at once for a bounded
+time; every result is checked against a serial run, every wait has a timeout (a deadlock fails
+the test instead of hanging it), and the only exceptions allowed are documented ones."""
+
+from __future__ import annotations
+
+import collections
+import sys
+import threading
+
+import numpy as np
+import pytest
+
+import colibri
+from colibri import BudgetError, Pager, UsageStats
+from colibri.formats.raw import write_experts
+
+E, K, L, I, H = 16, 2, 2, 8, 12
+SECONDS = 1.5
+JOIN = 60.0  # a thread still alive this long after the stop is a deadlock
+
+
+def _batches(count: int):
+    rng = np.random.default_rng(5)
+    return [rng.standard_normal((int(rng.integers(1, 40)), E)).astype(np.float32)
+            for _ in range(count)]  # fmt: skip
+
+
+def _experts():
+    rng = np.random.default_rng(9)
+    return {
+        (layer, e): (
+            rng.standard_normal((I, H)).astype(np.float32),
+            rng.standard_normal((I, H)).astype(np.float32),
+            rng.standard_normal((H, I)).astype(np.float32),
+        )
+        for layer in range(L)
+        for e in range(E)
+    }
+
+
+class Crew:
+    """Threads running ``work(stop)`` until stopped; errors collected, joins bounded."""
+
+    def __init__(self):
+        self.stop = threading.Event()
+        self.errors: list[BaseException] = []
+        self.threads: list[threading.Thread] = []
+        self.done = collections.Counter()
+
+    def add(self, name, work, *args):
+        def run():
+            try:
+                while not self.stop.is_set():
+                    work(*args)
+                    self.done[name] += 1
+            except BaseException as error:  # noqa: BLE001 - reported by finish()
+                self.errors.append(error)
+                self.stop.set()
+
+        self.threads.append(threading.Thread(target=run, name=name, daemon=True))
+
+    def run(self, seconds: float):
+        interval = sys.getswitchinterval()
+        sys.setswitchinterval(1e-6)  # switch threads often: races show up in seconds
+        try:
+            for thread in self.threads:
+                thread.start()
+            self.stop.wait(seconds)
+            self.stop.set()
+            for thread in self.threads:
+                thread.join(JOIN)
+        finally:
+            sys.setswitchinterval(interval)
+        alive = [t.name for t in self.threads if t.is_alive()]
+        assert not alive, f"deadlock: {alive} still running {JOIN} s after the stop"
+        if self.errors:
+            raise self.errors[0]
+        idle = [t.name for t in self.threads if not self.done[t.name]]
+        assert not idle, f"{idle} never finished one iteration in {seconds} s"
+
+
+def test_concurrent_routing_matches_serial_and_counts_every_token():
+    batches = _batches(24)
+    ctx = colibri.init(config=colibri.Config(num_experts=E, top_k=K, collect_stats=True))
+    serial = [ctx.route(x) for x in batches]
+    per_batch = [UsageStats.from_ids(ids, E) for ids, _ in serial]
+    ctx.reset_stats()
+    crew = Crew()
+    routed = collections.Counter()
+    lock = threading.Lock()
+
+    def route(i, rng):
+        j = int(rng.integers(len(batches)))
+        if i % 2:  # caller-owned buffers on every other thread
+            rows = len(batches[j])
+            out = (np.empty((rows, K), np.int32), np.empty((rows, K), np.float32))
+            ids, weights = ctx.route(batches[j], out=out)
+        else:
+            ids, weights = ctx.route(batches[j])
+        np.testing.assert_array_equal(ids, serial[j][0])
+        np.testing.assert_array_equal(weights, serial[j][1])
+        with lock:
+            routed[j] += 1
+
+    for i in range(4):
+        crew.add(f"route-{i}", route, i, np.random.default_rng(i))
+    crew.run(SECONDS)
+    assert sum(routed.values()) > 4
+    expected = UsageStats.sum(_scaled(per_batch[j], n) for j, n in routed.items())
+    assert ctx.stats == expected  # every token counted once, none lost to a race
+
+
+def _scaled(stats: UsageStats, n: int) -> UsageStats:
+    """The statistics of ``n`` routings of the same tokens."""
+    return UsageStats(stats.counts * n, stats.coactivation * n, stats.tokens * n)
+
+
+@pytest.fixture
+def weights(tmp_path):
+    experts = _experts()
+    return write_experts(tmp_path / "w.colibri", experts), experts
+
+
+def _pager_work(pager, experts, batches, ctx, rng, kept):
+    layer = int(rng.integers(L))
+    ids, _ = ctx.route(batches[int(rng.integers(len(batches)))][:3])
+    try:
+        with pager.load(layer, ids) as batch:
+            for e in np.unique(ids):
+                w = batch[int(e)]
+                gate, up, down = experts[(layer, int(e))]
+                np.testing.assert_array_equal(w.gate, gate)
+                np.testing.assert_array_equal(w.up, up)
+                np.testing.assert_array_equal(w.down, down)
+                if rng.integers(8) == 0 and len(kept) < 4:  # a view kept past the batch
+                    kept.append((w.down, down))
+    except BudgetError:  # documented: every slot pinned by the other threads' live views
+        pass
+
+
+def _prefetch_work(pager, rng):
+    pager.prefetch(int(rng.integers(L)), rng.integers(0, E, 3))
+    if rng.integers(4) == 0:
+        assert pager.drain(timeout=JOIN)
+
+
+def test_paging_and_prefetching_from_several_threads(weights):
+    path, experts = weights
+    batches = _batches(8)
+    ctx = colibri.init(E, K)
+    kept: list = []
+    with Pager(path, budget_bytes=12 * (2 * I * H + H * I) * 4, page_size_kb=4,
+               policy="lru") as pager:  # fmt: skip
+        crew = Crew()
+        for i in range(3):
+            crew.add(f"load-{i}", _pager_work, pager, experts, batches, ctx,
+                     np.random.default_rng(i), kept)  # fmt: skip
+        crew.add("prefetch", _prefetch_work, pager, np.random.default_rng(7))
+        crew.run(SECONDS)
+        assert pager.drain(timeout=JOIN)
+        stats = pager.stats
+        assert stats.hits + stats.misses > 0
+        assert len(pager.resident()) <= pager.capacity
+    for view, expected in kept:  # views outlive their batch, and the pager
+        np.testing.assert_array_equal(view, expected)
+
+
+def test_close_while_loading_and_prefetching(weights):
+    path, experts = weights
+    batches = _batches(8)
+    ctx = colibri.init(E, K)
+    kept: list = []
+    for round_ in range(3):
+        pager = Pager(path, budget_bytes=12 * (2 * I * H + H * I) * 4, page_size_kb=4)
+        crew = Crew()
+
+        def closed_is_documented(work, pager, *args):
+            try:
+                work(pager, *args)
+            except ValueError as error:  # documented: "later loads raise ValueError"
+                assert pager.closed and "closed" in str(error), error
+
+        for i in range(3):
+            crew.add(f"load-{i}", closed_is_documented, _pager_work, pager, experts, batches,
+                     ctx, np.random.default_rng(10 * round_ + i), kept)  # fmt: skip
+        crew.add("prefetch", closed_is_documented, _prefetch_work, pager,
+                 np.random.default_rng(round_))  # fmt: skip
+        closer = threading.Timer(0.2 + 0.2 * round_, pager.close)
+        closer.start()
+        crew.run(0.4 + 0.2 * round_ + 0.3)
+        closer.join(JOIN)
+        assert not closer.is_alive()
+        assert pager.closed
+        pager.close()  # idempotent
+        with pytest.raises(ValueError, match="closed"):
+            pager.load(0, [0])
+    for view, expected in kept:
+        np.testing.assert_array_equal(view, expected)
