@@ -14,7 +14,6 @@ at the end of the session.
 from __future__ import annotations
 
 import collections
-import gc
 import json
 import math
 import os
@@ -568,8 +567,7 @@ def _route_body(case):
     assert ((ids >= 0) & (ids < E_ROUTE)).all()  # never an out-of-range expert id
     np.testing.assert_array_equal(ids, ref_ids)
     np.testing.assert_array_equal(weights, ref_weights)
-    gc.collect()
-    assert cap.deleted == 1
+    assert cap.deleted == 1  # freed by reference counting (no gc.collect: slow in a big heap)
     return True
 
 
@@ -628,7 +626,6 @@ def _metadata_body(fields):
             routed = attempt(lambda: _context(2).route(tensor), errors=DLPACK_ERRORS)
             assert routed is REFUSED or math.prod(shape) == 0
         del tensor
-    gc.collect()
     assert cap.deleted == 1  # consumed exactly once, whatever happened
     return accepted
 
