@@ -23,9 +23,10 @@ except ImportError as _exc:  # pragma: no cover - what a user of the unbuilt tre
         "development, `pip install --no-build-isolation -e .` builds it in place "
         "(README, Develop)."
     ) from _exc
+from colibri._kernels import simd_path
 from colibri.config import Config
 from colibri.dispatch import DispatchPlan, combine, dispatch, gather
-from colibri.layer import ExpertFFN, InMemoryExperts, MoELayer
+from colibri.layer import ExpertFFN, InMemoryExperts, MoELayer, expert_ffn
 from colibri.pager import BudgetError, Pager
 from colibri.partition import Partition
 from colibri.routing import Context, init, route, route_from_dlpack
@@ -60,6 +61,7 @@ __all__ = [
     "__version__",
     "combine",
     "dispatch",
+    "expert_ffn",
     "gather",
     "get_include",
     "init",
@@ -67,4 +69,5 @@ __all__ = [
     "openmp_enabled",
     "route",
     "route_from_dlpack",
+    "simd_path",
 ]
