@@ -41,10 +41,12 @@ cdef extern from "colibri/route.h" nogil:
         const int32_t *group_members
         int32_t groups_in_order
         int32_t use_avx512
+        int32_t use_avx2
 
     size_t colibri_scratch_bytes(const colibri_router_t *r) noexcept
     void colibri_prefetch(const void *p, size_t n) noexcept
     int colibri_cpu_has_avx512() noexcept
+    int colibri_cpu_has_avx2() noexcept
     const float *colibri_load_row(const char *row, int dtype, int64_t stride, int32_t E,
                                   float *buf) noexcept
     int colibri_route_row(const colibri_router_t *r, const float *x, void *scratch,
@@ -112,10 +114,16 @@ cdef extern from *:
 
 def build_info():
     """How this extension was built and what this CPU runs: compiler and SIMD paths."""
+    from colibri import _kernels
+
     simd = COLIBRI_SIMD.decode()
+    if colibri_cpu_has_avx2():
+        simd += ", avx2 (score passes, top two, top-k bound)"
     if colibri_cpu_has_avx512():
         simd += ", avx512f (sigmoid pass, top two)"
-    return {"compiler": COLIBRI_COMPILER.decode(), "simd": simd}
+    return {"compiler": COLIBRI_COMPILER.decode(), "simd": simd,
+            "path": _kernels.simd_path(), "detected": _kernels.detected_path(),
+            "ffn_path": _kernels.ffn_path()}
 
 
 def max_threads():
@@ -272,7 +280,7 @@ cdef class Router:
     def _setup(self, *, int num_experts, int top_k, str scoring, bint normalize, float norm_p,
                float norm_eps, float scale, bias, str bias_on, expert_scale, group_start, group_members, int topk_groups,
                str group_score, int routing_threads, str ids_dtype, bint collect_stats,
-               use_avx512=None):
+               use_avx512=None, use_avx2=None):
         """Store a configuration already validated by :class:`colibri.Config`."""
         self.num_experts = num_experts
         self.top_k = top_k
@@ -322,6 +330,12 @@ cdef class Router:
                              "made without GCC/Clang on x86-64, has no AVX-512 code); leave "
                              "use_avx512=None to use it only where it runs")
         self.r.use_avx512 = colibri_cpu_has_avx512() if use_avx512 is None else use_avx512
+        if use_avx2 and not colibri_cpu_has_avx2():
+            raise ValueError("use_avx2=True, but this CPU has no AVX2 (or COLIBRI_SIMD caps "
+                             "the path below avx2, or this build, made without GCC/Clang on "
+                             "x86-64, has no AVX2 code); leave use_avx2=None to use it only "
+                             "where it runs")
+        self.r.use_avx2 = colibri_cpu_has_avx2() if use_avx2 is None else use_avx2
         self._r_one = self.r
         self._r_one.use_avx512 = 0
         self._scratch_bytes = colibri_scratch_bytes(&self.r)
@@ -356,6 +370,11 @@ cdef class Router:
     def use_avx512(self):
         """Whether batched calls run the AVX-512F kernels."""
         return bool(self.r.use_avx512)
+
+    @property
+    def use_avx2(self):
+        """Whether calls run the AVX2 kernels (where the AVX-512F ones do not apply)."""
+        return bool(self.r.use_avx2)
 
     def set_collect_stats(self, bint on):
         self.collect_stats = on

@@ -45,6 +45,7 @@ class Context(Router):
             ids_dtype=config.ids_dtype,
             collect_stats=config.collect_stats,
             use_avx512=config.use_avx512,
+            use_avx2=config.use_avx2,
         )
 
     @property
