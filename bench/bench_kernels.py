@@ -3,7 +3,8 @@ memory floor, measured in one run.
 
     python bench/bench_kernels.py                  # demo, Qwen3-30B-A3B and Mixtral shapes
     python bench/bench_kernels.py --quick          # the demo and Qwen3 shapes, fewer rows
-    python bench/bench_kernels.py --busy           # and again beside a process on every core
+    python bench/bench_kernels.py --busy           # stall table beside a process on every core
+    python bench/bench_kernels.py --stalls-only --busy
 
 One expert is y = down @ (silu(gate @ x) * (up @ x)), gate/up [I, H], down [H, I]. Each
 figure is milliseconds per expert, the best of several rounds over a pool of experts larger
@@ -133,6 +134,114 @@ def run_shape(name, H, I, dtype_name, batches, args, rng, torch):
     )
 
 
+def median_us(fn, hook, rounds=31):
+    """Median of rounds calls of fn (microseconds), each right after hook() (untimed): a
+    stall shows in the median, where a best-of would hide it."""
+    fn()
+    times = []
+    for _ in range(rounds):
+        hook()
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times)) * 1e6
+
+
+def stall_table(args, rng, torch, modes):
+    """Routing and one expert at batch 1, per mode: quiet, beside busy processes, right
+    after torch's thread pool ran; "x serial" = time / the quiet single-thread time."""
+    bias = rng.standard_normal(256).astype(np.float32)
+    ds = dict(
+        scoring="sigmoid",
+        correction_bias=bias,
+        num_groups=8,
+        topk_groups=4,
+        group_score="top2_sum",
+        scale=2.5,
+    )
+    cases = []
+    for T in (64, 4096, 65536):
+        x = rng.standard_normal((T, 64)).astype(np.float32)
+        cases.append((f"route E=64 k=2 T={T}", 64, 2, {}, x))
+    for T in (64, 4096):
+        x = rng.standard_normal((T, 256)).astype(np.float32)
+        cases.append((f"route DeepSeek-V3 T={T}", 256, 8, ds, x))
+    H, I = SHAPES["qwen3-30b-a3b"]
+    experts = make_pool(H, I, "bfloat16", 64 << 20, rng)
+    xf = rng.standard_normal((1, H)).astype(np.float32)
+    yf = np.empty((1, H), np.float32)
+    kind = _kernels.WEIGHT_KINDS["bfloat16"]
+
+    def ffn_call(threads):
+        def run():
+            for g, u, d, _ in experts:
+                _kernels.ffn(xf, g, u, d, kind, 0, yf, threads, None)
+
+        return run
+
+    a = torch.randn(384, 384) if torch is not None else None
+    hooks = {
+        "quiet": lambda: None,
+        "busy": lambda: None,
+        "after torch": (lambda: torch.mm(a, a)) if torch is not None else None,
+    }
+    serial, results = {}, {}
+    for mode in modes:
+        if hooks.get(mode) is None:
+            continue
+        spinners, stop = _start_spinners() if mode == "busy" else ([], None)
+        try:
+            for name, E, k, opts, x in cases:
+                for threads in (1, args.threads):
+                    ctx = colibri.init(E, k, routing_threads=threads, **opts)
+                    out = ctx.buffers(len(x))
+                    t = median_us(lambda ctx=ctx, x=x, out=out: ctx.route(x, out=out), hooks[mode])
+                    results[mode, name, threads] = t
+            for threads in (1, args.threads):
+                t = median_us(ffn_call(threads), hooks[mode], rounds=10) / len(experts)
+                results[mode, "expert Qwen3 bf16 batch 1", threads] = t
+        finally:
+            _stop_spinners(spinners, stop)
+    names = [c[0] for c in cases] + ["expert Qwen3 bf16 batch 1"]
+    probe = colibri.init(64, 2)
+    route_path = "avx512" if probe.use_avx512 else "avx2" if probe.use_avx2 else "sse2"
+    for name in names:
+        serial[name] = results["quiet", name, 1]
+    print(
+        f"\nstalls: us per call (median of rounds), threads={args.threads} unless marked; "
+        f"'x serial' = / quiet 1-thread; routing path "
+        f"{route_path}"
+    )
+    header = f"{'':<28}{'quiet 1t':>10}" + "".join(
+        f"{m:>14}{'x serial':>9}" for m in modes if hooks.get(m) is not None
+    )
+    print(header)
+    for name in names:
+        line = f"{name:<28}{serial[name]:>10.1f}"
+        for m in modes:
+            if hooks.get(m) is None:
+                continue
+            t = results[m, name, args.threads]
+            line += f"{t:>14.1f}{t / serial[name]:>9.2f}"
+        print(line, flush=True)
+
+
+def _start_spinners():
+    stop = mp.Event()
+    spinners = [mp.Process(target=_spin, args=(stop,)) for _ in range(os.cpu_count())]
+    for p in spinners:
+        p.start()
+    time.sleep(0.2)
+    return spinners, stop
+
+
+def _stop_spinners(spinners, stop):
+    if stop is not None:
+        stop.set()
+        for p in spinners:
+            p.join()
+
+
 def _spin(stop):
     x = 0
     while not stop.is_set():
@@ -176,24 +285,13 @@ def main(argv=None):
         f"torch {torch.__version__ if torch else '-'}; load {os.getloadavg()[0]:.2f}"
     )
     rng = np.random.default_rng(0)
-    for busy in [False, True] if args.busy else [False]:
-        spinners, stop = [], None
-        if busy:
-            stop = mp.Event()
-            spinners = [mp.Process(target=_spin, args=(stop,)) for _ in range(os.cpu_count())]
-            for p in spinners:
-                p.start()
-            print(f"-- beside {len(spinners)} busy processes")
-        try:
-            for name in args.shapes:
-                H, I = SHAPES[name]
-                for dtype_name in args.dtypes:
-                    run_shape(name, H, I, dtype_name, args.batches, args, rng, torch)
-        finally:
-            if stop is not None:
-                stop.set()
-                for p in spinners:
-                    p.join()
+    if not args.stalls_only:
+        for name in args.shapes:
+            H, I = SHAPES[name]
+            for dtype_name in args.dtypes:
+                run_shape(name, H, I, dtype_name, args.batches, args, rng, torch)
+    modes = ["quiet", "busy", "after torch"] if args.busy else ["quiet", "after torch"]
+    stall_table(args, rng, torch, modes)
 
 
 if __name__ == "__main__":

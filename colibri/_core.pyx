@@ -1,13 +1,13 @@
 """colibri's compiled routing core: the batch driver around include/colibri/route.h.
 
 The per-token kernel is plain C (one fused pass: decode, NaN check, optional scores and
-bias, group limit, partial top-k, weights). This module runs it over tokens with OpenMP
-(``prange``, one scratch block per thread, no locks), fills caller-owned or fresh buffers,
-and counts expert usage per thread when asked, merged after the parallel loop.
+bias, group limit, partial top-k, weights). This module runs it over tokens in chunks on
+colibri/pool.h's threads (the caller takes every chunk no helper has claimed yet, so a busy
+machine costs at most the serial time; one scratch block per chunk, no locks), fills
+caller-owned or fresh buffers, and counts expert usage per chunk when asked, merged after.
 """
 
 cimport cython
-from cython.parallel cimport prange
 from libc.stdint cimport int32_t, int64_t, uintptr_t
 from libc.stdlib cimport free, malloc
 
@@ -59,6 +59,11 @@ cdef extern from "colibri/route.h" nogil:
         COLIBRI_ROW_NAN
         COLIBRI_ROW_ALL_NEG_INF
         COLIBRI_ROW_SHORT
+
+
+cdef extern from "colibri/pool.h" nogil:
+    ctypedef void (*colibri_chunk_fn)(void *arg, int32_t chunk) noexcept nogil
+    void colibri_pool_run(colibri_chunk_fn fn, void *arg, int32_t chunks, int threads) noexcept
 
 
 # Work per thread below which another thread costs more than it saves (waking one costs a
@@ -172,6 +177,26 @@ cdef inline void _store_row(const RowJob *job, Py_ssize_t t, const int32_t *ids,
         else:
             (<int32_t *>ids_out)[j * job.ids_s1] = ids[j]
         w_out[j * job.w_s1] = weights[j]
+
+
+ctypedef struct SpanJob:
+    const RowJob *job
+    Py_ssize_t T, chunks
+    char *scratch
+    size_t slot
+    int64_t *cnt
+    int64_t *co
+    Py_ssize_t cs, ps
+    Py_ssize_t *bad_rows
+    int *bad_codes
+
+
+cdef void _route_chunk(void *arg, int32_t c) noexcept nogil:
+    """Chunk c of a batch (colibri/pool.h): its rows, scratch, counts and failure slot."""
+    cdef SpanJob *s = <SpanJob *>arg
+    _route_span(s.job, c * s.T // s.chunks, (c + 1) * s.T // s.chunks, s.scratch + s.slot * c,
+                s.cnt + c * s.cs if s.cnt != NULL else NULL,
+                s.co + c * s.ps if s.co != NULL else NULL, s.bad_rows + c, s.bad_codes + c)
 
 
 cdef void _route_span(const RowJob *job, Py_ssize_t start, Py_ssize_t stop, char *scratch,
@@ -458,6 +483,7 @@ cdef class Router:
     cdef int _run(self, HostTensor x, Py_ssize_t T, int64_t xs0, int64_t xs1,
                   HostTensor ids_t, HostTensor w_t) except -1:
         cdef RowJob job
+        cdef SpanJob span
         job.router = &self.r if T > 1 else &self._r_one
         job.x = x.data
         job.xs0 = xs0
@@ -521,13 +547,22 @@ cdef class Router:
                 for c in range(chunks):
                     bad_rows[c] = (c + 1) * T // chunks  # the chunk's end: all rows routed
                     bad_codes[c] = COLIBRI_OK
-                # one contiguous block of rows per chunk, one chunk per thread
-                for c in prange(chunks, nogil=True, num_threads=chunks, schedule="static",
-                                chunksize=1):
-                    _route_span(&job, c * T // chunks, (c + 1) * T // chunks,
-                                scratch + slot * c, cnt + c * cs if cnt != NULL else NULL,
-                                co + c * ps if co != NULL else NULL,
-                                bad_rows + c, bad_codes + c)
+                # one contiguous block of rows per chunk, one chunk per thread; the caller
+                # takes every chunk no helper has claimed yet (no wait for a thread the OS
+                # has not run: colibri/pool.h)
+                span.job = &job
+                span.T = T
+                span.chunks = chunks
+                span.scratch = scratch
+                span.slot = slot
+                span.cnt = cnt
+                span.co = co
+                span.cs = cs
+                span.ps = ps
+                span.bad_rows = bad_rows
+                span.bad_codes = bad_codes
+                with nogil:
+                    colibri_pool_run(_route_chunk, &span, <int32_t>chunks, <int>chunks)
                 for c in range(chunks):
                     if bad_codes[c] != COLIBRI_OK and bad_rows[c] < bad:
                         bad = bad_rows[c]

@@ -296,3 +296,18 @@ def test_colibri_simd_rejects_unknown_names():
 def test_read_pass_reads_every_word():
     words = np.arange(1, 100_001, dtype=np.uint64)
     assert _kernels.read_pass(words, 2) == int(words.sum())
+
+
+def test_concurrent_callers_share_the_pool():
+    """Calls from several Python threads at once (one holds the helpers, the others run
+    alone): every result is right."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    rng = np.random.default_rng(13)
+    g, u, d = _weights(rng, 256, 300, "bfloat16")
+    xs = [rng.standard_normal((2, 256)).astype(np.float32) for _ in range(16)]
+    want = [_run(x, g, u, d, threads=1) for x in xs]
+    with ThreadPoolExecutor(4) as pool:
+        got = list(pool.map(lambda x: _run(x, g, u, d, threads=2), xs * 4))
+    for i, y in enumerate(got):
+        np.testing.assert_array_equal(y, want[i % len(xs)])

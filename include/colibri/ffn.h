@@ -6,9 +6,9 @@
  * gate, up [I, H] and down [H, I] in float16 or bfloat16 (each row contiguous, any row
  * stride), x [n, H] and y [n, H] float32. Every weight is read once, in its stored dtype,
  * and multiplied in float32 (products exact, float32 accumulation): at batch 1 the kernel
- * runs at the speed memory delivers the weights. Two passes over output rows, threads
- * claiming chunks of rows from a shared counter: gate and up (the activation fused),
- * then down.
+ * runs at the speed memory delivers the weights. Two passes over chunks of output rows
+ * (colibri/pool.h runs them on the caller and its helpers): gate and up (the activation
+ * fused), then down.
  *
  * SIMD paths (colibri/cpu.h picks one at run time): AVX-512 (16 lanes; with AVX512_BF16,
  * bfloat16 weights go through native bf16 dot products on x split into two bfloat16 parts,
@@ -25,10 +25,7 @@
 
 #include "colibri/cpu.h"
 #include "colibri/half.h"
-
-#ifdef _OPENMP
-#include <omp.h>
-#endif
+#include "colibri/pool.h"
 
 #if (defined(__x86_64__) || defined(_M_X64)) && (defined(__GNUC__) || defined(__clang__))
 #include <immintrin.h>
@@ -413,45 +410,6 @@ static inline size_t colibri_ffn_split_bytes(const colibri_ffn_t *f)
     return 2 * sizeof(uint16_t) * (size_t)f->n * ((size_t)f->H + (size_t)f->I);
 }
 
-/* Claim the next chunk of a pass (a shared counter; whoever comes first takes it). */
-static inline int32_t colibri_claim(volatile int32_t *counter)
-{
-#if defined(__GNUC__) || defined(__clang__)
-    return __atomic_fetch_add(counter, 1, __ATOMIC_RELAXED);
-#elif defined(_MSC_VER)
-    return (int32_t)_InterlockedExchangeAdd((volatile long *)counter, 1);
-#else
-    int32_t c;
-#pragma omp critical(colibri_claim)
-    c = (*counter)++;
-    return c;
-#endif
-}
-
-static inline void colibri_done(volatile int32_t *counter)
-{
-#if defined(__GNUC__) || defined(__clang__)
-    __atomic_fetch_add(counter, 1, __ATOMIC_RELEASE);
-#elif defined(_MSC_VER)
-    _InterlockedExchangeAdd((volatile long *)counter, 1);
-#else
-#pragma omp critical(colibri_claim)
-    (*counter)++;
-#endif
-}
-
-static inline int32_t colibri_load_acquire(volatile int32_t *counter)
-{
-#if defined(__GNUC__) || defined(__clang__)
-    return __atomic_load_n(counter, __ATOMIC_ACQUIRE);
-#else
-    int32_t v;
-#pragma omp critical(colibri_claim)
-    v = *counter;
-    return v;
-#endif
-}
-
 /* Output rows per chunk: ~32 KiB of one weight matrix (K=2048: 8 rows). */
 static inline int32_t colibri_ffn_chunk_rows(int32_t K)
 {
@@ -459,15 +417,27 @@ static inline int32_t colibri_ffn_chunk_rows(int32_t K)
     return rows < 1 ? 1 : rows;
 }
 
-/* Run both passes on up to `threads` threads. The calling thread claims chunks like every
- * helper, and between the passes waits only for chunks already claimed: a helper that
- * starts late finds the work done. f->xs must hold colibri_ffn_split_bytes(f) bytes. */
+static void colibri_ffn_gate_up_chunk(void *arg, int32_t c)
+{
+    const colibri_ffn_t *f = (const colibri_ffn_t *)arg;
+    const int32_t rows = colibri_ffn_chunk_rows(2 * f->H);
+    colibri_ffn_gate_up(f, c * rows, (c + 1) * rows < f->I ? (c + 1) * rows : f->I);
+}
+
+static void colibri_ffn_down_chunk(void *arg, int32_t c)
+{
+    const colibri_ffn_t *f = (const colibri_ffn_t *)arg;
+    const int32_t rows = colibri_ffn_chunk_rows(f->I);
+    colibri_ffn_down(f, c * rows, (c + 1) * rows < f->H ? (c + 1) * rows : f->H);
+}
+
+/* Run both passes on up to `threads` threads (colibri/pool.h: the caller claims chunks
+ * too, and never waits for a helper that has not started). f->xs must hold
+ * colibri_ffn_split_bytes(f) bytes. */
 static inline void colibri_ffn_run(const colibri_ffn_t *f, int threads)
 {
     const int32_t n = f->n;
     const int32_t c1 = colibri_ffn_chunk_rows(2 * f->H), c2 = colibri_ffn_chunk_rows(f->I);
-    const int32_t n1 = (f->I + c1 - 1) / c1, n2 = (f->H + c2 - 1) / c2;
-    volatile int32_t next1 = 0, done1 = 0, next2 = 0;
     int64_t i;
     if (colibri_ffn_uses_split(f)) {
         for (i = 0; i < (int64_t)n * f->H; i++) {
@@ -475,27 +445,8 @@ static inline void colibri_ffn_run(const colibri_ffn_t *f, int threads)
             colibri_split_bf16(f->x[r * f->ldx + k], f->xs + i, f->xs + (int64_t)n * f->H + i);
         }
     }
-#ifdef _OPENMP
-#pragma omp parallel num_threads(threads) if (threads > 1)
-#endif
-    {
-        int32_t c;
-        while ((c = colibri_claim(&next1)) < n1) {
-            int32_t o1 = (c + 1) * c1 < f->I ? (c + 1) * c1 : f->I;
-            colibri_ffn_gate_up(f, c * c1, o1);
-            colibri_done(&done1);
-        }
-        while (colibri_load_acquire(&done1) < n1) { /* chunks other threads hold */
-#ifdef COLIBRI_FFN_X86
-            _mm_pause();
-#endif
-        }
-        while ((c = colibri_claim(&next2)) < n2) {
-            int32_t o1 = (c + 1) * c2 < f->H ? (c + 1) * c2 : f->H;
-            colibri_ffn_down(f, c * c2, o1);
-        }
-    }
-    (void)threads;
+    colibri_pool_run(colibri_ffn_gate_up_chunk, (void *)f, (f->I + c1 - 1) / c1, threads);
+    colibri_pool_run(colibri_ffn_down_chunk, (void *)f, (f->H + c2 - 1) / c2, threads);
 }
 
 #endif /* COLIBRI_FFN_H */
