@@ -290,8 +290,9 @@ def main(argv=None):
             H, I = SHAPES[name]
             for dtype_name in args.dtypes:
                 run_shape(name, H, I, dtype_name, args.batches, args, rng, torch)
-    modes = ["quiet", "busy", "after torch"] if args.busy else ["quiet", "after torch"]
-    stall_table(args, rng, torch, modes)
+    if not args.no_stalls:
+        modes = ["quiet", "busy", "after torch"] if args.busy else ["quiet", "after torch"]
+        stall_table(args, rng, torch, modes)
 
 
 if __name__ == "__main__":

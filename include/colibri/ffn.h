@@ -46,6 +46,12 @@ enum { COLIBRI_ACT_SILU = 0, COLIBRI_ACT_GELU_TANH = 1, COLIBRI_ACT_GELU = 2, CO
 /* Most rows one call takes (per-row scratch lives on the stack). */
 #define COLIBRI_FFN_MAX_ROWS 64
 
+#if defined(__GNUC__) || defined(__clang__)
+#define COLIBRI_INLINE inline __attribute__((always_inline)) /* nb, kind: constants */
+#else
+#define COLIBRI_INLINE inline
+#endif
+
 /* Rows of x handled together against one weight row (each keeps two accumulators). */
 #define COLIBRI_FFN_ROW_BLOCK 4
 
@@ -88,7 +94,7 @@ static inline void colibri_dot_scalar(int kind, const uint16_t *w, int32_t K, co
 }
 
 #ifdef COLIBRI_FFN_X86
-COLIBRI_TARGET_AVX2 static inline __m256 colibri_load8w(int kind, const uint16_t *p)
+COLIBRI_TARGET_AVX2 static COLIBRI_INLINE __m256 colibri_load8w(int kind, const uint16_t *p)
 {
     __m128i v = _mm_loadu_si128((const __m128i *)p);
     if (kind == COLIBRI_W_F16)
@@ -105,7 +111,7 @@ COLIBRI_TARGET_AVX2 static inline float colibri_hsum8(__m256 v)
 }
 
 /* kind and nb are constants where this is inlined (colibri_dot_avx2 below). */
-COLIBRI_TARGET_AVX2 static inline void colibri_dot_avx2_nb(int kind, const uint16_t *w,
+COLIBRI_TARGET_AVX2 static COLIBRI_INLINE void colibri_dot_avx2_nb(int kind, const uint16_t *w,
                                                            int32_t K, const float *x,
                                                            int64_t ldx, int32_t nb, float *y,
                                                            int64_t ldy)
@@ -158,7 +164,7 @@ COLIBRI_TARGET_AVX2 static void colibri_dot_avx2(int kind, const uint16_t *w, in
     COLIBRI_DOT_CASES(colibri_dot_avx2_nb)
 }
 
-COLIBRI_TARGET_AVX512 static inline __m512 colibri_load16w(int kind, const uint16_t *p)
+COLIBRI_TARGET_AVX512 static COLIBRI_INLINE __m512 colibri_load16w(int kind, const uint16_t *p)
 {
     __m256i v = _mm256_loadu_si256((const __m256i *)p);
     if (kind == COLIBRI_W_F16)
@@ -166,7 +172,7 @@ COLIBRI_TARGET_AVX512 static inline __m512 colibri_load16w(int kind, const uint1
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
 }
 
-COLIBRI_TARGET_AVX512 static inline void colibri_dot_avx512_nb(int kind, const uint16_t *w,
+COLIBRI_TARGET_AVX512 static COLIBRI_INLINE void colibri_dot_avx512_nb(int kind, const uint16_t *w,
                                                                int32_t K, const float *x,
                                                                int64_t ldx, int32_t nb,
                                                                float *y, int64_t ldy)
@@ -213,7 +219,7 @@ COLIBRI_TARGET_AVX512 static void colibri_dot_avx512(int kind, const uint16_t *w
 
 /* bfloat16 weights against x = xh + xl (both bfloat16, [nb, K] at row stride ldx, K even
  * in the vector part): two native bf16 dot products per 32 weights. */
-COLIBRI_TARGET_AVX512BF16 static inline void colibri_dot_bf16_nb(const uint16_t *w, int32_t K,
+COLIBRI_TARGET_AVX512BF16 static COLIBRI_INLINE void colibri_dot_bf16_nb(const uint16_t *w, int32_t K,
                                                                  const uint16_t *xh,
                                                                  const uint16_t *xl,
                                                                  int64_t ldx, int32_t nb,
@@ -257,7 +263,7 @@ COLIBRI_TARGET_AVX512BF16 static void colibri_dot_bf16(const uint16_t *w, int32_
 #endif /* COLIBRI_FFN_X86 */
 
 #ifdef COLIBRI_FFN_NEON
-static inline float32x4_t colibri_load4w(int kind, const uint16_t *p)
+static COLIBRI_INLINE float32x4_t colibri_load4w(int kind, const uint16_t *p)
 {
     uint16x4_t v = vld1_u16(p);
     if (kind == COLIBRI_W_F16)
@@ -265,7 +271,7 @@ static inline float32x4_t colibri_load4w(int kind, const uint16_t *p)
     return vreinterpretq_f32_u32(vshll_n_u16(v, 16));
 }
 
-static inline void colibri_dot_neon_nb(int kind, const uint16_t *w, int32_t K, const float *x,
+static COLIBRI_INLINE void colibri_dot_neon_nb(int kind, const uint16_t *w, int32_t K, const float *x,
                                        int64_t ldx, int32_t nb, float *y, int64_t ldy)
 {
     float32x4_t a[COLIBRI_FFN_ROW_BLOCK], b[COLIBRI_FFN_ROW_BLOCK];
