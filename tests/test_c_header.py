@@ -131,6 +131,27 @@ def programs(tmp_path_factory):
             capture_output=True,
         )
         built[name] = exe
+    cross, qemu = shutil.which("aarch64-linux-gnu-gcc"), shutil.which("qemu-aarch64")
+    if cross is not None and qemu is not None:  # aarch64's path, run under emulation
+        exe = folder / "aarch64"
+        subprocess.run(
+            [
+                cross,
+                "-O2",
+                "-std=c99",
+                "-ffp-contract=off",
+                "-static",
+                "-I",
+                colibri.get_include(),
+                str(source),
+                "-o",
+                str(exe),
+                "-lm",
+            ],
+            check=True,
+            capture_output=True,
+        )
+        built["aarch64"] = (qemu, exe)
     return built
 
 
@@ -167,10 +188,11 @@ def test_c_program_matches_the_router_bit_for_bit(programs, case, tmp_path):
     runs += [(f"simd {w}", programs["simd"], w) for w in WIDE]
     for name, exe, wide in runs:
         env = {**os.environ, "COLIBRI_TEST_WIDE": wide or ""}
+        command = [str(e) for e in exe] if isinstance(exe, tuple) else [str(exe)]
         path = subprocess.run(
-            [str(exe), *args], check=True, capture_output=True, text=True, env=env
+            [*command, *args], check=True, capture_output=True, text=True, env=env
         )
-        if name == "plain":
+        if name in ("plain", "aarch64"):
             assert path.stdout.strip() == "plain C"
         out = np.fromfile(tmp_path / "out.bin", np.uint8)
         c_ids = out[: 300 * k * 4].view(np.int32).reshape(300, k)

@@ -311,3 +311,105 @@ def test_concurrent_callers_share_the_pool():
         got = list(pool.map(lambda x: _run(x, g, u, d, threads=2), xs * 4))
     for i, y in enumerate(got):
         np.testing.assert_array_equal(y, want[i % len(xs)])
+
+
+# ---- aarch64 (NEON) under emulation: a cross compiler and qemu-user ------------------
+
+FFN_PROGRAM = r"""
+#include <stdio.h>
+#include <stdlib.h>
+#include "colibri/ffn.h"
+
+/* argv: in.bin n H I kind act path out.bin */
+int main(int argc, char **argv)
+{
+    if (argc != 9) return 2;
+    int n = atoi(argv[2]), H = atoi(argv[3]), I = atoi(argv[4]);
+    size_t nx = (size_t)n * H, nw = (size_t)I * H;
+    float *x = malloc(4 * nx), *h = malloc(4 * (size_t)n * I), *y = malloc(4 * nx);
+    uint16_t *w = malloc(2 * 3 * nw);
+    FILE *f = fopen(argv[1], "rb");
+    if (!f || fread(x, 4, nx, f) != nx || fread(w, 2, 3 * nw, f) != 3 * nw) return 3;
+    fclose(f);
+    colibri_ffn_t p = {0};
+    p.n = n, p.H = H, p.I = I, p.kind = atoi(argv[5]), p.act = atoi(argv[6]);
+    p.path = atoi(argv[7]);
+    if (!colibri_path_runs(p.path)) return 7;
+    p.x = x, p.ldx = H, p.gate = w, p.up = w + nw, p.ldg = p.ldu = H;
+    p.down = w + 2 * nw, p.ldd = I, p.h = h, p.y = y, p.ldy = H;
+    colibri_ffn_run(&p, 2);
+    f = fopen(argv[8], "wb");
+    fwrite(y, 4, nx, f);
+    fclose(f);
+    puts(colibri_path_names[colibri_cpu_detect()]);
+    return 0;
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def aarch64_ffn(tmp_path_factory):
+    import shutil
+
+    cc, qemu = shutil.which("aarch64-linux-gnu-gcc"), shutil.which("qemu-aarch64")
+    if cc is None or qemu is None:
+        pytest.skip("no aarch64 cross compiler (gcc-aarch64-linux-gnu) or qemu-user")
+    folder = tmp_path_factory.mktemp("arm")
+    (folder / "ffn.c").write_text(FFN_PROGRAM)
+    exe = folder / "ffn"
+    subprocess.run(
+        [
+            cc,
+            "-O2",
+            "-std=c11",
+            "-ffp-contract=off",
+            "-static",
+            "-pthread",
+            "-I",
+            colibri.get_include(),
+            str(folder / "ffn.c"),
+            "-o",
+            str(exe),
+            "-lm",
+        ],
+        check=True,
+        capture_output=True,
+    )
+    return qemu, exe
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("H, I, n", [(37, 29, 3), (128, 96, 5)])
+def test_neon_and_plain_c_on_aarch64(aarch64_ffn, tmp_path, dtype, H, I, n):
+    qemu, exe = aarch64_ffn
+    rng = np.random.default_rng(H + n)
+    g, u, d = _weights(rng, H, I, dtype)
+    x = rng.standard_normal((n, H)).astype(np.float32)
+    blob = tmp_path / "in.bin"
+    blob.write_bytes(x.tobytes() + b"".join(w.view(np.uint16).tobytes() for w in (g, u, d)))
+    ref, bound = reference(x, g, u, d)
+    kind = _kernels.WEIGHT_KINDS[dtype]
+    results = {}
+    for path in ("neon", "scalar"):
+        out = tmp_path / f"{path}.bin"
+        r = subprocess.run(
+            [
+                qemu,
+                str(exe),
+                str(blob),
+                str(n),
+                str(H),
+                str(I),
+                str(kind),
+                "0",
+                str(_kernels.PATHS.index(path)),
+                str(out),
+            ],
+            capture_output=True,
+            text=True,
+        )
+        assert r.returncode == 0, (r.returncode, r.stderr)
+        assert r.stdout.strip() == "neon"  # what cpu.h detects there
+        results[path] = np.fromfile(out, np.float32).reshape(n, H)
+        assert np.all(np.abs(results[path] - ref) <= bound), path
+    assert not np.array_equal(results["neon"], results["scalar"]) or H < 8

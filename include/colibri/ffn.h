@@ -93,6 +93,23 @@ static inline void colibri_dot_scalar(int kind, const uint16_t *w, int32_t K, co
         y[r * ldy] = acc[r];
 }
 
+/* Calls fn with kind and nb as constants (the compiler specializes each). */
+#define COLIBRI_DOT_CASES(fn)                                                               \
+    if (kind == COLIBRI_W_F16) {                                                            \
+        switch (nb) {                                                                       \
+        case 1: fn(COLIBRI_W_F16, w, K, x, ldx, 1, y, ldy); return;                         \
+        case 2: fn(COLIBRI_W_F16, w, K, x, ldx, 2, y, ldy); return;                         \
+        case 3: fn(COLIBRI_W_F16, w, K, x, ldx, 3, y, ldy); return;                         \
+        default: fn(COLIBRI_W_F16, w, K, x, ldx, 4, y, ldy); return;                        \
+        }                                                                                   \
+    }                                                                                       \
+    switch (nb) {                                                                           \
+    case 1: fn(COLIBRI_W_BF16, w, K, x, ldx, 1, y, ldy); return;                            \
+    case 2: fn(COLIBRI_W_BF16, w, K, x, ldx, 2, y, ldy); return;                            \
+    case 3: fn(COLIBRI_W_BF16, w, K, x, ldx, 3, y, ldy); return;                            \
+    default: fn(COLIBRI_W_BF16, w, K, x, ldx, 4, y, ldy); return;                           \
+    }
+
 #ifdef COLIBRI_FFN_X86
 COLIBRI_TARGET_AVX2 static COLIBRI_INLINE __m256 colibri_load8w(int kind, const uint16_t *p)
 {
@@ -140,22 +157,6 @@ COLIBRI_TARGET_AVX2 static COLIBRI_INLINE void colibri_dot_avx2_nb(int kind, con
         y[r * ldy] = s;
     }
 }
-
-#define COLIBRI_DOT_CASES(fn)                                                               \
-    if (kind == COLIBRI_W_F16) {                                                            \
-        switch (nb) {                                                                       \
-        case 1: fn(COLIBRI_W_F16, w, K, x, ldx, 1, y, ldy); return;                         \
-        case 2: fn(COLIBRI_W_F16, w, K, x, ldx, 2, y, ldy); return;                         \
-        case 3: fn(COLIBRI_W_F16, w, K, x, ldx, 3, y, ldy); return;                         \
-        default: fn(COLIBRI_W_F16, w, K, x, ldx, 4, y, ldy); return;                        \
-        }                                                                                   \
-    }                                                                                       \
-    switch (nb) {                                                                           \
-    case 1: fn(COLIBRI_W_BF16, w, K, x, ldx, 1, y, ldy); return;                            \
-    case 2: fn(COLIBRI_W_BF16, w, K, x, ldx, 2, y, ldy); return;                            \
-    case 3: fn(COLIBRI_W_BF16, w, K, x, ldx, 3, y, ldy); return;                            \
-    default: fn(COLIBRI_W_BF16, w, K, x, ldx, 4, y, ldy); return;                           \
-    }
 
 COLIBRI_TARGET_AVX2 static void colibri_dot_avx2(int kind, const uint16_t *w, int32_t K,
                                                  const float *x, int64_t ldx, int32_t nb,
