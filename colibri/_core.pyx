@@ -351,8 +351,9 @@ cdef class Router:
             self.r.groups_in_order = bool(np.array_equal(group_members, np.arange(num_experts)))
         self._keep = keep
         if use_avx512 and not colibri_cpu_has_avx512():
-            raise ValueError("use_avx512=True, but this CPU has no AVX-512F (or this build, "
-                             "made without GCC/Clang on x86-64, has no AVX-512 code); leave "
+            raise ValueError("use_avx512=True, but this CPU has no AVX-512F (or COLIBRI_SIMD "
+                             "caps the path below avx512, or this build, made without "
+                             "GCC/Clang on x86-64, has no AVX-512 code); leave "
                              "use_avx512=None to use it only where it runs")
         self.r.use_avx512 = colibri_cpu_has_avx512() if use_avx512 is None else use_avx512
         if use_avx2 and not colibri_cpu_has_avx2():
