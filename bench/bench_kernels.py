@@ -266,8 +266,10 @@ def main(argv=None):
     )
     parser.add_argument("--no-torch", action="store_true")
     parser.add_argument(
-        "--busy", action="store_true", help="also run beside one spinning process per core"
+        "--busy", action="store_true", help="the stall table beside a spinning process per core too"
     )
+    parser.add_argument("--stalls-only", action="store_true", help="only the stall table")
+    parser.add_argument("--no-stalls", action="store_true", help="no stall table")
     args = parser.parse_args(argv)
     if args.quick:
         args.shapes, args.batches = ["demo", "qwen3-30b-a3b"], [1, 16]
