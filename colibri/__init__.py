@@ -26,8 +26,9 @@ except ImportError as _exc:  # pragma: no cover - what a user of the unbuilt tre
         "(README, Develop)."
     ) from _exc
 from colibri._errors import ColibriError, FormatError
+from colibri._kernels import simd_path
 from colibri.dispatch import DispatchPlan, combine, dispatch, gather
-from colibri.layer import ExpertFFN, InMemoryExperts, MoELayer
+from colibri.layer import ExpertFFN, InMemoryExperts, MoELayer, expert_ffn
 from colibri.pager import BudgetError, FileChangedError, Pager
 from colibri.partition import Partition
 from colibri.routing import Config, Context, UsageStats, init, route, route_from_dlpack
@@ -67,6 +68,7 @@ __all__ = [
     "__version__",
     "combine",
     "dispatch",
+    "expert_ffn",
     "gather",
     "get_include",
     "init",
@@ -74,4 +76,5 @@ __all__ = [
     "openmp_enabled",
     "route",
     "route_from_dlpack",
+    "simd_path",
 ]

@@ -1,12 +1,12 @@
 """colibri's compiled routing core: the batch driver around include/colibri/route.h.
 
 The per-token kernel is plain C (one fused pass: decode, NaN check, optional scores and
-bias, group limit, partial top-k, weights). This module runs it over tokens with OpenMP
-(``prange``, one scratch block per thread, no locks), fills caller-owned or fresh buffers,
-and counts expert usage per thread when asked, merged after the parallel loop.
+bias, group limit, partial top-k, weights). This module runs it over tokens in chunks on
+colibri/pool.h's threads (the caller takes every chunk no helper has claimed yet, so a busy
+machine costs at most the serial time; one scratch block per chunk, no locks), fills
+caller-owned or fresh buffers, and counts expert usage per chunk when asked, merged after.
 """
 
-from cython.parallel cimport prange
 from libc.stdint cimport int32_t, int64_t, uintptr_t
 from libc.stdlib cimport free, malloc
 
@@ -17,15 +17,21 @@ from colibri._route cimport (COLIBRI_BF16, COLIBRI_F16, COLIBRI_F32, COLIBRI_F64
                              COLIBRI_GROUP_MAX, COLIBRI_GROUP_TOP2_SUM, COLIBRI_OK,
                              COLIBRI_ROW_ALL_NEG_INF, COLIBRI_ROW_NAN, COLIBRI_ROW_SHORT,
                              COLIBRI_SIGMOID, COLIBRI_SOFTMAX, COLIBRI_SQRTSOFTPLUS,
-                             colibri_cpu_has_avx512, colibri_load_row, colibri_prefetch,
-                             colibri_route_row, colibri_route_rows8, colibri_router_t,
-                             colibri_rows8_eligible, colibri_scratch_bytes)
+                             colibri_cpu_has_avx2, colibri_cpu_has_avx512, colibri_load_row,
+                             colibri_prefetch, colibri_route_row, colibri_route_rows8,
+                             colibri_router_t, colibri_rows8_eligible, colibri_scratch_bytes)
 
 import threading
 
 import numpy as np
 
 from colibri._dlpack import DTYPE_NAMES, to_caller
+
+
+cdef extern from "colibri/pool.h" nogil:
+    ctypedef void (*colibri_chunk_fn)(void *arg, int32_t chunk) noexcept nogil
+    void colibri_pool_run(colibri_chunk_fn fn, void *arg, int32_t chunks, int threads) noexcept
+
 
 # Work per thread below which another thread costs more than it saves (waking one costs a
 # few microseconds here), and a row's cost by path, in ns (measured, 2-core VM).
@@ -95,10 +101,16 @@ cdef extern from *:
 
 def build_info():
     """How this extension was built and what this CPU runs: compiler and SIMD paths."""
+    from colibri import _kernels
+
     simd = COLIBRI_SIMD.decode()
+    if colibri_cpu_has_avx2():
+        simd += ", avx2 (score passes, top two, top-k bound)"
     if colibri_cpu_has_avx512():
         simd += ", avx512f (sigmoid pass, top two)"
-    return {"compiler": COLIBRI_COMPILER.decode(), "simd": simd}
+    return {"compiler": COLIBRI_COMPILER.decode(), "simd": simd,
+            "path": _kernels.simd_path(), "detected": _kernels.detected_path(),
+            "ffn_path": _kernels.ffn_path()}
 
 
 def max_threads():
@@ -147,6 +159,26 @@ cdef inline void _store_row(const RowJob *job, Py_ssize_t t, const int32_t *ids,
         else:
             (<int32_t *>ids_out)[j * job.ids_s1] = ids[j]
         w_out[j * job.w_s1] = weights[j]
+
+
+ctypedef struct SpanJob:
+    const RowJob *job
+    Py_ssize_t T, chunks
+    char *scratch
+    size_t slot
+    int64_t *cnt
+    int64_t *co
+    Py_ssize_t cs, ps
+    Py_ssize_t *bad_rows
+    int *bad_codes
+
+
+cdef void _route_chunk(void *arg, int32_t c) noexcept nogil:
+    """Chunk c of a batch (colibri/pool.h): its rows, scratch, counts and failure slot."""
+    cdef SpanJob *s = <SpanJob *>arg
+    _route_span(s.job, c * s.T // s.chunks, (c + 1) * s.T // s.chunks, s.scratch + s.slot * c,
+                s.cnt + c * s.cs if s.cnt != NULL else NULL,
+                s.co + c * s.ps if s.co != NULL else NULL, s.bad_rows + c, s.bad_codes + c)
 
 
 cdef void _route_span(const RowJob *job, Py_ssize_t start, Py_ssize_t stop, char *scratch,
@@ -257,6 +289,7 @@ cdef class Router:
         cdef int num_experts = config.num_experts
         cdef int routing_threads = config.routing_threads or colibri_max_threads()
         use_avx512 = config.use_avx512
+        use_avx2 = config.use_avx2
         self.num_experts = num_experts
         self.top_k = config.top_k
         self.routing_threads = routing_threads
@@ -303,10 +336,17 @@ cdef class Router:
             self.r.groups_in_order = bool(np.array_equal(members, np.arange(num_experts)))
         self._keep = keep
         if use_avx512 and not colibri_cpu_has_avx512():
-            raise ValueError("use_avx512=True, but this CPU has no AVX-512F (or this build, "
-                             "made without GCC/Clang on x86-64, has no AVX-512 code); leave "
+            raise ValueError("use_avx512=True, but this CPU has no AVX-512F (or COLIBRI_SIMD "
+                             "caps the path below avx512, or this build, made without "
+                             "GCC/Clang on x86-64, has no AVX-512 code); leave "
                              "use_avx512=None to use it only where it runs")
         self.r.use_avx512 = colibri_cpu_has_avx512() if use_avx512 is None else use_avx512
+        if use_avx2 and not colibri_cpu_has_avx2():
+            raise ValueError("use_avx2=True, but this CPU has no AVX2 (or COLIBRI_SIMD caps "
+                             "the path below avx2, or this build, made without GCC/Clang on "
+                             "x86-64, has no AVX2 code); leave use_avx2=None to use it only "
+                             "where it runs")
+        self.r.use_avx2 = colibri_cpu_has_avx2() if use_avx2 is None else use_avx2
         self._r_one = self.r
         self._r_one.use_avx512 = 0
         self._scratch_bytes = colibri_scratch_bytes(&self.r)
@@ -341,6 +381,11 @@ cdef class Router:
     def use_avx512(self):
         """Whether batched calls run the AVX-512F kernels."""
         return bool(self.r.use_avx512)
+
+    @property
+    def use_avx2(self):
+        """Whether calls run the AVX2 kernels (where the AVX-512F ones do not apply)."""
+        return bool(self.r.use_avx2)
 
     def set_collect_stats(self, bint on):
         self.collect_stats = on
@@ -424,6 +469,7 @@ cdef class Router:
     cdef int _run(self, HostTensor x, Py_ssize_t T, int64_t xs0, int64_t xs1,
                   HostTensor ids_t, HostTensor w_t) except -1:
         cdef RowJob job
+        cdef SpanJob span
         job.router = &self.r if T > 1 else &self._r_one
         job.x = x.data
         job.xs0 = xs0
@@ -486,13 +532,22 @@ cdef class Router:
                 for c in range(chunks):
                     bad_rows[c] = (c + 1) * T // chunks  # the chunk's end: all rows routed
                     bad_codes[c] = COLIBRI_OK
-                # one contiguous block of rows per chunk, one chunk per thread
-                for c in prange(chunks, nogil=True, num_threads=chunks, schedule="static",
-                                chunksize=1):
-                    _route_span(&job, c * T // chunks, (c + 1) * T // chunks,
-                                scratch + slot * c, cnt + c * cs if cnt != NULL else NULL,
-                                co + c * ps if co != NULL else NULL,
-                                bad_rows + c, bad_codes + c)
+                # one contiguous block of rows per chunk, one chunk per thread; the caller
+                # takes every chunk no helper has claimed yet (no wait for a thread the OS
+                # has not run: colibri/pool.h)
+                span.job = &job
+                span.T = T
+                span.chunks = chunks
+                span.scratch = scratch
+                span.slot = slot
+                span.cnt = cnt
+                span.co = co
+                span.cs = cs
+                span.ps = ps
+                span.bad_rows = bad_rows
+                span.bad_codes = bad_codes
+                with nogil:
+                    colibri_pool_run(_route_chunk, &span, <int32_t>chunks, <int>chunks)
                 for c in range(chunks):
                     if bad_codes[c] != COLIBRI_OK and bad_rows[c] < bad:
                         bad = bad_rows[c]

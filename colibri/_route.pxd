@@ -24,6 +24,7 @@ cdef extern from "colibri/route.h" nogil:
         const int32_t *group_members
         int32_t groups_in_order
         int32_t use_avx512
+        int32_t use_avx2
 
     enum:
         COLIBRI_SOFTMAX
@@ -43,6 +44,7 @@ cdef extern from "colibri/route.h" nogil:
     size_t colibri_scratch_bytes(const colibri_router_t *r) noexcept
     void colibri_prefetch(const void *p, size_t n) noexcept
     int colibri_cpu_has_avx512() noexcept
+    int colibri_cpu_has_avx2() noexcept
     const float *colibri_load_row(const char *row, int dtype, int64_t stride, int32_t E,
                                   float *buf) noexcept
     int colibri_route_row(const colibri_router_t *r, const float *x, void *scratch,

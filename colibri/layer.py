@@ -27,11 +27,18 @@ from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 
-from colibri import _dispatch
+from colibri import _dispatch, _kernels
 from colibri._host import dtype_name, import_host, to_caller
 from colibri.dispatch import DispatchPlan, combine, dispatch, gather
 
-__all__ = ["ExpertFFN", "ExpertWeights", "InMemoryExperts", "MoELayer", "activation_function"]
+__all__ = [
+    "ExpertFFN",
+    "ExpertWeights",
+    "InMemoryExperts",
+    "MoELayer",
+    "activation_function",
+    "expert_ffn",
+]
 
 
 class ExpertFFN(NamedTuple):
@@ -67,7 +74,10 @@ class InMemoryExperts:
     """
 
     def __init__(self, gate: Any, up: Any, down: Any) -> None:
-        arrays = [_host_array(a, name) for a, name in ((gate, "gate"), (up, "up"), (down, "down"))]
+        arrays = [
+            _host_array(a, name, keep_half=True)
+            for a, name in ((gate, "gate"), (up, "up"), (down, "down"))
+        ]
         if arrays[0].ndim == 3:
             arrays = [a[None] for a in arrays]
         g, u, d = arrays
@@ -128,6 +138,18 @@ _ACTIVATIONS: dict[str, Callable[[np.ndarray], np.ndarray]] = {
 }
 
 
+# The activations the fused kernel computes itself (include/colibri/ffn.h), by name.
+_KERNEL_ACTIVATIONS = {
+    "silu": "silu",
+    "swiglu": "silu",
+    "gelu": "gelu",
+    "gelu_tanh": "gelu_tanh",
+    "gelu_pytorch_tanh": "gelu_tanh",
+    "geglu": "gelu_tanh",
+    "relu": "relu",
+}
+
+
 def activation_function(activation: str | Callable) -> Callable[[np.ndarray], np.ndarray]:
     """The gate activation: "silu" (SwiGLU), "gelu" (exact, GeGLU), "gelu_tanh", "relu",
     or a callable on a float numpy array."""
@@ -142,13 +164,22 @@ def activation_function(activation: str | Callable) -> Callable[[np.ndarray], np
         ) from None
 
 
-def _host_array(a: Any, what: str) -> np.ndarray:
-    """Weights as numpy (float32 for bfloat16); torch parameters are read without a copy."""
+def _host_array(a: Any, what: str, keep_half: bool = False) -> np.ndarray:
+    """Weights as numpy (float32 for bfloat16, unless ``keep_half`` and ml_dtypes gives numpy
+    a bfloat16 dtype: the fused kernel reads it as stored); torch parameters are read
+    without a copy."""
     torch = sys.modules.get("torch")
     if torch is not None and isinstance(a, torch.Tensor):
         a = a.detach()  # weights are constants here: no autograd through the layer
     arr, name = import_host(a)
     if name == "bfloat16":
+        if keep_half:
+            try:
+                import ml_dtypes
+            except ImportError:
+                pass
+            else:
+                return arr.view(ml_dtypes.bfloat16)
         return _bf16_to_float32(arr)
     if name not in ("float32", "float64", "float16"):
         raise ValueError(
@@ -179,14 +210,15 @@ _HALF_KINDS = {"float16": 1, "bfloat16": 2}
 _READ_AHEAD_MIN_BYTES = 1 << 20
 
 
-def linear(x: np.ndarray, w: Any, dtype: np.dtype) -> np.ndarray:
+def linear(x: np.ndarray, w: Any, dtype: np.dtype, name: str | None = None) -> np.ndarray:
     """``x @ w.T`` for rows ``x [n, in]`` and a weight ``w [out, in]``: ``[n, out]``.
 
     Computed as ``(w @ x.T).T`` (BLAS gemv for one row, several times faster than the
-    row-vector form). float16/bfloat16 weights are converted to float32 block by block.
+    row-vector form). float16/bfloat16 weights are converted to float32 block by block;
+    ``name`` gives the dtype of uint16 bits ("float16" or "bfloat16").
     """
     arr = np.asarray(w)
-    name = dtype_name(arr.dtype)
+    name = name or dtype_name(arr.dtype)
     if arr.ndim != 2 or arr.shape[1] != x.shape[1]:
         raise ValueError(
             f"expert weight of shape {arr.shape} does not match rows of width {x.shape[1]}"
@@ -212,11 +244,204 @@ def linear(x: np.ndarray, w: Any, dtype: np.dtype) -> np.ndarray:
     return out.T
 
 
-def gated_ffn(x: np.ndarray, expert: Any, act: Callable, dtype: np.dtype) -> np.ndarray:
-    """``down @ (act(gate @ x) * (up @ x))`` for rows ``x [n, H]``: three BLAS GEMMs."""
+# Rows up to which the fused kernel runs; more rows go to block conversion + BLAS, which
+# reuses each converted block across rows (crossover measured with bench/bench_kernels.py).
+KERNEL_MAX_ROWS = 32
+
+
+def _half_bits(w: Any) -> tuple[np.ndarray, str] | None:
+    """float16/bfloat16 weights as their uint16 bits (a view) and the dtype name, else None."""
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(w, torch.Tensor):
+        w = w.detach()
+    arr, name = import_host(w) if not isinstance(w, np.ndarray) else (w, dtype_name(w.dtype))
+    if name not in _HALF_KINDS:
+        return None
+    return arr.view(np.uint16), name
+
+
+def _fused(
+    x32: np.ndarray,
+    gate: np.ndarray,
+    up: np.ndarray,
+    down: np.ndarray,
+    name: str,
+    act: str,
+    out: np.ndarray | None,
+    num_threads: int | None,
+    path: str | None = None,
+) -> np.ndarray:
+    """The fused kernel on float32 rows ``x32 [n, H]`` and uint16 weight bits."""
+    if out is None:
+        out = np.empty((x32.shape[0], down.shape[0]), np.float32)
+    rows = []
+    for w in (gate, up, down):
+        rows.append(w if w.strides[1] == w.itemsize or w.shape[1] == 1 else np.ascontiguousarray(w))
+    _kernels.ffn(
+        x32,
+        rows[0],
+        rows[1],
+        rows[2],
+        _HALF_KINDS[name],
+        _kernels.ACTIVATIONS[act],
+        out,
+        num_threads or 0,
+        path,
+    )
+    return out
+
+
+def gated_ffn(
+    x: np.ndarray,
+    expert: Any,
+    act: Callable,
+    dtype: np.dtype,
+    kernel_act: str | None = None,
+    num_threads: int | None = None,
+    out: np.ndarray | None = None,
+) -> np.ndarray:
+    """``down @ (act(gate @ x) * (up @ x))`` for rows ``x [n, H]``.
+
+    float16/bfloat16 weights with up to ``KERNEL_MAX_ROWS`` float32 rows and a kernel
+    activation (``kernel_act``) run the fused kernel, into ``out`` ([n, H] float32, rows
+    contiguous) when given; otherwise three BLAS GEMMs (``out`` unused).
+    """
+    if kernel_act is not None and dtype == np.float32 and 0 < x.shape[0] <= KERNEL_MAX_ROWS:
+        bits = [_half_bits(w) for w in (expert.gate, expert.up, expert.down)]
+        if all(b is not None for b in bits) and len({b[1] for b in bits}) == 1:
+            g, u, d = (b[0] for b in bits)
+            _check_expert_shapes("gated_ffn", x.shape[1], g, u, d)
+            return _fused(
+                np.ascontiguousarray(x), g, u, d, bits[0][1], kernel_act, out, num_threads
+            )
     h = act(linear(x, expert.gate, dtype))
     h *= linear(x, expert.up, dtype)
     return linear(np.ascontiguousarray(h), expert.down, dtype)
+
+
+def _check_expert_shapes(func: str, H: int, g: Any, u: Any, d: Any) -> None:
+    if g.ndim != 2 or g.shape[1] != H:
+        raise ValueError(f"{func}(): gate must be [I, {H}] (got {tuple(g.shape)})")
+    if tuple(u.shape) != tuple(g.shape):
+        raise ValueError(
+            f"{func}(): up must be [{g.shape[0]}, {H}] like gate (got {tuple(u.shape)})"
+        )
+    if tuple(d.shape) != (H, g.shape[0]):
+        raise ValueError(f"{func}(): down must be [{H}, {g.shape[0]}] (got {tuple(d.shape)})")
+
+
+def expert_ffn(
+    x: Any,
+    gate: Any,
+    up: Any,
+    down: Any,
+    *,
+    activation: str | Callable = "silu",
+    out: Any = None,
+    num_threads: int | None = None,
+) -> Any:
+    """One gated-FFN expert: ``y = down @ (act(gate @ x) * (up @ x))`` for each row of x.
+
+    float16 and bfloat16 weights with up to ``KERNEL_MAX_ROWS`` rows run colibri's fused
+    kernel (each weight read once in its stored dtype, float32 accumulation, the SIMD path
+    of ``colibri.simd_path()``); more rows, float32/float64 weights or a callable activation
+    run block conversion + BLAS.
+
+    Parameters
+    ----------
+    x : [n, H] or [H]
+        float32, float64, float16 or bfloat16; numpy or any host DLPack tensor (torch, jax).
+    gate, up : [I, H]
+    down : [H, I]
+        The transformers convention (``nn.Linear`` weights, ``[out, in]``); all one dtype.
+    activation : str or callable
+        "silu" (SwiGLU), "gelu" (exact), "gelu_tanh", "relu", their aliases in
+        ``activation_function``, or a callable on a float numpy array.
+    out : like x, optional
+        Written in place (same shape and dtype as x) and returned.
+    num_threads : int or None
+        Threads for the fused kernel (None: OpenMP's default).
+
+    Returns
+    -------
+    y : same shape, dtype and framework as x (torch in, torch out, zero-copy)
+    """
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(x, torch.Tensor):
+        x = x.detach()
+    arr, name = import_host(x)
+    if name not in ("float32", "float64", "float16", "bfloat16"):
+        raise ValueError(
+            f"expert_ffn(): x must be float32, float64, float16 or bfloat16 (got {name})"
+        )
+    if arr.ndim not in (1, 2):
+        raise ValueError(f"expert_ffn(): x must be [n, H] or [H] (got shape {tuple(arr.shape)})")
+    rows2d = arr.reshape(1, -1) if arr.ndim == 1 else arr
+    n, H = rows2d.shape
+    if num_threads is not None and (
+        not isinstance(num_threads, (int, np.integer)) or num_threads < 1
+    ):
+        raise ValueError(
+            f"expert_ffn(): num_threads must be a positive int or None (got {num_threads!r})"
+        )
+    weights = [_weight_view(w, what) for w, what in ((gate, "gate"), (up, "up"), (down, "down"))]
+    names = {wname for _, wname in weights}
+    if len(names) != 1:
+        raise ValueError(
+            f"expert_ffn(): gate, up and down must share one dtype (got "
+            f"{', '.join(w for _, w in weights)})"
+        )
+    (g, wname), (u, _), (d, _) = weights
+    _check_expert_shapes("expert_ffn", H, g, u, d)
+    kernel_act = _KERNEL_ACTIVATIONS.get(activation) if isinstance(activation, str) else None
+    act = activation_function(activation)
+    out_arr = None
+    if out is not None:
+        out_arr, out_name = import_host(out, writable=True)
+        if out_name != name or tuple(out_arr.shape) != tuple(arr.shape):
+            raise ValueError(
+                f"expert_ffn(): out must be {name} of shape {tuple(arr.shape)} like x (got "
+                f"{out_name} of shape {tuple(out_arr.shape)})"
+            )
+    compute = np.float64 if name == "float64" and wname == "float64" else np.float32
+    x_c = _compute_input(rows2d, name).astype(compute, copy=False)
+    if n == 0:
+        y = np.empty((0, H), compute)
+    elif wname in _HALF_KINDS and kernel_act is not None and n <= KERNEL_MAX_ROWS:
+        x32 = np.ascontiguousarray(x_c, np.float32)
+        direct = (
+            out_arr is not None
+            and name == "float32"
+            and out_arr.ndim == 2
+            and (out_arr.strides[1] == 4)
+        )
+        y = _fused(x32, g, u, d, wname, kernel_act, out_arr if direct else None, num_threads)
+        if direct:
+            return out
+    else:
+        h = act(linear(x_c, g, compute, wname))
+        h *= linear(x_c, u, compute, wname)
+        y = linear(np.ascontiguousarray(h), d, compute, wname)
+    y = y.reshape(arr.shape)
+    if out_arr is not None:
+        out_arr[...] = _cast(y, name).reshape(out_arr.shape)
+        return out
+    return to_caller(_cast(y, name), x, name)
+
+
+def _weight_view(w: Any, what: str) -> tuple[np.ndarray, str]:
+    """An expert matrix as numpy (bfloat16 as uint16 bits) and its dtype name, no copy."""
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(w, torch.Tensor):
+        w = w.detach()
+    arr, name = import_host(w)
+    if name not in ("float32", "float64", "float16", "bfloat16"):
+        raise ValueError(
+            f"expert_ffn(): {what} must be float32, float64, float16 or bfloat16 (got {name})"
+        )
+    if name in _HALF_KINDS:
+        arr = arr.view(np.uint16)
+    return arr, name
 
 
 Router = Callable[[np.ndarray], tuple[Any, Any]]
@@ -302,6 +527,9 @@ class MoELayer:
                     f"(got {self.gate_bias.shape})"
                 )
         self.activation = activation_function(activation)
+        self._kernel_act = (
+            _KERNEL_ACTIVATIONS.get(activation) if isinstance(activation, str) else None
+        )
         self.expert_fn = expert_fn
         self.shared_expert = shared_expert
         self.shared_expert_gate = None
@@ -382,7 +610,9 @@ class MoELayer:
             out = combine(expert_out, plan, weights, dtype=name, num_threads=self.num_threads)
             return to_caller(out, hidden, name)
         out = combine(expert_out, plan, weights, num_threads=self.num_threads)
-        shared = gated_ffn(x, self.shared_expert, self.activation, compute)
+        shared = gated_ffn(
+            x, self.shared_expert, self.activation, compute, self._kernel_act, self.num_threads
+        )
         if self.shared_expert_gate is not None:
             shared *= 0.5 * (1.0 + np.tanh(0.5 * (x @ self.shared_expert_gate.T)))  # sigmoid
         out += shared
@@ -432,6 +662,20 @@ class MoELayer:
     ) -> None:
         sl = plan.expert_rows(e)
         if self.expert_fn is None:
+            if sl.stop - sl.start <= KERNEL_MAX_ROWS and self._kernel_act is not None:
+                # the fused kernel writes into expert_out directly when it runs
+                y = gated_ffn(
+                    rows[sl],
+                    weights,
+                    self.activation,
+                    compute,
+                    self._kernel_act,
+                    self.num_threads,
+                    out=expert_out[sl],
+                )
+                if y is not expert_out[sl]:
+                    expert_out[sl] = y
+                return
             expert_out[sl] = gated_ffn(rows[sl], weights, self.activation, compute)
             return
         y, _ = import_host(self.expert_fn(e, to_caller(rows[sl], like), weights))

@@ -930,6 +930,9 @@ class Pager:
 
     def _take_slot(self, step: set[Key]) -> _Slot | None:
         """A free slot, or the policy's victim among unpinned loaded experts (lock held)."""
+        # close() may have run while this call waited for a slot: it gave every page back and
+        # emptied `where`, so the policy's keys no longer name slots
+        self._check_open()
         cache = self._cache
         if cache.free:
             return cache.slots[cache.free.pop()]

@@ -1,6 +1,7 @@
 """include/colibri/route.h from a C program: the SIMD and the plain-C paths (what ARM builds
 run, tested nowhere else) give the same bits as colibri's own router."""
 
+import os
 import shutil
 import subprocess
 
@@ -12,6 +13,7 @@ import colibri
 PROGRAM = r"""
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 #include "colibri/route.h"
 
 /* argv: logits.bin T E k scoring normalize scale groups topk_groups group_score bias.bin out.bin */
@@ -46,6 +48,17 @@ int main(int argc, char **argv)
         members[t] = t;
     r.group_start = start;
     r.group_members = members;
+    { /* COLIBRI_TEST_WIDE=avx2|avx512: the wider kernels where this CPU runs them */
+        const char *wide = getenv("COLIBRI_TEST_WIDE");
+        if (wide != NULL && strcmp(wide, "avx2") == 0) {
+            if (!colibri_cpu_has_avx2()) return 6;
+            r.use_avx2 = 1;
+        }
+        if (wide != NULL && strcmp(wide, "avx512") == 0) {
+            if (!colibri_cpu_has_avx512()) return 6;
+            r.use_avx512 = 1;
+        }
+    }
     if (argv[11][0] != '-') {
         f = fopen(argv[11], "rb");
         if (!f || fread(bias, sizeof(float), E, f) != (size_t)E) return 4;
@@ -66,10 +79,16 @@ int main(int argc, char **argv)
 }
 """
 
+# the wider x86 kernels this CPU runs (each checked against the same router answers)
+WIDE = [w for w in ("avx2", "avx512") if w in colibri._kernels.runnable_paths()]
+
 CASES = [
     dict(E=64, k=2),
     dict(E=26, k=8, scoring="sigmoid", normalize=False, scale=2.0),
     dict(E=37, k=3, num_groups=4, topk_groups=2),
+    dict(E=64, k=6),  # the top-k candidate bound
+    dict(E=45, k=4, scoring="sqrtsoftplus", bias=True),
+    dict(E=72, k=8, scoring="softmax", bias=True),
     dict(
         E=256,
         k=8,
@@ -112,6 +131,27 @@ def programs(tmp_path_factory):
             capture_output=True,
         )
         built[name] = exe
+    cross, qemu = shutil.which("aarch64-linux-gnu-gcc"), shutil.which("qemu-aarch64")
+    if cross is not None and qemu is not None:  # aarch64's path, run under emulation
+        exe = folder / "aarch64"
+        subprocess.run(
+            [
+                cross,
+                "-O2",
+                "-std=c99",
+                "-ffp-contract=off",
+                "-static",
+                "-I",
+                colibri.get_include(),
+                str(source),
+                "-o",
+                str(exe),
+                "-lm",
+            ],
+            check=True,
+            capture_output=True,
+        )
+        built["aarch64"] = (qemu, exe)
     return built
 
 
@@ -135,7 +175,7 @@ def test_c_program_matches_the_router_bit_for_bit(programs, case, tmp_path):
         "300",
         str(E),
         str(k),
-        str({"softmax": 0, "sigmoid": 1}[case.get("scoring", "softmax")]),
+        str({"softmax": 0, "sigmoid": 1, "sqrtsoftplus": 2}[case.get("scoring", "softmax")]),
         str(int(case.get("normalize", True))),
         str(case.get("scale", 1.0)),
         str(case.get("num_groups", 1)),
@@ -144,9 +184,15 @@ def test_c_program_matches_the_router_bit_for_bit(programs, case, tmp_path):
         bias,
         str(tmp_path / "out.bin"),
     ]
-    for name, exe in programs.items():
-        path = subprocess.run([str(exe), *args], check=True, capture_output=True, text=True)
-        if name == "plain":
+    runs = [(name, exe, None) for name, exe in programs.items()]
+    runs += [(f"simd {w}", programs["simd"], w) for w in WIDE]
+    for name, exe, wide in runs:
+        env = {**os.environ, "COLIBRI_TEST_WIDE": wide or ""}
+        command = [str(e) for e in exe] if isinstance(exe, tuple) else [str(exe)]
+        path = subprocess.run(
+            [*command, *args], check=True, capture_output=True, text=True, env=env
+        )
+        if name in ("plain", "aarch64"):
             assert path.stdout.strip() == "plain C"
         out = np.fromfile(tmp_path / "out.bin", np.uint8)
         c_ids = out[: 300 * k * 4].view(np.int32).reshape(300, k)

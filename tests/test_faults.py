@@ -103,7 +103,9 @@ def _repack_writer():
         source = os.path.join(folder, "source.colibri")
         if not os.path.exists(source + ".json"):
             write_experts(source, experts)
-        repack(source, os.path.join(folder, "r.colibri"), partitions[v], overwrite=True)
+        # 4 KiB pages: the file must fit the 64 KiB tmpfs of the real-ENOSPC test
+        out = os.path.join(folder, "r.colibri")
+        repack(source, out, partitions[v], page_size_kb=4, overwrite=True)
 
     def read(folder):
         source = open_weights(os.path.join(folder, "r.colibri"))
@@ -271,13 +273,15 @@ def _kill_at_random(writer: str, folder: str, rounds: int, rng: random.Random) -
     kills = 0
     code = _CHILD.format(tests=os.path.dirname(__file__), writer=writer, folder=folder)
     for _ in range(rounds):
-        child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE)
+        # cwd: `python -c` puts it first on sys.path, where a source tree would shadow colibri
+        child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, cwd=folder)
         try:
             assert child.stdout.readline() == b"ready\n"
             time.sleep(rng.uniform(0.0, 0.25))
         finally:
             child.send_signal(signal.SIGKILL)
             child.wait(timeout=30)
+            child.stdout.close()
         kills += child.returncode == -signal.SIGKILL
     return kills
 
@@ -321,10 +325,11 @@ def test_sigkill_during_the_demos_first_write(tmp_path):
         """
     )
     child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE)
-    assert child.stdout.readline() == b"ready\n"
-    time.sleep(0.1)
-    child.send_signal(signal.SIGKILL)
-    child.wait(timeout=30)
+    with child.stdout:
+        assert child.stdout.readline() == b"ready\n"
+        time.sleep(0.1)
+        child.send_signal(signal.SIGKILL)
+        child.wait(timeout=30)
     assert [n for n in _listing(tmp_path) if not n.startswith(".")] == []  # nothing to trust
     from colibri._synthetic_demo import ensure_weight_file
 

@@ -413,3 +413,71 @@ def test_avx512_top2_equals_sse2(E, k):
     bad[17, E - 1] = np.nan  # in the masked tail when E % 16
     with pytest.raises(ValueError, match="row 17 contains NaN"):
         ctx.route(bad)
+
+
+HAS_AVX2 = "avx2" in colibri._kernels.runnable_paths()
+
+
+@pytest.mark.skipif(not HAS_AVX2, reason="this CPU (or build) has no AVX2")
+@pytest.mark.parametrize("E", [16, 26, 37, 64, 256])
+@pytest.mark.parametrize(
+    "options",
+    [
+        {},
+        {"scoring": "sigmoid", "bias": "scores"},
+        {"scoring": "sigmoid", "bias": "logits", "groups": True},
+        {"scoring": "softmax", "bias": "scores"},
+        {"scoring": "softmax", "normalize": False},
+        {"scoring": "sqrtsoftplus", "bias": "scores"},
+        {"scoring": "sqrtsoftplus", "groups": True},
+    ],
+    ids=lambda o: "-".join(f"{k}={v}" for k, v in o.items()) or "plain",
+)
+def test_avx2_paths_equal_sse2_bit_for_bit(E, options):
+    """The 8-lane score passes, top two and top-k bound give SSE2's bits (and AVX-512's)."""
+    options = dict(options)
+    rng = np.random.default_rng(E)
+    x = rng.standard_normal((203, E)) * rng.choice([0.1, 1.0, 30.0], size=(203, 1))
+    x[::7] = rng.choice([-np.inf, np.inf, -104.5, -90.0, 0.0, -0.0, 88.0, 25.0], (29, E))
+    x[::5] = rng.choice([-1.0, 0.5, 0.5, 2.0], (41, E))  # ties
+    x = x.astype(np.float32)
+    x[:, 0] = np.where(np.isfinite(x[:, 0]), x[:, 0], 0.0)  # keep softmax defined
+    kw = {}
+    if "bias" in options:
+        kw.update(
+            correction_bias=rng.standard_normal(E).astype(np.float32), bias_on=options.pop("bias")
+        )
+    if options.pop("groups", False) and E % 8 == 0:
+        kw.update(num_groups=8, topk_groups=4, group_score="top2_sum")
+    kw.update(options)
+    for k in (1, 2, 3, 6, 8, 12):
+        if "num_groups" in kw and k > E // 2:
+            continue
+        wide = colibri.init(E, k, use_avx512=False, use_avx2=True, **kw)
+        narrow = colibri.init(E, k, use_avx512=False, use_avx2=False, **kw)
+        got, want = wide.route(x), narrow.route(x)
+        np.testing.assert_array_equal(got[0], want[0], err_msg=f"k={k}")
+        np.testing.assert_array_equal(got[1], want[1], err_msg=f"k={k}")
+        if colibri.init(8, 2).use_avx512:
+            best = colibri.init(E, k, use_avx512=True, use_avx2=True, **kw).route(x)
+            np.testing.assert_array_equal(best[0], want[0], err_msg=f"avx512 k={k}")
+            np.testing.assert_array_equal(best[1], want[1], err_msg=f"avx512 k={k}")
+        bad = x[:20].copy()
+        bad[13, E - 1] = np.nan  # in the tail when E % 8
+        with pytest.raises(ValueError, match="row 13 contains NaN"):
+            wide.route(bad)
+
+
+def test_colibri_simd_caps_the_routing_kernels():
+    import os
+    import subprocess
+    import sys
+
+    def run(code):
+        env = {**os.environ, "COLIBRI_SIMD": "sse2"}
+        return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+
+    r = run("import colibri; c = colibri.init(64, 2); print(c.use_avx2, c.use_avx512)")
+    assert r.stdout.split() == ["False", "False"], r.stderr
+    r = run("import colibri; colibri.init(8, 2, use_avx2=True)")
+    assert r.returncode != 0 and "use_avx2=True, but" in r.stderr

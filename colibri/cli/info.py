@@ -33,5 +33,9 @@ def run(_args: argparse.Namespace) -> int:
         f"{os.cpu_count()} cpus)"
     )
     print(f"simd {build['simd']}")
+    print(
+        f"simd path {build['path']} (cpu {build['detected']}, COLIBRI_SIMD="
+        f"{os.environ.get('COLIBRI_SIMD')}; expert kernel {build['ffn_path']})"
+    )
     print(f"include {colibri.get_include()}")
     return 0

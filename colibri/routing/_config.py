@@ -93,6 +93,10 @@ class Config:
         The AVX-512F kernels (score pass, top two): None uses them where the CPU has them,
         True requires them (an error where they cannot run), False keeps to SSE2. Every
         path gives the same bits.
+    use_avx2 : bool or None
+        The AVX2 kernels (score passes, top two, top-k bound), where the AVX-512F ones do
+        not apply; the same choices and the same bits. ``COLIBRI_SIMD`` (scalar, sse2, avx2,
+        avx512) caps what None picks.
     """
 
     num_experts: int
@@ -115,6 +119,7 @@ class Config:
     ids_dtype: str = "int32"
     collect_stats: bool = False
     use_avx512: bool | None = None
+    use_avx2: bool | None = None
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__.__get__(self)  # frozen: store the normalised values
@@ -131,10 +136,12 @@ class Config:
             if not isinstance(getattr(self, flag), (bool, np.bool_)):
                 raise TypeError(f"{flag} must be True or False (got {getattr(self, flag)!r})")
             set_(flag, bool(getattr(self, flag)))
-        if self.use_avx512 is not None:
-            if not isinstance(self.use_avx512, (bool, np.bool_)):
-                raise TypeError(f"use_avx512 must be None, True or False (got {self.use_avx512!r})")
-            set_("use_avx512", bool(self.use_avx512))
+        for flag in ("use_avx512", "use_avx2"):
+            value = getattr(self, flag)
+            if value is not None:
+                if not isinstance(value, (bool, np.bool_)):
+                    raise TypeError(f"{flag} must be None, True or False (got {value!r})")
+                set_(flag, bool(value))
         set_("norm_p", check_float("norm_p", self.norm_p, positive=True))
         set_("normalize_eps", check_float("normalize_eps", self.normalize_eps))
         if self.normalize_eps < 0:

@@ -1,9 +1,11 @@
 /*
  * colibri's per-token router: one fused pass over a row of E gate logits picks the
  * top-k experts and their weights. Plain C99 (no VLAs), header-only, usable from C without
- * Python: SSE2 where the target has it, plain C elsewhere, and AVX-512F for the score pass
- * and top-2 where GCC/Clang can build it and the CPU runs it (router.use_avx512). Every
- * path gives the same bits. The batch loop (OpenMP) lives in colibri/_core.pyx.
+ * Python: SSE2 where the target has it, plain C elsewhere, and where GCC/Clang can build
+ * them and the CPU runs them (colibri/cpu.h; COLIBRI_SIMD caps the path): AVX-512F for the
+ * sigmoid pass and the top two (router.use_avx512), AVX2 for the score passes, the top two
+ * and the top-k candidate bound (router.use_avx2). Every path gives the same bits. The batch
+ * loop (OpenMP) lives in colibri/_core.pyx.
  *
  * How a row is routed:
  *   k <= 2, keys = logits: the best two by value (each SIMD lane keeps its two, merged),
@@ -32,6 +34,7 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "colibri/cpu.h"
 #include "colibri/half.h"
 
 #if defined(_MSC_VER)
@@ -49,6 +52,9 @@
 #include <immintrin.h>
 #define COLIBRI_AVX512 1
 #define COLIBRI_AVX512_FN __attribute__((target("avx512f")))
+/* 8-lane kernels: no FMA, so that every lane rounds as the SSE2 and scalar code does */
+#define COLIBRI_AVX2 1
+#define COLIBRI_AVX2_FN __attribute__((target("avx2")))
 #endif
 
 /* Top-k for k <= this runs on candidates above a bound taken from each SIMD lane's best
@@ -81,6 +87,7 @@ typedef struct {
     const int32_t *group_members; /* [E] expert ids, group by group */
     int32_t groups_in_order;      /* group_members is 0, 1, ..., E-1 (contiguous groups) */
     int32_t use_avx512;           /* the AVX-512F kernels: only if colibri_cpu_has_avx512() */
+    int32_t use_avx2;             /* the AVX2 kernels: only if colibri_cpu_has_avx2() */
 } colibri_router_t;
 
 /* v**p and v**(1/p) for the p-norm. p = 2 (the usual p besides 1) is exact arithmetic, so it
@@ -255,16 +262,16 @@ static inline float colibri_exp_shifted(const float *x, float m, float *out, int
     _mm_storeu_ps(lanes, acc);
     sum = (lanes[0] + lanes[1]) + (lanes[2] + lanes[3]);
 #else
-    /* the same sum as four SIMD lanes, so every build gives the same bits */
-    float lanes[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-    for (; e + 4 <= E; e += 4) {
-        int32_t l;
-        for (l = 0; l < 4; l++) {
-            out[e + l] = colibri_exp(x[e + l] - m);
-            lanes[l] += out[e + l];
-        }
+    { /* plain C sums in the SSE2 code's order: four lanes, then lane pairs */
+        float lanes[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        int32_t j;
+        for (; e + 4 <= E; e += 4)
+            for (j = 0; j < 4; j++) {
+                out[e + j] = colibri_exp(x[e + j] - m);
+                lanes[j] += out[e + j];
+            }
+        sum = (lanes[0] + lanes[1]) + (lanes[2] + lanes[3]);
     }
-    sum = (lanes[0] + lanes[1]) + (lanes[2] + lanes[3]);
 #endif
     for (; e < E; e++) {
         out[e] = colibri_exp(x[e] - m);
@@ -610,11 +617,25 @@ static inline int colibri_sigmoid_keys(const float *x, int32_t E, const float *b
     return nan;
 }
 
-/* Whether this CPU runs the AVX-512F code compiled in (0 when none was). */
+/* Whether this CPU runs the AVX-512F code compiled in (0 when none was, or COLIBRI_SIMD
+ * caps the path below avx512). */
 static inline int colibri_cpu_has_avx512(void)
 {
 #ifdef COLIBRI_AVX512
-    return __builtin_cpu_supports("avx512f");
+    int path = colibri_simd_path();
+    return path == COLIBRI_PATH_AVX512 || path == COLIBRI_PATH_AVX512_BF16;
+#else
+    return 0;
+#endif
+}
+
+/* Whether this CPU runs the AVX2 code compiled in (0 when none was, or COLIBRI_SIMD caps
+ * the path below avx2). */
+static inline int colibri_cpu_has_avx2(void)
+{
+#ifdef COLIBRI_AVX2
+    int path = colibri_simd_path();
+    return path >= COLIBRI_PATH_AVX2 && path != COLIBRI_PATH_NEON;
 #else
     return 0;
 #endif
@@ -740,6 +761,237 @@ COLIBRI_AVX512_FN static inline int colibri_sigmoid_keys16(const float *x, int32
 }
 #endif
 
+#ifdef COLIBRI_AVX2
+/* colibri_exp4 and colibri_sigmoid4 on 8 lanes: the same IEEE operations in the same order. */
+COLIBRI_AVX2_FN static inline __m256 colibri_exp8(__m256 x)
+{
+    x = _mm256_max_ps(x, _mm256_set1_ps(COLIBRI_EXP_LO));
+    x = _mm256_min_ps(x, _mm256_set1_ps(COLIBRI_EXP_HI));
+    __m256 magic = _mm256_set1_ps(COLIBRI_ROUND_MAGIC);
+    __m256 n = _mm256_sub_ps(
+        _mm256_add_ps(_mm256_mul_ps(x, _mm256_set1_ps(COLIBRI_LOG2E)), magic), magic);
+    __m256 r = _mm256_sub_ps(x, _mm256_mul_ps(n, _mm256_set1_ps(COLIBRI_LN2_HI)));
+    r = _mm256_sub_ps(r, _mm256_mul_ps(n, _mm256_set1_ps(COLIBRI_LN2_LO)));
+    __m256 p = _mm256_set1_ps(COLIBRI_EXP_P5);
+    p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(COLIBRI_EXP_P4));
+    p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(COLIBRI_EXP_P3));
+    p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(COLIBRI_EXP_P2));
+    p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(COLIBRI_EXP_P1));
+    p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(COLIBRI_EXP_P0));
+    p = _mm256_add_ps(_mm256_add_ps(_mm256_mul_ps(p, _mm256_mul_ps(r, r)), r),
+                      _mm256_set1_ps(1.0f));
+    __m256i ni = _mm256_cvttps_epi32(n);
+    __m256i n1 = _mm256_srai_epi32(ni, 1);
+    __m256i n2 = _mm256_sub_epi32(ni, n1);
+    __m256i bias = _mm256_set1_epi32(127);
+    __m256 s1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n1, bias), 23));
+    __m256 s2 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n2, bias), 23));
+    return _mm256_mul_ps(_mm256_mul_ps(p, s1), s2);
+}
+
+COLIBRI_AVX2_FN static inline __m256 colibri_sigmoid8(__m256 x)
+{
+    __m256 z = colibri_exp8(_mm256_or_ps(x, _mm256_set1_ps(-0.0f))); /* exp(-|x|) */
+    __m256 one = _mm256_set1_ps(1.0f);
+    __m256 is_pos = _mm256_cmp_ps(x, _mm256_setzero_ps(), _CMP_GE_OQ);
+    return _mm256_div_ps(_mm256_blendv_ps(z, one, is_pos), _mm256_add_ps(one, z));
+}
+
+/* colibri_sigmoid_keys, 8 logits at a time; the SSE2 code takes the last E mod 8. */
+COLIBRI_AVX2_FN static inline int colibri_sigmoid_keys8(const float *x, int32_t E,
+                                                        const float *bias, int on_logits,
+                                                        float *scores, float *keys)
+{
+    int32_t e = 0;
+    __m256 unordered = _mm256_setzero_ps();
+    for (; e + 8 <= E; e += 8) {
+        __m256 v = _mm256_loadu_ps(x + e);
+        __m256 s = colibri_sigmoid8(v);
+        unordered = _mm256_or_ps(unordered, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+        _mm256_storeu_ps(scores + e, s);
+        if (bias != NULL)
+            _mm256_storeu_ps(keys + e, _mm256_add_ps(on_logits ? v : s,
+                                                     _mm256_loadu_ps(bias + e)));
+    }
+    return (_mm256_movemask_ps(unordered) != 0) |
+           colibri_sigmoid_keys(x + e, E - e, bias != NULL ? bias + e : NULL, on_logits,
+                                scores + e, keys + e);
+}
+
+/* colibri_exp_shifted with 8-lane exponentials, summed as the SSE2 code sums them: one
+ * 4-lane accumulator taking each vector's low half, then its high half. */
+COLIBRI_AVX2_FN static inline float colibri_exp_shifted8(const float *x, float m, float *out,
+                                                         int32_t E)
+{
+    int32_t e = 0;
+    float sum, lanes[4];
+    __m256 mm = _mm256_set1_ps(m);
+    __m128 acc = _mm_setzero_ps();
+    for (; e + 8 <= E; e += 8) {
+        __m256 v = colibri_exp8(_mm256_sub_ps(_mm256_loadu_ps(x + e), mm));
+        _mm256_storeu_ps(out + e, v);
+        acc = _mm_add_ps(acc, _mm256_castps256_ps128(v));
+        acc = _mm_add_ps(acc, _mm256_extractf128_ps(v, 1));
+    }
+    if (e + 4 <= E) {
+        __m128 v = colibri_exp4(_mm_sub_ps(_mm_loadu_ps(x + e), _mm_set1_ps(m)));
+        _mm_storeu_ps(out + e, v);
+        acc = _mm_add_ps(acc, v);
+        e += 4;
+    }
+    _mm_storeu_ps(lanes, acc);
+    sum = (lanes[0] + lanes[1]) + (lanes[2] + lanes[3]);
+    for (; e < E; e++) {
+        out[e] = colibri_exp(x[e] - m);
+        sum += out[e];
+    }
+    return sum;
+}
+
+/* scores = sqrt(softplus(x)) with the exponentials 8 at a time (log1pf stays libm's). */
+COLIBRI_AVX2_FN static inline void colibri_sqrtsoftplus8(const float *x, int32_t E,
+                                                         float *scores)
+{
+    int32_t e = 0;
+    for (; e + 8 <= E; e += 8)
+        _mm256_storeu_ps(scores + e, colibri_exp8(_mm256_loadu_ps(x + e)));
+    for (e = 0; e < E; e++) {
+        float ex = e < (E & ~7) ? scores[e] : colibri_exp(x[e]);
+        scores[e] = sqrtf(x[e] > 20.0f ? x[e] : log1pf(ex));
+    }
+}
+
+/* colibri_top2_values on 8 lanes (two sets of lanes, as the SSE2 code), E >= 16. */
+COLIBRI_AVX2_FN static inline int colibri_top2_values8(const float *x, int32_t E, float *first,
+                                                       float *second)
+{
+    int32_t e = 0;
+    float m1, m2;
+    __m256 a = _mm256_set1_ps(-INFINITY), b = a, a2 = a, b2 = a;
+    __m256 unordered = _mm256_setzero_ps();
+    for (; e + 16 <= E; e += 16) {
+        __m256 v = _mm256_loadu_ps(x + e), w = _mm256_loadu_ps(x + e + 8);
+        unordered = _mm256_or_ps(unordered, _mm256_cmp_ps(v, w, _CMP_UNORD_Q));
+        b = _mm256_max_ps(_mm256_min_ps(v, a), b);
+        a = _mm256_max_ps(v, a);
+        b2 = _mm256_max_ps(_mm256_min_ps(w, a2), b2);
+        a2 = _mm256_max_ps(w, a2);
+    }
+    if (e + 8 <= E) {
+        __m256 v = _mm256_loadu_ps(x + e);
+        unordered = _mm256_or_ps(unordered, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+        b = _mm256_max_ps(_mm256_min_ps(v, a), b);
+        a = _mm256_max_ps(v, a);
+        e += 8;
+    }
+    b = _mm256_max_ps(_mm256_min_ps(a, a2), _mm256_max_ps(b, b2));
+    a = _mm256_max_ps(a, a2);
+    {
+        /* the two halves, then lane pairs twice */
+        __m128 lo = _mm256_castps256_ps128(a), hi = _mm256_extractf128_ps(a, 1);
+        __m128 blo = _mm256_castps256_ps128(b), bhi = _mm256_extractf128_ps(b, 1);
+        __m128 s = _mm_max_ps(_mm_min_ps(lo, hi), _mm_max_ps(blo, bhi));
+        __m128 f = _mm_max_ps(lo, hi), f2, s2;
+        f2 = _mm_shuffle_ps(f, f, _MM_SHUFFLE(1, 0, 3, 2));
+        s2 = _mm_shuffle_ps(s, s, _MM_SHUFFLE(1, 0, 3, 2));
+        s = _mm_max_ps(_mm_min_ps(f, f2), _mm_max_ps(s, s2));
+        f = _mm_max_ps(f, f2);
+        f2 = _mm_shuffle_ps(f, f, _MM_SHUFFLE(2, 3, 0, 1));
+        s2 = _mm_shuffle_ps(s, s, _MM_SHUFFLE(2, 3, 0, 1));
+        s = _mm_max_ps(_mm_min_ps(f, f2), _mm_max_ps(s, s2));
+        f = _mm_max_ps(f, f2);
+        m1 = _mm_cvtss_f32(f);
+        m2 = _mm_cvtss_f32(s);
+    }
+    int nan = _mm256_movemask_ps(unordered);
+    for (; e < E; e++) {
+        float v = x[e];
+        nan |= v != v;
+        m2 = v > m2 ? (v > m1 ? m1 : v) : m2;
+        m1 = v > m1 ? v : m1;
+    }
+    *first = m1;
+    *second = m2;
+    return nan;
+}
+
+/* colibri_top2_ids with 8-lane equality masks. */
+COLIBRI_AVX2_FN static inline void colibri_top2_ids8(const float *x, int32_t E, float m1,
+                                                     float m2, int32_t *ids)
+{
+    const __m256 v1 = _mm256_set1_ps(m1), v2 = _mm256_set1_ps(m2);
+    int32_t base, e, i1 = -1, i2 = -1;
+    for (base = 0; base < E; base += 64) {
+        const float *span = x + base;
+        int32_t n = E - base < 64 ? E - base : 64;
+        uint64_t k1 = 0, k2 = 0;
+        for (e = 0; e + 8 <= n; e += 8) {
+            __m256 v = _mm256_loadu_ps(span + e);
+            k1 |= (uint64_t)(uint32_t)_mm256_movemask_ps(_mm256_cmp_ps(v, v1, _CMP_EQ_OQ)) << e;
+            k2 |= (uint64_t)(uint32_t)_mm256_movemask_ps(_mm256_cmp_ps(v, v2, _CMP_EQ_OQ)) << e;
+        }
+        for (; e < n; e++) {
+            k1 |= (uint64_t)(span[e] == m1) << e;
+            k2 |= (uint64_t)(span[e] == m2) << e;
+        }
+        if (colibri_top2_claim(k1, k2, base, &i1, &i2))
+            break;
+    }
+    ids[0] = i1;
+    ids[1] = i2;
+}
+
+/* colibri_lane_bound on 8 lanes, E >= 16: for k <= 8 the smallest lane maximum (8 distinct
+ * elements reach it), a tighter bound than 4 lanes give; the same candidates survive
+ * selection, so the same answers. */
+COLIBRI_AVX2_FN static inline float colibri_lane_bound8(const float *x, int32_t E, int32_t k,
+                                                        int *nan)
+{
+    int32_t e = 0;
+    __m256 a = _mm256_set1_ps(-INFINITY), unordered = _mm256_setzero_ps();
+    (void)k; /* k <= COLIBRI_BOUND_MAX_K = 8 */
+    for (; e + 8 <= E; e += 8) {
+        __m256 v = _mm256_loadu_ps(x + e);
+        unordered = _mm256_or_ps(unordered, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+        a = _mm256_max_ps(v, a);
+    }
+    __m128 m = _mm_min_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    m = _mm_min_ps(m, _mm_shuffle_ps(m, m, _MM_SHUFFLE(1, 0, 3, 2)));
+    m = _mm_min_ps(m, _mm_shuffle_ps(m, m, _MM_SHUFFLE(2, 3, 0, 1)));
+    *nan |= _mm256_movemask_ps(unordered);
+    for (; e < E; e++)
+        *nan |= x[e] != x[e];
+    return _mm_cvtss_f32(m);
+}
+
+/* colibri_compact comparing 8 keys at a time (each half's ids stored by the 4-lane table). */
+COLIBRI_AVX2_FN static inline int32_t colibri_compact8(const float *x, int32_t first,
+                                                       int32_t last, float bound,
+                                                       int32_t *cand, int32_t c)
+{
+    static const int32_t lanes[16][4] = {
+        {0, 0, 0, 0}, {0, 0, 0, 0}, {1, 0, 0, 0}, {0, 1, 0, 0}, {2, 0, 0, 0}, {0, 2, 0, 0},
+        {1, 2, 0, 0}, {0, 1, 2, 0}, {3, 0, 0, 0}, {0, 3, 0, 0}, {1, 3, 0, 0}, {0, 1, 3, 0},
+        {2, 3, 0, 0}, {0, 2, 3, 0}, {1, 2, 3, 0}, {0, 1, 2, 3}};
+    static const signed char count[16] = {0, 1, 1, 2, 1, 2, 2, 3, 1, 2, 2, 3, 2, 3, 3, 4};
+    int32_t e = first;
+    __m256 b = _mm256_set1_ps(bound);
+    for (; e + 8 <= last; e += 8) {
+        int mask = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(x + e), b, _CMP_GE_OQ));
+        int lo = mask & 15, hi = mask >> 4;
+        _mm_storeu_si128((__m128i *)(cand + c),
+                         _mm_add_epi32(_mm_loadu_si128((const __m128i *)lanes[lo]),
+                                       _mm_set1_epi32(e)));
+        c += count[lo];
+        _mm_storeu_si128((__m128i *)(cand + c),
+                         _mm_add_epi32(_mm_loadu_si128((const __m128i *)lanes[hi]),
+                                       _mm_set1_epi32(e + 4)));
+        c += count[hi];
+    }
+    return colibri_compact(x, e, last, bound, cand, c);
+}
+#endif /* COLIBRI_AVX2 */
+
 /* colibri_sigmoid_keys of a row of r's experts, 16 lanes wide where r allows. */
 static inline int colibri_row_sigmoid_keys(const colibri_router_t *r, const float *x,
                                            float *scores, float *keys)
@@ -748,6 +1000,11 @@ static inline int colibri_row_sigmoid_keys(const colibri_router_t *r, const floa
     if (r->use_avx512)
         return colibri_sigmoid_keys16(x, r->num_experts, r->bias, r->bias_on_logits, scores,
                                       keys);
+#endif
+#ifdef COLIBRI_AVX2
+    if (r->use_avx2)
+        return colibri_sigmoid_keys8(x, r->num_experts, r->bias, r->bias_on_logits, scores,
+                                     keys);
 #endif
     return colibri_sigmoid_keys(x, r->num_experts, r->bias, r->bias_on_logits, scores, keys);
 }
@@ -761,6 +1018,10 @@ static inline int colibri_row_top2_values(const colibri_router_t *r, const float
     if (r->use_avx512 && r->num_experts >= 16)
         return colibri_top2_values16(x, r->num_experts, first, second);
 #endif
+#ifdef COLIBRI_AVX2
+    if (r->use_avx2 && r->num_experts >= 16)
+        return colibri_top2_values8(x, r->num_experts, first, second);
+#endif
     return colibri_top2_values(x, r->num_experts, first, second);
 }
 
@@ -773,7 +1034,37 @@ static inline void colibri_row_top2_ids(const colibri_router_t *r, const float *
         return;
     }
 #endif
+#ifdef COLIBRI_AVX2
+    if (r->use_avx2 && r->num_experts >= 16) {
+        colibri_top2_ids8(x, r->num_experts, m1, m2, ids);
+        return;
+    }
+#endif
     colibri_top2_ids(x, r->num_experts, m1, m2, ids);
+}
+
+/* colibri_lane_bound / colibri_compact of a row, 8 lanes wide where r allows. */
+static inline float colibri_row_lane_bound(const colibri_router_t *r, const float *x, int32_t E,
+                                           int32_t k, int *nan)
+{
+#ifdef COLIBRI_AVX2
+    if (r->use_avx2 && E >= 16)
+        return colibri_lane_bound8(x, E, k, nan);
+#endif
+    (void)r;
+    return colibri_lane_bound(x, E, k, nan);
+}
+
+static inline int32_t colibri_row_compact(const colibri_router_t *r, const float *x,
+                                          int32_t first, int32_t last, float bound,
+                                          int32_t *cand, int32_t c)
+{
+#ifdef COLIBRI_AVX2
+    if (r->use_avx2)
+        return colibri_compact8(x, first, last, bound, cand, c);
+#endif
+    (void)r;
+    return colibri_compact(x, first, last, bound, cand, c);
 }
 
 /* Whether x[0..E) holds a NaN. */
@@ -795,8 +1086,9 @@ static inline int colibri_has_nan(const float *x, int32_t E)
 }
 
 /* Softmax of the row into out[E]; returns 0, or COLIBRI_ROW_ALL_NEG_INF when undefined.
- * +inf logits share the whole mass equally (the limit of softmax). */
-static inline int colibri_softmax(const float *x, int32_t E, float *out)
+ * +inf logits share the whole mass equally (the limit of softmax). wide: 8-lane
+ * exponentials (the same bits). */
+static inline int colibri_softmax_wide(const float *x, int32_t E, float *out, int wide)
 {
     int32_t e;
     float m = -INFINITY, sum = 0.0f;
@@ -810,12 +1102,22 @@ static inline int colibri_softmax(const float *x, int32_t E, float *out)
             sum += out[e];
         }
     } else {
+#ifdef COLIBRI_AVX2
+        sum = wide ? colibri_exp_shifted8(x, m, out, E) : colibri_exp_shifted(x, m, out, E);
+#else
         sum = colibri_exp_shifted(x, m, out, E);
+#endif
     }
+    (void)wide;
     float inv = 1.0f / sum;
     for (e = 0; e < E; e++)
         out[e] *= inv;
     return COLIBRI_OK;
+}
+
+static inline int colibri_softmax(const float *x, int32_t E, float *out)
+{
+    return colibri_softmax_wide(x, E, out, 0);
 }
 
 static inline float colibri_score(int scoring, float x)
@@ -863,7 +1165,7 @@ static inline int colibri_weights(const colibri_router_t *r, const float *x, con
             colibri_exp_gathered(x, tid, k, m, weights);
         }
     } else if (r->scoring == COLIBRI_SOFTMAX) {
-        if (colibri_softmax(x, E, softmax) != COLIBRI_OK)
+        if (colibri_softmax_wide(x, E, softmax, r->use_avx2) != COLIBRI_OK)
             return COLIBRI_ROW_ALL_NEG_INF;
         for (j = 0; j < k; j++)
             weights[j] = softmax[tid[j]];
@@ -958,11 +1260,16 @@ static inline int colibri_route_row(const colibri_router_t *r, const float *x, v
         if (colibri_has_nan(x, E))
             return COLIBRI_ROW_NAN;
         if (r->scoring == COLIBRI_SOFTMAX) {
-            if (colibri_softmax(x, E, scores) != COLIBRI_OK)
+            if (colibri_softmax_wide(x, E, scores, r->use_avx2) != COLIBRI_OK)
                 return COLIBRI_ROW_ALL_NEG_INF;
         } else {
-            for (e = 0; e < E; e++)
-                scores[e] = colibri_sqrtsoftplus(x[e]);
+#ifdef COLIBRI_AVX2
+            if (r->use_avx2)
+                colibri_sqrtsoftplus8(x, E, scores);
+            else
+#endif
+                for (e = 0; e < E; e++)
+                    scores[e] = colibri_sqrtsoftplus(x[e]);
         }
         key = scores;
         if (r->bias != NULL) {
@@ -1004,7 +1311,7 @@ static inline int colibri_route_row(const colibri_router_t *r, const float *x, v
         for (j = 0; j < ng; j++) {
             int32_t first = r->group_start[gid[j]], last = r->group_start[gid[j] + 1];
             if (r->groups_in_order) {
-                c = colibri_compact(key, first, last, bound, cand, c);
+                c = colibri_row_compact(r, key, first, last, bound, cand, c);
             } else {
                 for (e = first; e < last; e++) {
                     cand[c] = r->group_members[e];
@@ -1014,10 +1321,10 @@ static inline int colibri_route_row(const colibri_router_t *r, const float *x, v
         }
     } else {
         if (k <= COLIBRI_BOUND_MAX_K)
-            bound = colibri_lane_bound(key, E, k, &nan);
+            bound = colibri_row_lane_bound(r, key, E, k, &nan);
         if (nan)
             return COLIBRI_ROW_NAN;
-        c = colibri_compact(key, 0, E, bound, cand, 0);
+        c = colibri_row_compact(r, key, 0, E, bound, cand, 0);
     }
     if (c < k) /* the caller validates k against the smallest groups: never happens */
         return COLIBRI_ROW_SHORT;

@@ -1,0 +1,301 @@
+"""Expert FFN kernels: colibri's fused kernel against torch, block conversion + BLAS and the
+memory floor, measured in one run.
+
+    python bench/bench_kernels.py                  # demo, Qwen3-30B-A3B and Mixtral shapes
+    python bench/bench_kernels.py --quick          # the demo and Qwen3 shapes, fewer rows
+    python bench/bench_kernels.py --busy           # stall table beside a process on every core
+    python bench/bench_kernels.py --stalls-only --busy
+
+One expert is y = down @ (silu(gate @ x) * (up @ x)), gate/up [I, H], down [H, I]. Each
+figure is milliseconds per expert, the best of several rounds over a pool of experts larger
+than the last-level cache (so weights come from memory, as when decoding a large model):
+
+    floor      one read pass over the expert's bytes (colibri._kernels.read_pass)
+    colibri    colibri.expert_ffn's kernel on the dispatched SIMD path (colibri.simd_path())
+    avx2 ...   the same kernel forced onto a lower path (what an AVX2-only CPU runs)
+    torch      three torch.nn.functional.linear calls in the weights' dtype, torch threads
+    blas       the block-convert + BLAS path (float32 blocks of the weights, numpy matmul)
+
+Ratios: "x floor" = colibri / floor, "x torch" = torch / colibri.
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import time
+
+import numpy as np
+
+import colibri
+from colibri import _kernels, layer
+
+SHAPES = {"demo": (2048, 1680), "qwen3-30b-a3b": (2048, 768), "mixtral": (4096, 14336)}
+POOL_BYTES = 640 << 20  # about twice a large server's last-level cache
+
+
+def best_ms(fn, rounds):
+    fn()
+    best = float("inf")
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best * 1e3
+
+
+def make_pool(H, I, dtype_name, pool_bytes, rng):
+    """Experts as (gate, up, down) uint16 bits, and each expert's bytes as one uint64 array
+    for the floor; distinct memory for every expert."""
+    nbytes = 3 * H * I * 2
+    count = max(1, min(64, pool_bytes // nbytes))
+    base = rng.standard_normal(1 << 20).astype(np.float32) * 0.02
+    if dtype_name == "float16":
+        base = base.astype(np.float16).view(np.uint16)
+    else:
+        base = layer._float32_to_bf16(base)
+    experts = []
+    for e in range(count):
+        flat = np.resize(np.roll(base, 977 * e), 3 * H * I)  # a copy: memory of its own
+        g, u, d = flat[: I * H], flat[I * H : 2 * I * H], flat[2 * I * H :]
+        experts.append((g.reshape(I, H), u.reshape(I, H), d.reshape(H, I), flat.view(np.uint64)))
+    return experts
+
+
+def run_shape(name, H, I, dtype_name, batches, args, rng, torch):
+    experts = make_pool(H, I, dtype_name, args.pool_mb << 20, rng)
+    count, nbytes = len(experts), 3 * H * I * 2
+    kind = _kernels.WEIGHT_KINDS[dtype_name]
+    rounds = args.rounds if nbytes < 100 << 20 else max(2, args.rounds // 2)
+    floor = best_ms(lambda: [_kernels.read_pass(e[3], args.threads) for e in experts], rounds)
+    floor /= count
+    rows = []
+    for n in batches:
+        x = rng.standard_normal((n, H)).astype(np.float32)
+        y = np.empty((n, H), np.float32)
+        cells = {}
+        for label, path in [("colibri", None)] + [(p, p) for p in args.paths]:
+            if n > _kernels.MAX_ROWS:
+                cells[label] = float("nan")
+                continue
+            cells[label] = (
+                best_ms(
+                    lambda path=path, x=x, y=y: [
+                        _kernels.ffn(x, g, u, d, kind, 0, y, args.threads, path)
+                        for g, u, d, _ in experts
+                    ],
+                    rounds,
+                )
+                / count
+            )
+        act = layer.activation_function("silu")
+        ex = [layer.ExpertFFN(g, u, d) for g, u, d, _ in experts]
+
+        def blas(x=x, ex=ex, act=act):
+            for e in ex:
+                h = act(layer.linear(x, e.gate, np.float32, dtype_name))
+                h *= layer.linear(x, e.up, np.float32, dtype_name)
+                layer.linear(h, e.down, np.float32, dtype_name)
+
+        cells["blas"] = best_ms(blas, rounds) / count
+        if torch is not None:
+            tdt = torch.bfloat16 if dtype_name == "bfloat16" else torch.float16
+            tw = [
+                tuple(torch.from_numpy(w.view(np.int16)).view(tdt) for w in e[:3]) for e in experts
+            ]
+            tx = torch.from_numpy(x).to(tdt)
+            F = torch.nn.functional
+
+            def torch_ffn(tw=tw, tx=tx, F=F):
+                with torch.no_grad():
+                    for g, u, d in tw:
+                        F.linear(F.silu(F.linear(tx, g)) * F.linear(tx, u), d)
+
+            cells["torch"] = best_ms(torch_ffn, max(1, rounds // 2)) / count
+        rows.append((n, cells))
+    for n, cells in rows:
+        c = cells["colibri"]
+        best_other = min(v for k, v in cells.items() if k in ("blas", "torch"))
+        line = (
+            f"{name:<14} {dtype_name:<9} {n:>3}  floor {floor:8.3f}  "
+            + "  ".join(f"{k} {v:8.3f}" for k, v in cells.items())
+            + f"  | x floor {c / floor:5.2f}"
+        )
+        if "torch" in cells:
+            line += f"  x torch {cells['torch'] / c:5.2f}"
+        line += f"  x best-other {best_other / c:5.2f}"
+        print(line, flush=True)
+    print(
+        f"{'':<14} ({count} experts of {nbytes / 2**20:.1f} MiB; floor "
+        f"{nbytes / floor / 1e6:.1f} GB/s, colibri at batch 1 "
+        f"{nbytes / rows[0][1]['colibri'] / 1e6:.1f} GB/s)",
+        flush=True,
+    )
+
+
+def median_us(fn, hook, rounds=31):
+    """Median of rounds calls of fn (microseconds), each right after hook() (untimed): a
+    stall shows in the median, where a best-of would hide it."""
+    fn()
+    times = []
+    for _ in range(rounds):
+        hook()
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times)) * 1e6
+
+
+def stall_table(args, rng, torch, modes):
+    """Routing and one expert at batch 1, per mode: quiet, beside busy processes, right
+    after torch's thread pool ran; "x serial" = time / the quiet single-thread time."""
+    bias = rng.standard_normal(256).astype(np.float32)
+    ds = dict(
+        scoring="sigmoid",
+        correction_bias=bias,
+        num_groups=8,
+        topk_groups=4,
+        group_score="top2_sum",
+        scale=2.5,
+    )
+    cases = []
+    for T in (64, 4096, 65536):
+        x = rng.standard_normal((T, 64)).astype(np.float32)
+        cases.append((f"route E=64 k=2 T={T}", 64, 2, {}, x))
+    for T in (64, 4096):
+        x = rng.standard_normal((T, 256)).astype(np.float32)
+        cases.append((f"route DeepSeek-V3 T={T}", 256, 8, ds, x))
+    H, I = SHAPES["qwen3-30b-a3b"]
+    experts = make_pool(H, I, "bfloat16", 64 << 20, rng)
+    xf = rng.standard_normal((1, H)).astype(np.float32)
+    yf = np.empty((1, H), np.float32)
+    kind = _kernels.WEIGHT_KINDS["bfloat16"]
+
+    def ffn_call(threads):
+        def run():
+            for g, u, d, _ in experts:
+                _kernels.ffn(xf, g, u, d, kind, 0, yf, threads, None)
+
+        return run
+
+    a = torch.randn(384, 384) if torch is not None else None
+    hooks = {
+        "quiet": lambda: None,
+        "busy": lambda: None,
+        "after torch": (lambda: torch.mm(a, a)) if torch is not None else None,
+    }
+    serial, results = {}, {}
+    for mode in modes:
+        if hooks.get(mode) is None:
+            continue
+        spinners, stop = _start_spinners() if mode == "busy" else ([], None)
+        try:
+            for name, E, k, opts, x in cases:
+                for threads in (1, args.threads):
+                    ctx = colibri.init(E, k, routing_threads=threads, **opts)
+                    out = ctx.buffers(len(x))
+                    t = median_us(lambda ctx=ctx, x=x, out=out: ctx.route(x, out=out), hooks[mode])
+                    results[mode, name, threads] = t
+            for threads in (1, args.threads):
+                t = median_us(ffn_call(threads), hooks[mode], rounds=10) / len(experts)
+                results[mode, "expert Qwen3 bf16 batch 1", threads] = t
+        finally:
+            _stop_spinners(spinners, stop)
+    names = [c[0] for c in cases] + ["expert Qwen3 bf16 batch 1"]
+    probe = colibri.init(64, 2)
+    route_path = "avx512" if probe.use_avx512 else "avx2" if probe.use_avx2 else "sse2"
+    for name in names:
+        serial[name] = results["quiet", name, 1]
+    print(
+        f"\nstalls: us per call (median of rounds), threads={args.threads} unless marked; "
+        f"'x serial' = / quiet 1-thread; routing path "
+        f"{route_path}"
+    )
+    header = f"{'':<28}{'quiet 1t':>10}" + "".join(
+        f"{m:>14}{'x serial':>9}" for m in modes if hooks.get(m) is not None
+    )
+    print(header)
+    for name in names:
+        line = f"{name:<28}{serial[name]:>10.1f}"
+        for m in modes:
+            if hooks.get(m) is None:
+                continue
+            t = results[m, name, args.threads]
+            line += f"{t:>14.1f}{t / serial[name]:>9.2f}"
+        print(line, flush=True)
+
+
+def _start_spinners():
+    stop = mp.Event()
+    spinners = [mp.Process(target=_spin, args=(stop,)) for _ in range(os.cpu_count())]
+    for p in spinners:
+        p.start()
+    time.sleep(0.2)
+    return spinners, stop
+
+
+def _stop_spinners(spinners, stop):
+    if stop is not None:
+        stop.set()
+        for p in spinners:
+            p.join()
+
+
+def _spin(stop):
+    x = 0
+    while not stop.is_set():
+        for _ in range(10000):
+            x += 1
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="two shapes, batch 1 and 16")
+    parser.add_argument("--shapes", nargs="+", choices=list(SHAPES), default=list(SHAPES))
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16, 64])
+    parser.add_argument("--dtypes", nargs="+", default=["bfloat16", "float16"])
+    parser.add_argument("--threads", type=int, default=colibri.max_threads())
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--pool-mb", type=int, default=POOL_BYTES >> 20)
+    parser.add_argument(
+        "--paths",
+        nargs="*",
+        default=None,
+        help="lower SIMD paths to force as well (default: avx2 if it runs)",
+    )
+    parser.add_argument("--no-torch", action="store_true")
+    parser.add_argument(
+        "--busy", action="store_true", help="the stall table beside a spinning process per core too"
+    )
+    parser.add_argument("--stalls-only", action="store_true", help="only the stall table")
+    parser.add_argument("--no-stalls", action="store_true", help="no stall table")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.shapes, args.batches = ["demo", "qwen3-30b-a3b"], [1, 16]
+    runs = _kernels.runnable_paths()
+    if args.paths is None:
+        args.paths = [p for p in ("avx2", "avx512_bf16") if p in runs and p != _kernels.ffn_path()]
+    torch = None
+    if not args.no_torch:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    print(
+        f"colibri {colibri.__version__}: kernel path {_kernels.ffn_path()} (simd "
+        f"{colibri.simd_path()}, runs {', '.join(runs)}); {args.threads} threads; "
+        f"torch {torch.__version__ if torch else '-'}; load {os.getloadavg()[0]:.2f}"
+    )
+    rng = np.random.default_rng(0)
+    if not args.stalls_only:
+        for name in args.shapes:
+            H, I = SHAPES[name]
+            for dtype_name in args.dtypes:
+                run_shape(name, H, I, dtype_name, args.batches, args, rng, torch)
+    if not args.no_stalls:
+        modes = ["quiet", "busy", "after torch"] if args.busy else ["quiet", "after torch"]
+        stall_table(args, rng, torch, modes)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,195 @@
+"""colibri's compiled expert kernels (include/colibri/ffn.h) and the SIMD dispatch facts
+(include/colibri/cpu.h): which path runs, which ones this CPU can run."""
+
+from libc.stdint cimport int32_t, int64_t, uint16_t, uint64_t
+from libc.stdlib cimport free, malloc
+
+from colibri._openmp cimport colibri_max_threads
+
+
+cdef extern from "colibri/cpu.h" nogil:
+    enum:
+        COLIBRI_PATH_SCALAR
+        COLIBRI_PATH_AVX512
+        COLIBRI_PATH_AVX512_BF16
+        COLIBRI_PATH_COUNT
+    const char *const colibri_path_names[]
+    int colibri_cpu_detect() noexcept
+    int colibri_simd_env() noexcept
+    int colibri_simd_path() noexcept
+    int colibri_path_runs(int path) noexcept
+
+
+cdef extern from "colibri/ffn.h" nogil:
+    ctypedef struct colibri_ffn_t:
+        int32_t n, H, I
+        int32_t kind
+        int32_t act
+        int32_t path
+        const float *x
+        int64_t ldx
+        const uint16_t *gate
+        const uint16_t *up
+        int64_t ldg, ldu
+        const uint16_t *down
+        int64_t ldd
+        float *h
+        uint16_t *xs
+        float *y
+        int64_t ldy
+    enum:
+        COLIBRI_FFN_MAX_ROWS
+    size_t colibri_ffn_split_bytes(const colibri_ffn_t *f) noexcept
+    void colibri_ffn_run(const colibri_ffn_t *f, int threads) noexcept
+
+
+PATHS = tuple(colibri_path_names[i].decode() for i in range(COLIBRI_PATH_COUNT))
+MAX_ROWS = COLIBRI_FFN_MAX_ROWS
+ACTIVATIONS = {"silu": 0, "gelu_tanh": 1, "gelu": 2, "relu": 3}
+WEIGHT_KINDS = {"float16": 1, "bfloat16": 2}
+
+
+def simd_env_check():
+    """Raise ValueError when COLIBRI_SIMD names no path."""
+    if colibri_simd_env() == -2:
+        import os
+
+        raise ValueError(
+            f"COLIBRI_SIMD must be one of {', '.join(PATHS)} or unset "
+            f"(got {os.environ.get('COLIBRI_SIMD')!r})"
+        )
+
+
+def simd_path():
+    """The SIMD path the kernels take: the CPU's best, capped by COLIBRI_SIMD."""
+    simd_env_check()
+    return PATHS[colibri_simd_path()]
+
+
+def detected_path():
+    """The best SIMD path this CPU runs, whatever COLIBRI_SIMD says."""
+    return PATHS[colibri_cpu_detect()]
+
+
+def runnable_paths():
+    """Every SIMD path this CPU runs, lowest first."""
+    return tuple(p for i, p in enumerate(PATHS) if colibri_path_runs(i))
+
+
+cdef int _ffn_default() except -1:
+    # Native bf16 dot products need x split in two bfloat16 parts for float32-grade results,
+    # and were measured slower than converting the weights (bench/README.md, Kernels): the
+    # FFN kernel takes the avx512 path there unless asked for avx512_bf16 by name.
+    simd_env_check()
+    cdef int p = colibri_simd_path()
+    return COLIBRI_PATH_AVX512 if p == COLIBRI_PATH_AVX512_BF16 else p
+
+
+def ffn_path():
+    """The SIMD path the FFN kernel takes by default."""
+    return PATHS[_ffn_default()]
+
+
+def path_index(path):
+    """The index of a path name (None: the FFN kernel's default); ValueError if it cannot run."""
+    if path is None:
+        return _ffn_default()
+    if path not in PATHS:
+        raise ValueError(f"path must be one of {PATHS} or None (got {path!r})")
+    cdef int i = PATHS.index(path)
+    if not colibri_path_runs(i):
+        raise ValueError(f"path {path!r} does not run on this CPU (it runs {runnable_paths()})")
+    return i
+
+
+cdef const uint16_t *_rows(const uint16_t[:, :] w, int64_t *ld, str what) except NULL:
+    if w.shape[1] > 1 and w.strides[1] != 2:
+        raise ValueError(f"expert_ffn(): {what} rows must be contiguous (got strides "
+                         f"{(w.strides[0], w.strides[1])}); pass np.ascontiguousarray({what})")
+    ld[0] = w.strides[0] // 2
+    return &w[0, 0]
+
+
+def ffn(const float[:, :] x, const uint16_t[:, :] gate, const uint16_t[:, :] up,
+        const uint16_t[:, :] down, int kind, int act, float[:, :] y, int threads, path=None):
+    """y = down @ (act(gate @ x.T) * (up @ x.T)), transposed: the fused kernel.
+
+    x [n, H] float32 (rows contiguous), gate/up [I, H] and down [H, I] uint16 bits of
+    float16 (kind 1) or bfloat16 (kind 2), y [n, H] float32; shapes checked by the caller
+    (colibri.layer.expert_ffn). ``path``: a name from PATHS (tests), None for the dispatched
+    one."""
+    cdef colibri_ffn_t f
+    cdef size_t split
+    cdef float *h = NULL
+    f.n = <int32_t>x.shape[0]
+    f.H = <int32_t>x.shape[1]
+    f.I = <int32_t>gate.shape[0]
+    if f.n < 1 or f.n > COLIBRI_FFN_MAX_ROWS:
+        raise ValueError(f"ffn(): 1 to {COLIBRI_FFN_MAX_ROWS} rows (got {f.n})")
+    if f.H < 1 or f.I < 1:
+        raise ValueError(f"ffn(): empty weights (H={f.H}, I={f.I})")
+    if (x.strides[1] != 4 and f.H > 1) or (y.strides[1] != 4 and f.H > 1):
+        raise ValueError("ffn(): x and y rows must be contiguous float32")
+    f.kind = kind
+    f.act = act
+    f.path = path_index(path)
+    f.x = &x[0, 0]
+    f.ldx = x.strides[0] // 4
+    f.gate = _rows(gate, &f.ldg, "gate")
+    f.up = _rows(up, &f.ldu, "up")
+    f.down = _rows(down, &f.ldd, "down")
+    f.y = &y[0, 0]
+    f.ldy = y.strides[0] // 4
+    f.xs = NULL
+    split = colibri_ffn_split_bytes(&f)
+    h = <float *>malloc(<size_t>f.n * f.I * sizeof(float) + split + 64)
+    if h == NULL:
+        raise MemoryError()
+    f.h = h
+    if split:
+        f.xs = <uint16_t *>(h + <size_t>f.n * f.I)
+    if threads < 1:
+        threads = colibri_max_threads()
+    with nogil:
+        colibri_ffn_run(&f, threads)
+    free(h)
+
+
+cdef extern from *:
+    """
+    #include <stdint.h>
+    #include <stddef.h>
+    /* Sum of the 64-bit words of [p, p + 8 n): one read pass (the memory floor). */
+    static uint64_t colibri_read_pass(const uint64_t *p, int64_t n, int threads)
+    {
+        const int64_t block = 8192; /* 64 KiB per claim: long vectorizable runs */
+        uint64_t total = 0;
+        int64_t b;
+    #ifdef _OPENMP
+    #pragma omp parallel for num_threads(threads) reduction(+ : total) schedule(static) \
+        if (threads > 1)
+    #endif
+        for (b = 0; b < (n + block - 1) / block; b++) {
+            int64_t j, start = b * block, stop = start + block < n ? start + block : n;
+            uint64_t s = 0;
+            for (j = start; j < stop; j++)
+                s += p[j];
+            total += s;
+        }
+        (void)threads;
+        return total;
+    }
+    """
+    uint64_t colibri_read_pass(const uint64_t *p, int64_t n, int threads) noexcept nogil
+
+
+def read_pass(const uint64_t[::1] words, int threads=0):
+    """Read every word of ``words`` once (their wrapping sum): the memory floor for benches."""
+    cdef uint64_t total
+    if threads < 1:
+        threads = colibri_max_threads()
+    if words.shape[0] == 0:
+        return 0
+    with nogil:
+        total = colibri_read_pass(&words[0], words.shape[0], threads)
+    return total

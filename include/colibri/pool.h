@@ -1,0 +1,198 @@
+/*
+ * A small worker pool whose caller never waits for a helper that has not started.
+ *
+ * An OpenMP parallel region ends at a barrier: when the OS has not yet run one of its
+ * threads (every core busy: a compiler, torch's own pool), the caller waits for it a whole
+ * scheduler quantum, ~10 ms for a call whose work takes 50 us. Here a call publishes its
+ * chunks, wakes the helpers and claims chunks itself from a shared counter; when none is
+ * left it waits only for chunks a helper has already claimed (and is running). A helper
+ * that wakes late finds no work, or a later call's: claims carry the call's generation,
+ * so a stale helper can never run a chunk of the wrong call.
+ *
+ * POSIX threads; elsewhere (or without GCC/Clang atomics) colibri_pool_run falls back to
+ * an OpenMP loop. One call at a time uses the helpers; a concurrent caller runs its chunks
+ * alone (still no stall). Helpers: COLIBRI_POOL_MAX - 1 at most, made on first use.
+ */
+#ifndef COLIBRI_POOL_H
+#define COLIBRI_POOL_H
+
+#include <stdint.h>
+
+typedef void (*colibri_chunk_fn)(void *arg, int32_t chunk);
+
+#if !defined(_WIN32) && (defined(__GNUC__) || defined(__clang__))
+#include <pthread.h>
+#include <sched.h>
+#include <unistd.h>
+#define COLIBRI_POOL_THREADS 1
+#endif
+
+#define COLIBRI_POOL_MAX 64
+/* pause instructions a helper spins for new work before it sleeps (~50-100 us) */
+#define COLIBRI_POOL_SPIN 1000
+
+static inline void colibri_pool_pause(void)
+{
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#elif defined(__aarch64__)
+    __asm__ volatile("yield");
+#endif
+}
+
+#ifdef COLIBRI_POOL_THREADS
+typedef struct {
+    pthread_mutex_t lock;
+    pthread_cond_t wake;
+    pthread_mutex_t busy;        /* held by the call that uses the helpers */
+    int helpers;                 /* started */
+    int sleeping;
+    pid_t pid;                   /* a forked child has no helpers: start again */
+    /* the current call, written under lock */
+    colibri_chunk_fn fn;
+    void *arg;
+    int32_t chunks;
+    int32_t want;                /* helpers the call asked for */
+    uint32_t gen;
+    /* claims: generation << 32 | next chunk; finished chunks of the current call */
+    volatile uint64_t claim;
+    volatile int32_t done;
+} colibri_pool_t;
+
+static colibri_pool_t colibri_pool = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER,
+                                      PTHREAD_MUTEX_INITIALIZER, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0};
+
+/* Claim and run chunks of call `gen` until none is left (or a later call began). */
+static inline void colibri_pool_work(colibri_pool_t *p, uint32_t gen, colibri_chunk_fn fn,
+                                     void *arg, int32_t chunks)
+{
+    for (;;) {
+        uint64_t c = __atomic_load_n(&p->claim, __ATOMIC_ACQUIRE);
+        if ((uint32_t)(c >> 32) != gen || (int32_t)(uint32_t)c >= chunks)
+            return;
+        if (!__atomic_compare_exchange_n(&p->claim, &c, c + 1, 0, __ATOMIC_ACQ_REL,
+                                         __ATOMIC_ACQUIRE))
+            continue;
+        fn(arg, (int32_t)(uint32_t)c);
+        __atomic_fetch_add(&p->done, 1, __ATOMIC_RELEASE);
+    }
+}
+
+static void *colibri_pool_helper(void *self)
+{
+    colibri_pool_t *p = &colibri_pool;
+    int index = (int)(intptr_t)self;
+    uint32_t seen = 0;
+    pthread_mutex_lock(&p->lock);
+    seen = p->gen;
+    for (;;) {
+        colibri_chunk_fn fn;
+        void *arg;
+        int32_t chunks;
+        uint32_t gen;
+        while (p->gen == seen) {
+            /* spin a little first: back-to-back calls (one per expert) find it awake */
+            int i;
+            pthread_mutex_unlock(&p->lock);
+            for (i = 0; i < COLIBRI_POOL_SPIN && __atomic_load_n(&p->gen, __ATOMIC_ACQUIRE) == seen;
+                 i++)
+                colibri_pool_pause();
+            pthread_mutex_lock(&p->lock);
+            if (p->gen != seen)
+                break;
+            p->sleeping++;
+            pthread_cond_wait(&p->wake, &p->lock);
+            p->sleeping--;
+        }
+        seen = gen = p->gen;
+        fn = p->fn;
+        arg = p->arg;
+        chunks = p->chunks;
+        if (index >= p->want) /* this call asked for fewer helpers */
+            continue;
+        pthread_mutex_unlock(&p->lock);
+        colibri_pool_work(p, gen, fn, arg, chunks);
+        pthread_mutex_lock(&p->lock);
+    }
+    return NULL;
+}
+
+/* Start helpers up to `count` (under p->lock). */
+static inline void colibri_pool_grow(colibri_pool_t *p, int count)
+{
+    pid_t pid = getpid();
+    if (p->pid != pid) { /* first use, or a forked child: its helpers did not come along */
+        p->pid = pid;
+        p->helpers = 0;
+        p->sleeping = 0;
+    }
+    while (p->helpers < count && p->helpers < COLIBRI_POOL_MAX - 1) {
+        pthread_t t;
+        pthread_attr_t attr;
+        pthread_attr_init(&attr);
+        pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+        if (pthread_create(&t, &attr, colibri_pool_helper, (void *)(intptr_t)p->helpers) != 0) {
+            pthread_attr_destroy(&attr);
+            break;
+        }
+        pthread_attr_destroy(&attr);
+        p->helpers++;
+    }
+}
+#endif /* COLIBRI_POOL_THREADS */
+
+/* Run fn(arg, c) for every c < chunks on the calling thread and up to threads - 1
+ * helpers; returns when every chunk has run. */
+static inline void colibri_pool_run(colibri_chunk_fn fn, void *arg, int32_t chunks, int threads)
+{
+    int32_t c;
+    if (threads > chunks)
+        threads = chunks;
+    if (threads <= 1) {
+        for (c = 0; c < chunks; c++)
+            fn(arg, c);
+        return;
+    }
+#ifdef COLIBRI_POOL_THREADS
+    {
+        colibri_pool_t *p = &colibri_pool;
+        uint32_t gen;
+        int spins = 0;
+        if (pthread_mutex_trylock(&p->busy) != 0) { /* another call has the helpers */
+            for (c = 0; c < chunks; c++)
+                fn(arg, c);
+            return;
+        }
+        pthread_mutex_lock(&p->lock);
+        colibri_pool_grow(p, threads - 1);
+        gen = p->gen + 1;
+        p->fn = fn;
+        p->arg = arg;
+        p->chunks = chunks;
+        p->want = threads - 1;
+        p->done = 0;
+        __atomic_store_n(&p->claim, (uint64_t)gen << 32, __ATOMIC_RELEASE);
+        __atomic_store_n(&p->gen, gen, __ATOMIC_RELEASE); /* spinning helpers look here */
+        if (p->sleeping)
+            pthread_cond_broadcast(&p->wake);
+        pthread_mutex_unlock(&p->lock);
+        colibri_pool_work(p, gen, fn, arg, chunks);
+        /* every chunk is claimed: wait for those that helpers are running */
+        while (__atomic_load_n(&p->done, __ATOMIC_ACQUIRE) < chunks) {
+            if (++spins > 200)
+                sched_yield();
+            else
+                colibri_pool_pause();
+        }
+        pthread_mutex_unlock(&p->busy);
+    }
+#else
+#ifdef _OPENMP
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
+#endif
+    for (c = 0; c < chunks; c++)
+        fn(arg, c);
+#endif
+}
+
+#endif /* COLIBRI_POOL_H */
