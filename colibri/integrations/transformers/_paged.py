@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from colibri.integrations.transformers._checkpoint import Checkpoint, CheckpointError
+from colibri.layer import expert_ffn
 
 __all__ = [
     "PagedExperts",
@@ -32,6 +33,17 @@ __all__ = [
 ]
 
 PREFETCH_MODES = ("gate", "previous", "off")
+
+
+# rows per expert up to which the fused kernel runs (decoding; torch's GEMMs win beyond, on
+# CPUs with AMX or AVX512_BF16 from about 4 rows: bench/README.md, Kernels)
+_KERNEL_ROWS = 2
+_KERNEL_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def _is_silu(act: Any) -> bool:
+    """Whether an experts module's ``act_fn`` is SiLU (torch's or transformers' own class)."""
+    return isinstance(act, nn.SiLU) or type(act).__name__ == "SiLUActivation"
 
 
 class UnsupportedCheckpointError(CheckpointError):
@@ -320,6 +332,7 @@ class PagedExperts(nn.Module):
         self.intermediate_dim = int(original.down_proj.shape[2])
         self.hidden_dim = int(original.down_proj.shape[1])
         self.act_fn = original.act_fn
+        self.__dict__["_silu"] = _is_silu(original.act_fn)  # the fused kernel's activation
         self.layer = int(_LAYER.findall(name)[-1])
         self.name = name
         self.__dict__["_paging"] = None  # plain attributes: not submodules, not state
@@ -369,10 +382,19 @@ class PagedExperts(nn.Module):
         token, slot = torch.where(ids == e)
         x = hidden_states[token]
         gate, up, down = (torch_view(m) for m in (w.gate, w.up, w.down))
-        if gate.dtype != x.dtype:  # a model run in another dtype than stored: a temporary copy
-            gate, up, down = gate.to(x.dtype), up.to(x.dtype), down.to(x.dtype)
-        h = self.act_fn(F.linear(x, gate)) * F.linear(x, up)
-        y = F.linear(h, down) * weights[token, slot, None]
+        if (
+            len(token) <= _KERNEL_ROWS
+            and x.dtype == gate.dtype in _KERNEL_DTYPES
+            and self.__dict__["_silu"]
+        ):
+            # few rows of half-precision weights (decoding): colibri's fused kernel reads
+            # each weight once, in place, at memory speed; torch's GEMMs win on more rows
+            h = expert_ffn(x, gate, up, down, activation="silu")
+        else:
+            if gate.dtype != x.dtype:  # a model run in another dtype than stored: a copy
+                gate, up, down = gate.to(x.dtype), up.to(x.dtype), down.to(x.dtype)
+            h = F.linear(self.act_fn(F.linear(x, gate)) * F.linear(x, up), down)
+        y = h * weights[token, slot, None]
         out.index_add_(0, token, y.to(out.dtype))
 
     def _predict(self, hidden_states: torch.Tensor, pinned: int) -> None:
