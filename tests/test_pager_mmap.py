@@ -407,7 +407,9 @@ def test_streaming_8x_the_budget_keeps_rss_within_it(tmp_path, io, page_size_kb)
     )  # fmt: skip
     worst, held = map(int, out.stdout.split())
     assert held <= budget
-    assert worst <= budget + (2 << 20), (worst, budget)  # 2 MiB: the interpreter's own churn
+    # a populate may map a whole page-cache folio (up to 2 MiB) on each side of the run
+    # before the pager trims what it does not hold: 4 MiB above the budget at worst
+    assert worst <= budget + (4 << 20), (worst, budget)
 
 
 def test_mmap_is_the_default_on_linux(weights):
