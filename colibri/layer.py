@@ -366,14 +366,7 @@ def expert_ffn(
     -------
     y : same shape, dtype and framework as x (torch in, torch out, zero-copy)
     """
-    torch = sys.modules.get("torch")
-    if torch is not None and isinstance(x, torch.Tensor):
-        x = x.detach()
-    arr, name = import_host(x)
-    if name not in ("float32", "float64", "float16", "bfloat16"):
-        raise ValueError(
-            f"expert_ffn(): x must be float32, float64, float16 or bfloat16 (got {name})"
-        )
+    arr, name = _float_host(x, "x")
     if arr.ndim not in (1, 2):
         raise ValueError(f"expert_ffn(): x must be [n, H] or [H] (got shape {tuple(arr.shape)})")
     rows2d = arr.reshape(1, -1) if arr.ndim == 1 else arr
@@ -429,16 +422,23 @@ def expert_ffn(
     return to_caller(_cast(y, name), x, name)
 
 
-def _weight_view(w: Any, what: str) -> tuple[np.ndarray, str]:
-    """An expert matrix as numpy (bfloat16 as uint16 bits) and its dtype name, no copy."""
+def _float_host(obj: Any, what: str) -> tuple[np.ndarray, str]:
+    """``obj`` (numpy or any host DLPack tensor, detached) as numpy and its dtype name, no
+    copy; refused unless float32, float64, float16 or bfloat16."""
     torch = sys.modules.get("torch")
-    if torch is not None and isinstance(w, torch.Tensor):
-        w = w.detach()
-    arr, name = import_host(w)
+    if torch is not None and isinstance(obj, torch.Tensor):
+        obj = obj.detach()
+    arr, name = import_host(obj)
     if name not in ("float32", "float64", "float16", "bfloat16"):
         raise ValueError(
             f"expert_ffn(): {what} must be float32, float64, float16 or bfloat16 (got {name})"
         )
+    return arr, name
+
+
+def _weight_view(w: Any, what: str) -> tuple[np.ndarray, str]:
+    """An expert matrix as numpy (bfloat16 as uint16 bits) and its dtype name, no copy."""
+    arr, name = _float_host(w, what)
     if name in _HALF_KINDS:
         arr = arr.view(np.uint16)
     return arr, name
