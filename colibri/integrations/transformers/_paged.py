@@ -21,6 +21,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from colibri.integrations.transformers._checkpoint import Checkpoint, CheckpointError
+from colibri.integrations.transformers._families import _fingerprint
+from colibri.integrations.transformers._patch import _STATE, patch, patched_routers
 from colibri.layer import expert_ffn
 
 __all__ = [
@@ -84,7 +86,7 @@ def parse_size(value: int | str, what: str = "budget") -> int:
 # --------------------------------------------------------------------------------------
 # Which experts modules can be paged.
 
-# Fingerprints (colibri.integrations.transformers._fingerprint of the original forward) of
+# Fingerprints (``_families._fingerprint`` of the original forward) of
 # transformers 5.23's experts implementations: the one colibri computes, and those it cannot.
 _STANDARD = frozenset({"40b5d4608822"})
 _UNSERVABLE: dict[str, str] = {
@@ -110,7 +112,6 @@ _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 
 def _experts_fingerprint(cls: type) -> str | None:
-    from colibri.integrations.transformers import _fingerprint
 
     forward = getattr(cls, "forward", None)
     forward = getattr(forward, "__wrapped__", forward)
@@ -429,8 +430,6 @@ def _route_only(router: nn.Module, block: nn.Module, hidden_states: torch.Tensor
     passes to its router (MiniMax-M2's, AFMoE's selection bias) are read from ``block``."""
     import inspect
 
-    from colibri.integrations.transformers import _STATE
-
     state = router.__dict__.get(_STATE)
     if state is None:
         return None
@@ -647,7 +646,6 @@ def from_pretrained(
     """
     import colibri
     from colibri.formats import FormatError, open_weights
-    from colibri.integrations.transformers import patch
 
     if prefetch not in PREFETCH_MODES:
         raise ValueError(
@@ -738,7 +736,6 @@ def _empty_model(config: Any, checkpoint: Checkpoint, dtype: torch.dtype) -> nn.
 
 def _link(model: nn.Module, paging: Paging) -> None:
     """Tell each paged layer which router comes next (for prefetching across layers)."""
-    from colibri.integrations.transformers import patched_routers
 
     routers = {}
     modules = dict(model.named_modules())
@@ -755,7 +752,6 @@ def _link(model: nn.Module, paging: Paging) -> None:
 
 def _partition(model: nn.Module, partition: Any, topk_groups: int) -> None:
     """Give every router ``partition`` (one for all layers, or ``{layer: Partition}``)."""
-    from colibri.integrations.transformers import _STATE
     from colibri.partition import Partition
 
     if isinstance(partition, dict):

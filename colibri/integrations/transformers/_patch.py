@@ -1,0 +1,300 @@
+"""``patch``/``unpatch``: colibri routing attached to the routers of a loaded model."""
+
+from __future__ import annotations
+
+import inspect
+import itertools
+import types
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from colibri.integrations.transformers._families import _KINDS, UnsupportedRouterError, _Kind
+from colibri.integrations.transformers._match import _classify, _family
+
+
+@dataclass(frozen=True)
+class PatchedRouter:
+    """One router that ``patch`` replaced.
+
+    Attributes
+    ----------
+    name : str
+        The module's qualified name in the model (``model.layers.0.mlp.gate``).
+    family : str
+        The transformers model family the router class comes from (``mixtral``).
+    router_class : str
+        The router's class name.
+    kind : str
+        The routing implementation colibri recognised.
+    num_experts, top_k : int
+        Routed experts and experts per token.
+    options : dict
+        The colibri routing options, with ``correction_bias``/``expert_scale`` shown
+        as the name of the tensor they are read from (re-read when it changes).
+    """
+
+    name: str
+    family: str
+    router_class: str
+    kind: str
+    num_experts: int
+    top_k: int
+    options: dict[str, Any] = field(hash=False)
+
+
+# --------------------------------------------------------------------------------------
+# Routing state attached to a patched module.
+
+
+class _Routing:
+    """A colibri context for one router, rebuilt when a tensor option changes.
+
+    ``tensors`` maps a colibri option (``correction_bias``, ``expert_scale``) to a reader
+    of the module's live parameter/buffer; the context is rebuilt when one of them is
+    replaced or modified in place (``load_state_dict``, ``.to()``), tracked by identity
+    and torch's version counter.
+    """
+
+    def __init__(
+        self,
+        num_experts: int,
+        top_k: int,
+        options: dict[str, Any],
+        tensors: dict[str, Callable[[Any], torch.Tensor]],
+        routing_threads: int | None,
+        module: Any = None,
+    ) -> None:
+        self.num_experts = num_experts
+        self.top_k = top_k
+        self.options = dict(options)
+        self.tensors = tensors
+        self.routing_threads = routing_threads
+        self._ctx: Any = None
+        self._key: tuple | None = None
+        if module is not None:  # build now: colibri validates the options at patch time
+            self._refresh({name: read(module) for name, read in tensors.items()})
+
+    def __deepcopy__(self, memo: dict) -> _Routing:
+        # a copied model gets its own context, built from its own tensors on first use
+        return _Routing(
+            self.num_experts, self.top_k, self.options, self.tensors, self.routing_threads
+        )
+
+    def _refresh(self, live: dict[str, torch.Tensor]) -> None:
+        key = tuple((name, id(t), t._version, t.dtype) for name, t in sorted(live.items()))
+        if key == self._key:
+            return
+        import colibri
+
+        options = dict(self.options)
+        for name, tensor in live.items():
+            options[name] = tensor.detach().to("cpu").float().numpy().copy()
+        if self.routing_threads is not None:
+            options["routing_threads"] = self.routing_threads
+        self._ctx = colibri.init(self.num_experts, self.top_k, ids_dtype="int64", **options)
+        self._key = key
+
+    def route(
+        self, module: Any, logits: torch.Tensor, **given: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Route ``logits`` ``[T, E]``: ids ``[T, k]`` int64 and weights ``[T, k]`` float32.
+
+        ``given`` holds tensor options the block passes at call time (MiniMax-M2's bias).
+        """
+        if self.tensors or given or self._ctx is None:
+            live = {name: read(module) for name, read in self.tensors.items()}
+            live.update(given)
+            self._refresh(live)
+        if logits.requires_grad and module.training and torch.is_grad_enabled():
+            raise RuntimeError(
+                f"{type(module).__name__} is in training mode with gradients on, but colibri's "
+                "routing weights carry no gradient back to the router: call model.eval() (or "
+                "run under torch.no_grad()) for inference, or unpatch(model) to train"
+            )
+        if not logits.is_cpu:
+            raise ValueError(
+                f"colibri routes on the CPU, but the router logits are on {logits.device}; "
+                "run the model on the CPU or unpatch it (colibri.integrations.transformers"
+                ".unpatch(model))"
+            )
+        if logits.dim() != 2:
+            logits = logits.reshape(-1, logits.shape[-1])
+        return self._ctx.route(logits.detach())
+
+
+# --------------------------------------------------------------------------------------
+# Public API.
+
+_STATE = "_colibri_routing"
+
+
+@dataclass
+class _State:
+    kind: _Kind
+    routing: _Routing
+    record: PatchedRouter
+
+
+def _patched_call(self, *args, **kwargs):
+    state = self.__dict__[_STATE]
+    return state.kind.forward(self, state.routing, *args, **kwargs)
+
+
+def supported_routers() -> dict[str, str]:
+    """The routing implementations colibri maps, by kind, with the transformers router
+    classes (importable in this environment) that use each.
+
+    Returns
+    -------
+    dict
+        ``{kind: "Class1 Class2 ..."}``. Walks ``transformers.models``: slow (seconds).
+    """
+    import importlib
+    import pkgutil
+
+    import transformers.models
+
+    found: dict[str, list[str]] = {kind.name: [] for kind in _KINDS}
+    for info in pkgutil.iter_modules(transformers.models.__path__):
+        try:
+            module = importlib.import_module(
+                f"transformers.models.{info.name}.modeling_{info.name}"
+            )
+        except Exception:  # a family whose optional dependencies are missing: not listed
+            continue
+        for obj in vars(module).values():
+            if inspect.isclass(obj) and obj.__module__ == module.__name__:
+                kind, _ = _classify(obj)
+                if kind is not None:
+                    found[kind.name].append(obj.__name__)
+    return {name: " ".join(classes) for name, classes in found.items()}
+
+
+def patch(
+    model: torch.nn.Module,
+    *,
+    routing_threads: int | None = None,
+    skip_unsupported: bool = False,
+) -> list[PatchedRouter]:
+    """Route every MoE block of ``model`` with colibri.
+
+    Parameters
+    ----------
+    model : torch.nn.Module
+        A loaded transformers model (any head: ``AutoModelForCausalLM``, base model,
+        vision-language model...), on the CPU.
+    routing_threads : int, optional
+        Threads for colibri's routing (default: colibri's default).
+    skip_unsupported : bool
+        Leave routers colibri cannot reproduce (e.g. PhiMoE's sparsemixer) on
+        transformers' own code instead of raising; they are not in the result.
+
+    Returns
+    -------
+    list of PatchedRouter
+        One entry per patched router, in module order (also ``patched_routers(model)``).
+
+    Raises
+    ------
+    UnsupportedRouterError
+        A router (or its configuration) colibri cannot reproduce exactly; the message
+        names the module, the family and the reason. Nothing is patched then.
+    ValueError
+        The model has no MoE router colibri knows, or lives off the CPU.
+    """
+    plan: list[tuple[str, Any, _Kind, tuple]] = []
+    problems: list[str] = []
+    for name, module in model.named_modules():
+        kind, reason = _classify(type(module))
+        label = f"{name or '<model>'} ({type(module).__name__}, family {_family(type(module))})"
+        if kind is None:
+            if reason is not None and not skip_unsupported:
+                problems.append(f"{label}: {reason}")
+            continue
+        try:
+            config = kind.configure(module)
+        except UnsupportedRouterError as err:
+            if not skip_unsupported:
+                problems.append(f"{label}: {err}")
+            continue
+        plan.append((name, module, kind, config))
+    if problems:
+        raise UnsupportedRouterError(
+            "colibri cannot route these MoE routers exactly:\n  "
+            + "\n  ".join(problems)
+            + "\nPass skip_unsupported=True to leave them on transformers' own routing."
+        )
+    if not plan:
+        raise ValueError(
+            f"no MoE router colibri knows in {type(model).__name__}; supported kinds: "
+            + ", ".join(kind.name for kind in _KINDS)
+        )
+    for name, module, _, _ in plan:
+        for tensor in itertools.chain(module.parameters(), module.buffers()):
+            if tensor.device.type != "cpu":
+                raise ValueError(
+                    f"{name or '<model>'}: tensors on {tensor.device}; colibri routes on the "
+                    "CPU (move the model with model.to('cpu') first)"
+                )
+
+    # Every context first (colibri validates the options), then install: all or nothing.
+    routings = []
+    for name, module, _, (num_experts, top_k, options, tensors) in plan:
+        try:
+            routing = _Routing(
+                int(num_experts), int(top_k), options, tensors, routing_threads, module
+            )
+        except (TypeError, ValueError) as err:
+            raise UnsupportedRouterError(
+                f"{name or '<model>'} ({type(module).__name__}, family "
+                f"{_family(type(module))}): colibri refuses its configuration: {err}"
+            ) from err
+        routings.append(routing)
+
+    patched = []
+    for (name, module, kind, (num_experts, top_k, options, tensors)), routing in zip(
+        plan, routings, strict=True
+    ):
+        _remove(module)
+        shown = dict(options)
+        shown.update({option: f"<{option} tensor>" for option in tensors})
+        record = PatchedRouter(
+            name=name,
+            family=_family(type(module)),
+            router_class=type(module).__name__,
+            kind=kind.name,
+            num_experts=int(num_experts),
+            top_k=int(top_k),
+            options=shown,
+        )
+        # Plain instance attributes: the state dict, hooks and the class stay untouched;
+        # a bound method (not a closure) so that copy.deepcopy rebinds it to the copy.
+        module.__dict__[_STATE] = _State(kind, routing, record)
+        module.__dict__[kind.method] = types.MethodType(_patched_call, module)
+        patched.append(record)
+    return patched
+
+
+def patched_routers(model: torch.nn.Module) -> list[PatchedRouter]:
+    """The routers of ``model`` currently routed by colibri, in module order."""
+    return [
+        module.__dict__[_STATE].record
+        for _, module in model.named_modules()
+        if _STATE in module.__dict__
+    ]
+
+
+def unpatch(model: torch.nn.Module) -> int:
+    """Give every patched router back its transformers routing; returns how many."""
+    return sum(_remove(module) for _, module in model.named_modules())
+
+
+def _remove(module: Any) -> bool:
+    state = module.__dict__.pop(_STATE, None)
+    if state is None:
+        return False
+    module.__dict__.pop(state.kind.method, None)
+    return True
