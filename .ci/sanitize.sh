@@ -34,6 +34,6 @@ export COLIBRI_FUZZ_EXAMPLES="${COLIBRI_FUZZ_EXAMPLES:-40}"  # tests/test_fuzz.p
 # pytest from the repository root imports the installed, instrumented colibri (importlib mode).
 # The peak-RSS test is left out: ASan's shadow memory and quarantine are resident memory too.
 LD_PRELOAD="$libasan" pytest -q -p no:cacheprovider \
-  tests/test_routing.py tests/test_dlpack.py tests/test_dispatch.py tests/test_pager.py \
+  tests/routing/test_routing.py tests/dlpack/test_dlpack.py tests/layer/test_dispatch.py tests/pager/test_pager.py \
   tests/test_fuzz.py tests/test_threads.py \
-  --deselect tests/test_pager.py::test_streaming_8x_the_budget_keeps_peak_rss_bounded "$@"
+  --deselect tests/pager/test_pager.py::test_streaming_8x_the_budget_keeps_peak_rss_bounded "$@"

@@ -117,7 +117,7 @@ def worker(spec: dict) -> dict:
                   decode_tok_s=decode_tokens / decode_s, **_status(),
                   storage_per_token=(_storage_reads() - storage) / (decode_tokens + 1))  # fmt: skip
     if paging is not None:
-        from colibri.policies import belady
+        from colibri.pager import belady
 
         stats = paging.stats
         result.update(
@@ -169,7 +169,7 @@ def main(argv=None) -> int:
         return 0
 
     if args.model is None:
-        from colibri.demo import DemoShape, ensure_checkpoint
+        from colibri.cli.demo import DemoShape, ensure_checkpoint
 
         shape = DemoShape(**SHAPES[args.shape])
         args.model = str(ensure_checkpoint(args.cache_dir, shape))

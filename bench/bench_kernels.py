@@ -10,7 +10,7 @@ One expert is y = down @ (silu(gate @ x) * (up @ x)), gate/up [I, H], down [H, I
 figure is milliseconds per expert, the best of several rounds over a pool of experts larger
 than the last-level cache (so weights come from memory, as when decoding a large model):
 
-    floor      one read pass over the expert's bytes (colibri._kernels.read_pass)
+    floor      one read pass over the expert's bytes (colibri.layer._ffn.read_pass)
     colibri    colibri.expert_ffn's kernel on the dispatched SIMD path (colibri.simd_path())
     avx2 ...   the same kernel forced onto a lower path (what an AVX2-only CPU runs)
     torch      three torch.nn.functional.linear calls in the weights' dtype, torch threads
@@ -29,7 +29,7 @@ import time
 import numpy as np
 
 import colibri
-from colibri import _kernels, layer
+from colibri.layer import _ffn, _moe
 
 SHAPES = {"demo": (2048, 1680), "qwen3-30b-a3b": (2048, 768), "mixtral": (4096, 14336)}
 POOL_BYTES = 640 << 20  # about twice a large server's last-level cache
@@ -54,7 +54,7 @@ def make_pool(H, I, dtype_name, pool_bytes, rng):
     if dtype_name == "float16":
         base = base.astype(np.float16).view(np.uint16)
     else:
-        base = layer._float32_to_bf16(base)
+        base = _moe._float32_to_bf16(base)
     experts = []
     for e in range(count):
         flat = np.resize(np.roll(base, 977 * e), 3 * H * I)  # a copy: memory of its own
@@ -66,9 +66,9 @@ def make_pool(H, I, dtype_name, pool_bytes, rng):
 def run_shape(name, H, I, dtype_name, batches, args, rng, torch):
     experts = make_pool(H, I, dtype_name, args.pool_mb << 20, rng)
     count, nbytes = len(experts), 3 * H * I * 2
-    kind = _kernels.WEIGHT_KINDS[dtype_name]
+    kind = _ffn.WEIGHT_KINDS[dtype_name]
     rounds = args.rounds if nbytes < 100 << 20 else max(2, args.rounds // 2)
-    floor = best_ms(lambda: [_kernels.read_pass(e[3], args.threads) for e in experts], rounds)
+    floor = best_ms(lambda: [_ffn.read_pass(e[3], args.threads) for e in experts], rounds)
     floor /= count
     rows = []
     for n in batches:
@@ -76,27 +76,27 @@ def run_shape(name, H, I, dtype_name, batches, args, rng, torch):
         y = np.empty((n, H), np.float32)
         cells = {}
         for label, path in [("colibri", None)] + [(p, p) for p in args.paths]:
-            if n > _kernels.MAX_ROWS:
+            if n > _ffn.MAX_ROWS:
                 cells[label] = float("nan")
                 continue
             cells[label] = (
                 best_ms(
                     lambda path=path, x=x, y=y: [
-                        _kernels.ffn(x, g, u, d, kind, 0, y, args.threads, path)
+                        _ffn.ffn(x, g, u, d, kind, 0, y, args.threads, path)
                         for g, u, d, _ in experts
                     ],
                     rounds,
                 )
                 / count
             )
-        act = layer.activation_function("silu")
-        ex = [layer.ExpertFFN(g, u, d) for g, u, d, _ in experts]
+        act = _moe.activation_function("silu")
+        ex = [_moe.ExpertFFN(g, u, d) for g, u, d, _ in experts]
 
         def blas(x=x, ex=ex, act=act):
             for e in ex:
-                h = act(layer.linear(x, e.gate, np.float32, dtype_name))
-                h *= layer.linear(x, e.up, np.float32, dtype_name)
-                layer.linear(h, e.down, np.float32, dtype_name)
+                h = act(_moe.linear(x, e.gate, np.float32, dtype_name))
+                h *= _moe.linear(x, e.up, np.float32, dtype_name)
+                _moe.linear(h, e.down, np.float32, dtype_name)
 
         cells["blas"] = best_ms(blas, rounds) / count
         if torch is not None:
@@ -170,12 +170,12 @@ def stall_table(args, rng, torch, modes):
     experts = make_pool(H, I, "bfloat16", 64 << 20, rng)
     xf = rng.standard_normal((1, H)).astype(np.float32)
     yf = np.empty((1, H), np.float32)
-    kind = _kernels.WEIGHT_KINDS["bfloat16"]
+    kind = _ffn.WEIGHT_KINDS["bfloat16"]
 
     def ffn_call(threads):
         def run():
             for g, u, d, _ in experts:
-                _kernels.ffn(xf, g, u, d, kind, 0, yf, threads, None)
+                _ffn.ffn(xf, g, u, d, kind, 0, yf, threads, None)
 
         return run
 
@@ -273,16 +273,16 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if args.quick:
         args.shapes, args.batches = ["demo", "qwen3-30b-a3b"], [1, 16]
-    runs = _kernels.runnable_paths()
+    runs = _ffn.runnable_paths()
     if args.paths is None:
-        args.paths = [p for p in ("avx2", "avx512_bf16") if p in runs and p != _kernels.ffn_path()]
+        args.paths = [p for p in ("avx2", "avx512_bf16") if p in runs and p != _ffn.ffn_path()]
     torch = None
     if not args.no_torch:
         import torch
 
         torch.set_num_threads(args.threads)
     print(
-        f"colibri {colibri.__version__}: kernel path {_kernels.ffn_path()} (simd "
+        f"colibri {colibri.__version__}: kernel path {_ffn.ffn_path()} (simd "
         f"{colibri.simd_path()}, runs {', '.join(runs)}); {args.threads} threads; "
         f"torch {torch.__version__ if torch else '-'}; load {os.getloadavg()[0]:.2f}"
     )

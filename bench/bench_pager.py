@@ -35,8 +35,7 @@ import time
 import numpy as np
 
 from colibri.formats import open_weights
-from colibri.pager import IO_BACKENDS, Pager
-from colibri.policies import Trace, belady, replay
+from colibri.pager import IO_BACKENDS, Pager, Trace, belady, replay
 
 POLICIES = ("fifo", "lru", "lfu", "lrfu", "nextuse", "hot", "adaptive")
 
@@ -187,7 +186,7 @@ def bench_policies(tokens, saved=()):
 
 
 def demo_file(folder, file_size):
-    from colibri import demo
+    from colibri.cli import demo
 
     inter = demo.demo_shape(file_size, 4, demo.HIDDEN)
     return str(demo.ensure_weight_file(folder, 4, demo.HIDDEN, inter, seed=0, progress=False))

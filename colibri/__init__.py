@@ -26,9 +26,17 @@ except ImportError as _exc:  # pragma: no cover - what a user of the unbuilt tre
         "(README, Develop)."
     ) from _exc
 from colibri._errors import ColibriError, FormatError
-from colibri._kernels import simd_path
-from colibri.dispatch import DispatchPlan, combine, dispatch, gather
-from colibri.layer import ExpertFFN, InMemoryExperts, MoELayer, expert_ffn
+from colibri.layer import (
+    DispatchPlan,
+    ExpertFFN,
+    InMemoryExperts,
+    MoELayer,
+    combine,
+    dispatch,
+    expert_ffn,
+    gather,
+    simd_path,
+)
 from colibri.pager import BudgetError, FileChangedError, Pager
 from colibri.partition import Partition
 from colibri.routing import Config, Context, UsageStats, init, route, route_from_dlpack

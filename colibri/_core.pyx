@@ -10,8 +10,8 @@ caller-owned or fresh buffers, and counts expert usage per chunk when asked, mer
 from libc.stdint cimport int32_t, int64_t, uintptr_t
 from libc.stdlib cimport free, malloc
 
-from colibri._dlpack cimport (BFLOAT16, FLOAT16, FLOAT32, FLOAT64, INT32, INT64, DType,
-                              HostTensor, import_tensor, new_result)
+from colibri._dlpack._capsule cimport (BFLOAT16, FLOAT16, FLOAT32, FLOAT64, INT32, INT64,
+                                       DType, HostTensor, import_tensor, new_result)
 from colibri._openmp cimport COLIBRI_OPENMP, COLIBRI_OPENMP_VERSION, colibri_max_threads
 from colibri._route cimport (COLIBRI_BF16, COLIBRI_F16, COLIBRI_F32, COLIBRI_F64,
                              COLIBRI_GROUP_MAX, COLIBRI_GROUP_TOP2_SUM, COLIBRI_OK,
@@ -101,7 +101,7 @@ cdef extern from *:
 
 def build_info():
     """How this extension was built and what this CPU runs: compiler and SIMD paths."""
-    from colibri import _kernels
+    from colibri.layer import _ffn
 
     simd = COLIBRI_SIMD.decode()
     if colibri_cpu_has_avx2():
@@ -109,8 +109,8 @@ def build_info():
     if colibri_cpu_has_avx512():
         simd += ", avx512f (sigmoid pass, top two)"
     return {"compiler": COLIBRI_COMPILER.decode(), "simd": simd,
-            "path": _kernels.simd_path(), "detected": _kernels.detected_path(),
-            "ffn_path": _kernels.ffn_path()}
+            "path": _ffn.simd_path(), "detected": _ffn.detected_path(),
+            "ffn_path": _ffn.ffn_path()}
 
 
 def max_threads():

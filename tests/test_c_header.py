@@ -80,7 +80,7 @@ int main(int argc, char **argv)
 """
 
 # the wider x86 kernels this CPU runs (each checked against the same router answers)
-WIDE = [w for w in ("avx2", "avx512") if w in colibri._kernels.runnable_paths()]
+WIDE = [w for w in ("avx2", "avx512") if w in colibri.layer._ffn.runnable_paths()]
 
 CASES = [
     dict(E=64, k=2),

@@ -22,14 +22,15 @@ def test_docstring_examples_run(name):
     assert failed == 0, f"{failed} of {attempted} examples in {name} failed (output above)"
 
 
-EXTENSIONS = ["_core", "_dlpack"]
+EXTENSIONS = ["_core", "_dlpack._capsule", "layer._ffn", "layer._rows"]
 
 
 @pytest.mark.parametrize("name", EXTENSIONS)
 def test_stub_names_match_the_extension(name):
-    stub = Path(colibri.__file__).with_name(f"{name}.pyi")
-    assert stub.is_file(), f"no stub {stub.name} is installed beside colibri.{name}"
     module = importlib.import_module(f"colibri.{name}")
+    package, _, leaf = f"colibri.{name}".rpartition(".")
+    stub = Path(importlib.import_module(package).__file__).parent / f"{leaf}.pyi"
+    assert stub.is_file(), f"no stub {stub.name} is installed beside colibri.{name}"
     tree = ast.parse(stub.read_text())
     declared = set()
     for node in tree.body:

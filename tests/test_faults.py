@@ -24,9 +24,8 @@ import numpy as np
 import pytest
 
 from colibri import FormatError, Partition, UsageStats
-from colibri.formats import open_weights
+from colibri.formats import open_weights, repack
 from colibri.formats.raw import write_experts
-from colibri.repack import repack
 
 
 def _experts(scale: float, num: int = 4, rows: int = 8, cols: int = 16):
@@ -204,7 +203,7 @@ def test_enospc_keeps_the_previous_file(tmp_path, monkeypatch, writer, budget):
 
 
 def test_enospc_on_the_demos_first_write(tmp_path, monkeypatch):
-    from colibri._synthetic_demo import ensure_weight_file
+    from colibri.cli._synthetic_demo import ensure_weight_file
 
     with disk_full(monkeypatch, 5000), pytest.raises(OSError) as info:
         ensure_weight_file(tmp_path, 1, 16, 8, 0, progress=False)
@@ -319,7 +318,7 @@ def test_sigkill_leaves_old_or_new_long(tmp_path, writer):
 def test_sigkill_during_the_demos_first_write(tmp_path):
     code = textwrap.dedent(
         f"""
-        from colibri._synthetic_demo import ensure_weight_file
+        from colibri.cli._synthetic_demo import ensure_weight_file
         print("ready", flush=True)
         ensure_weight_file({str(tmp_path)!r}, 4, 512, 256, 0, progress=False)
         """
@@ -331,7 +330,7 @@ def test_sigkill_during_the_demos_first_write(tmp_path):
         child.send_signal(signal.SIGKILL)
         child.wait(timeout=30)
     assert [n for n in _listing(tmp_path) if not n.startswith(".")] == []  # nothing to trust
-    from colibri._synthetic_demo import ensure_weight_file
+    from colibri.cli._synthetic_demo import ensure_weight_file
 
     path = ensure_weight_file(tmp_path, 4, 512, 256, 0, progress=False)
     assert open_weights(path).num_experts(0) > 0

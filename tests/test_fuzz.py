@@ -34,7 +34,7 @@ from colibri._dlpack import host_tensor
 from colibri.formats import open_weights
 from colibri.formats._base import DTYPE_SIZES
 from colibri.formats.raw import write_experts
-from colibri.policies import Trace
+from colibri.pager import Trace
 
 safetensors_numpy = pytest.importorskip("safetensors.numpy")
 safetensors_torch = pytest.importorskip("safetensors.torch")

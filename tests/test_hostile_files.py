@@ -14,7 +14,7 @@ import colibri
 from colibri import ColibriError, FormatError, Partition, UsageStats
 from colibri.formats import open_weights
 from colibri.formats.raw import write_experts
-from colibri.policies import Trace
+from colibri.pager import Trace
 
 safetensors_numpy = pytest.importorskip("safetensors.numpy")
 

@@ -8,8 +8,8 @@ import importlib
 # name, module, help; each module is imported only when its subcommand runs
 COMMANDS = (
     ("info", "colibri.cli.info", "version, compiler, OpenMP, threads and SIMD paths"),
-    ("demo", "colibri.demo", "run an MoE model larger than its memory budget"),
-    ("generate", "colibri.generate", "generate from an MoE checkpoint under a memory budget"),
+    ("demo", "colibri.cli.demo", "run an MoE model larger than its memory budget"),
+    ("generate", "colibri.cli.generate", "generate from an MoE checkpoint under a memory budget"),
     ("partition", "colibri.cli.partition", "build a partition from usage statistics"),
 )
 

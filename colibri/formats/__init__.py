@@ -17,7 +17,14 @@ from colibri.formats._base import (
     file_size,
 )
 
-__all__ = ["ExpertLayout", "FormatError", "TensorRef", "WeightSource", "open_weights"]
+__all__ = [
+    "ExpertLayout",
+    "FormatError",
+    "TensorRef",
+    "WeightSource",
+    "open_weights",
+    "repack",
+]
 
 
 def open_weights(path: str | os.PathLike | WeightSource) -> WeightSource:
@@ -58,3 +65,6 @@ def open_weights(path: str | os.PathLike | WeightSource) -> WeightSource:
     from colibri.formats.safetensors import open_safetensors
 
     return open_safetensors(path)
+
+
+from colibri.formats._repack import repack  # noqa: E402  (it builds on open_weights)

@@ -7,7 +7,7 @@ does nothing is FIFO) gives a different victim and fails here.
 
 import pytest
 
-from colibri.policies import Trace, belady, make_policy, replay
+from colibri.pager import Trace, belady, make_policy, replay
 
 
 def victims(policy, steps, capacity):

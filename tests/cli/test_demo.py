@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import colibri
-from colibri import _synthetic_demo, demo
+from colibri.cli import _synthetic_demo, demo
 
 needs_core = pytest.mark.skipif(
     not all(hasattr(colibri, name) for name in ("Pager", "init")),

@@ -27,13 +27,13 @@ from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 
-from colibri import _dispatch, _kernels
-from colibri._host import dtype_name, import_host, to_caller
-from colibri.dispatch import DispatchPlan, combine, dispatch, gather
+from colibri._dlpack import dtype_name, import_host, to_caller
+from colibri.layer import _ffn, _rows
+from colibri.layer._dispatch import DispatchPlan, combine, dispatch, gather
 
 __all__ = [
     "ExpertFFN",
-    "ExpertWeights",
+    "ExpertStore",
     "InMemoryExperts",
     "MoELayer",
     "activation_function",
@@ -52,7 +52,7 @@ class ExpertFFN(NamedTuple):
     down: Any
 
 
-class ExpertWeights(Protocol):
+class ExpertStore(Protocol):
     """What ``MoELayer`` needs from a weight store (``colibri.Pager`` satisfies it)."""
 
     def load(
@@ -239,7 +239,7 @@ def linear(x: np.ndarray, w: Any, dtype: np.dtype, name: str | None = None) -> n
     xt = x.T
     for r in range(0, rows, block):
         b = buf[: min(block, rows - r)]
-        _dispatch.to_float32(bits[r : r + len(b)], _HALF_KINDS[name], 1, b)
+        _rows.to_float32(bits[r : r + len(b)], _HALF_KINDS[name], 1, b)
         np.matmul(b, xt, out=out[r : r + len(b)])
     return out.T
 
@@ -277,13 +277,13 @@ def _fused(
     rows = []
     for w in (gate, up, down):
         rows.append(w if w.strides[1] == w.itemsize or w.shape[1] == 1 else np.ascontiguousarray(w))
-    _kernels.ffn(
+    _ffn.ffn(
         x32,
         rows[0],
         rows[1],
         rows[2],
         _HALF_KINDS[name],
-        _kernels.ACTIVATIONS[act],
+        _ffn.ACTIVATIONS[act],
         out,
         num_threads or 0,
         path,
@@ -444,7 +444,7 @@ def _weight_view(w: Any, what: str) -> tuple[np.ndarray, str]:
     return arr, name
 
 
-Router = Callable[[np.ndarray], tuple[Any, Any]]
+_RouteFn = Callable[[np.ndarray], tuple[Any, Any]]
 
 
 class MoELayer:
@@ -454,7 +454,7 @@ class MoELayer:
     ----------
     gate_weight : [E, H]
         Router weight (``logits = hidden @ gate_weight.T + gate_bias``).
-    experts : ExpertWeights or None
+    experts : ExpertStore or None
         Weight provider (``colibri.Pager``, ``InMemoryExperts``); may be None when
         ``expert_fn`` carries its own weights.
     top_k : int
@@ -489,7 +489,7 @@ class MoELayer:
     def __init__(
         self,
         gate_weight: Any,
-        experts: ExpertWeights | None,
+        experts: ExpertStore | None,
         top_k: int,
         *,
         layer: int = 0,
@@ -545,7 +545,7 @@ class MoELayer:
         self.read_ahead = read_ahead
         self._route = self._make_router(router, route_options)
 
-    def _make_router(self, router: Any, options: dict) -> Router:
+    def _make_router(self, router: Any, options: dict) -> _RouteFn:
         if router is not None:
             if options:
                 raise ValueError(

@@ -17,6 +17,8 @@ from cpython.ref cimport Py_DECREF
 from libc.stdint cimport (INT64_MAX, INT64_MIN, PTRDIFF_MAX, UINTPTR_MAX, int64_t, uint64_t,
                           uintptr_t)
 
+import sys
+
 import numpy as np
 
 _HOST_DEVICES = {1: "cpu", 3: "cuda_host", 11: "rocm_host", 13: "cuda_managed"}
@@ -468,13 +470,41 @@ cdef HostTensor import_tensor(object obj, bint writable, str what):
     return t
 
 
-def import_host(obj, *, writable=False):
-    """Zero-copy numpy view of any DLPack producer's host memory.
+# dtype.name is slow (microseconds) in numpy 2; the common ones by lookup.
+_NUMPY_NAMES = {np.dtype(t): np.dtype(t).name
+                for t in (np.float32, np.float64, np.float16, np.int32, np.int64, np.uint16)}
 
-    Returns ``(array, dtype_name)``; bfloat16 arrives as a uint16 array with dtype_name
-    ``"bfloat16"``. The array keeps the producer's memory alive.
+
+def dtype_name(dtype):
+    """``dtype.name``, fast for the usual dtypes."""
+    name = _NUMPY_NAMES.get(dtype)
+    return name if name is not None else dtype.name
+
+
+def import_host(obj, *, writable=False):
+    """A zero-copy numpy view of ``obj``'s host memory and its dtype name.
+
+    Parameters
+    ----------
+    obj : numpy array or any DLPack producer (torch, jax, ...) in host memory
+    writable : bool
+        Require a writable view (for output buffers).
+
+    Returns
+    -------
+    (array, dtype_name) : bfloat16 data (from any producer, ml_dtypes' numpy bfloat16
+        included) come back as a uint16 array named ``"bfloat16"``. The array keeps the
+        producer's memory alive. NumPy arrays pass through as they are (no dtype check).
     """
-    cdef HostTensor t = import_tensor(obj, writable, "import_host()")
+    cdef HostTensor t
+    if type(obj) is _ndarray:
+        name = dtype_name(obj.dtype)
+        if writable and not obj.flags.writeable:
+            raise ValueError("output buffer is read-only; pass a writable array")
+        if name == "bfloat16":
+            return obj.view(np.uint16), name
+        return obj, name
+    t = import_tensor(obj, writable, "import_host()")
     return t.numpy(), DTYPE_NAMES[t.dtype]
 
 
@@ -486,11 +516,15 @@ def host_tensor(obj, *, writable=False):
 _from_dlpack_cache = {}
 
 
-def to_caller(arr, like):
+def to_caller(arr, like, name=None):
     """Return numpy ``arr`` in ``like``'s framework (torch in -> torch out), zero-copy.
 
     ``like`` is the caller's input; capsules and numpy arrays give ``arr`` itself.
+    ``name="bfloat16"`` marks a uint16 array holding bfloat16 values, returned as the
+    caller's bfloat16 type (torch, jax, ml_dtypes) where it has one.
     """
+    if name == "bfloat16":
+        return _bfloat16_to_caller(arr, like)
     tp = type(like)
     if tp is _ndarray or tp is HostTensor or PyCapsule_CheckExact(like):
         return arr
@@ -499,6 +533,20 @@ def to_caller(arr, like):
         fn = _namespace_from_dlpack(like)
         _from_dlpack_cache[tp] = fn
     return arr if fn is None else fn(arr)
+
+
+def _bfloat16_to_caller(arr, like):
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(like, torch.Tensor):
+        return torch.from_numpy(arr.view(np.int16)).view(torch.bfloat16)
+    jax = sys.modules.get("jax")
+    if jax is not None and isinstance(like, jax.Array):
+        import jax.numpy as jnp
+
+        return jnp.asarray(arr).view(jnp.bfloat16)
+    if isinstance(like, _ndarray) and like.dtype.name == "bfloat16":
+        return arr.view(like.dtype)
+    return arr
 
 
 def _namespace_from_dlpack(like):

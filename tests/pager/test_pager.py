@@ -19,8 +19,7 @@ from _support.paging import held_pages, hook_io
 from colibri.formats import open_weights
 from colibri.formats._io import HAS_MADVISE, FileChangedError
 from colibri.formats.raw import write_experts
-from colibri.pager import IO_BACKENDS, BudgetError, Pager
-from colibri.policies import POLICIES, Trace, belady, replay
+from colibri.pager import IO_BACKENDS, POLICIES, BudgetError, Pager, Trace, belady, replay
 
 L, E, I, H = 3, 8, 16, 32  # one expert: 3 * 16 * 32 * 2 = 3072 bytes -> one 4 KiB slot
 SLOT = 4096

@@ -357,7 +357,7 @@ def test_default_router_is_colibri_routing():
 @pytest.mark.parametrize("rows", [1, 3, 70])
 @pytest.mark.parametrize("storage", ["float16", "bfloat16", "float32", "float64"])
 def test_linear_converts_weight_blocks_exactly(rows, storage):
-    from colibri.layer import linear
+    from colibri.layer._moe import linear
 
     r = np.random.default_rng(rows)
     w32 = r.standard_normal((300, 1000)).astype(np.float32)  # several conversion blocks

@@ -415,7 +415,7 @@ def test_avx512_top2_equals_sse2(E, k):
         ctx.route(bad)
 
 
-HAS_AVX2 = "avx2" in colibri._kernels.runnable_paths()
+HAS_AVX2 = "avx2" in colibri.layer._ffn.runnable_paths()
 
 
 @pytest.mark.skipif(not HAS_AVX2, reason="this CPU (or build) has no AVX2")

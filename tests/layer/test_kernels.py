@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 
 import colibri
-from colibri import _kernels, layer
+from colibri.layer import _ffn, _moe
 
 ml_dtypes = pytest.importorskip("ml_dtypes")
 
-PATHS = _kernels.runnable_paths()
+PATHS = _ffn.runnable_paths()
 U = 2.0**-24  # float32 unit roundoff
 SPLIT = 2.0**-17  # x as two bfloat16 parts (the avx512_bf16 path, bfloat16 weights)
 HALVES = {"float16": np.float16, "bfloat16": ml_dtypes.bfloat16}
@@ -62,9 +62,9 @@ def _weights(rng, H, I, dtype, scale=1.0):
 
 def _run(x, g, u, d, act="silu", path=None, threads=0):
     y = np.empty((x.shape[0], d.shape[0]), np.float32)
-    kind = _kernels.WEIGHT_KINDS[g.dtype.name]
+    kind = _ffn.WEIGHT_KINDS[g.dtype.name]
     bits = [w.view(np.uint16) for w in (g, u, d)]
-    _kernels.ffn(x, *bits, kind, _kernels.ACTIVATIONS[act], y, threads, path)
+    _ffn.ffn(x, *bits, kind, _ffn.ACTIVATIONS[act], y, threads, path)
     return y
 
 
@@ -240,7 +240,7 @@ def test_expert_ffn_bad_input(change, message):
 
 def test_unknown_path_is_refused():
     with pytest.raises(ValueError, match="path must be one of"):
-        _kernels.path_index("avx3")
+        _ffn.path_index("avx3")
 
 
 def test_moelayer_runs_the_kernel(monkeypatch):
@@ -253,8 +253,8 @@ def test_moelayer_runs_the_kernel(monkeypatch):
     store = colibri.InMemoryExperts(*(np.stack([e[j] for e in experts]) for j in range(3)))
     x = rng.standard_normal((5, H)).astype(np.float32)
     calls = []
-    real = _kernels.ffn
-    monkeypatch.setattr(_kernels, "ffn", lambda *a: calls.append(1) or real(*a))
+    real = _ffn.ffn
+    monkeypatch.setattr(_ffn, "ffn", lambda *a: calls.append(1) or real(*a))
     moe = colibri.MoELayer(gate_w, store, k)
     y = moe(x)
     assert calls, "the fused kernel did not run"
@@ -266,7 +266,7 @@ def test_moelayer_runs_the_kernel(monkeypatch):
             want[t] += w[t, j] * ref[0]
             tol[t] += w[t, j] * bound[0] + 1e-6 * np.abs(w[t, j] * ref[0])  # + combine
     assert np.all(np.abs(y - want) <= tol)
-    monkeypatch.setattr(layer, "KERNEL_MAX_ROWS", 0)
+    monkeypatch.setattr(_moe, "KERNEL_MAX_ROWS", 0)
     calls.clear()
     assert np.all(np.abs(moe(x) - want) <= tol) and not calls
 
@@ -295,7 +295,7 @@ def test_colibri_simd_rejects_unknown_names():
 
 def test_read_pass_reads_every_word():
     words = np.arange(1, 100_001, dtype=np.uint64)
-    assert _kernels.read_pass(words, 2) == int(words.sum())
+    assert _ffn.read_pass(words, 2) == int(words.sum())
 
 
 def test_concurrent_callers_share_the_pool():
@@ -388,7 +388,7 @@ def test_neon_and_plain_c_on_aarch64(aarch64_ffn, tmp_path, dtype, H, I, n):
     blob = tmp_path / "in.bin"
     blob.write_bytes(x.tobytes() + b"".join(w.view(np.uint16).tobytes() for w in (g, u, d)))
     ref, bound = reference(x, g, u, d)
-    kind = _kernels.WEIGHT_KINDS[dtype]
+    kind = _ffn.WEIGHT_KINDS[dtype]
     results = {}
     for path in ("neon", "scalar"):
         out = tmp_path / f"{path}.bin"
@@ -402,7 +402,7 @@ def test_neon_and_plain_c_on_aarch64(aarch64_ffn, tmp_path, dtype, H, I, n):
                 str(I),
                 str(kind),
                 "0",
-                str(_kernels.PATHS.index(path)),
+                str(_ffn.PATHS.index(path)),
                 str(out),
             ],
             capture_output=True,

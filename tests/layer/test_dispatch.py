@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import colibri
-from colibri.dispatch import combine, dispatch, gather
+from colibri.layer import combine, dispatch, gather
 
 
 def reference_plan(ids: np.ndarray, E: int, block: int = 1):
@@ -248,15 +248,15 @@ def test_exports():
 
 def test_half_and_bfloat16_to_float32_exhaustive():
     """Every 16-bit pattern converts to the float32 it denotes (NaN payloads too)."""
-    from colibri import _dispatch
+    from colibri.layer import _rows
 
     bits = np.arange(65536, dtype=np.uint32).astype(np.uint16).reshape(256, 256)
     out = np.empty(bits.shape, np.float32)
-    _dispatch.to_float32(bits, 1, 2, out)
+    _rows.to_float32(bits, 1, 2, out)
     np.testing.assert_array_equal(
         out.view(np.uint32), bits.view(np.float16).astype(np.float32).view(np.uint32)
     )
-    _dispatch.to_float32(bits, 2, 2, out)
+    _rows.to_float32(bits, 2, 2, out)
     np.testing.assert_array_equal(out.view(np.uint32), bits.astype(np.uint32) << 16)
     plan = dispatch(np.zeros((65536, 1), np.int32), 1)
     rows = gather(bits.reshape(-1, 1).view(np.float16), plan, dtype="float32")

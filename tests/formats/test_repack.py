@@ -7,9 +7,8 @@ import numpy as np
 import pytest
 
 from _support.paging import hook_io
-from colibri.formats import open_weights
+from colibri.formats import open_weights, repack
 from colibri.pager import Pager
-from colibri.repack import repack
 
 safetensors_numpy = pytest.importorskip("safetensors.numpy")
 

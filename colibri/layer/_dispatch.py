@@ -23,9 +23,9 @@ from typing import Any
 
 import numpy as np
 
-from colibri import _dispatch
-from colibri._host import import_host, to_caller
+from colibri._dlpack import import_host, to_caller
 from colibri._validate import check_int
+from colibri.layer import _rows
 
 __all__ = ["DispatchPlan", "combine", "dispatch", "gather"]
 
@@ -124,7 +124,7 @@ def dispatch(
         raise ValueError(f"dispatch(): ids must have shape [T, k] (got shape {arr.shape})")
     num_experts = check_int("dispatch(): num_experts", num_experts, 1)
     block_size = check_int("dispatch(): block_size", block_size, 1)
-    threads = _dispatch.resolve_threads(num_threads)
+    threads = _rows.resolve_threads(num_threads)
     arr = np.ascontiguousarray(arr)
     T, k = arr.shape
     n = T * k
@@ -133,9 +133,7 @@ def dispatch(
     offsets = np.empty(num_experts + 1, np.int64)
     sorted_slots = np.empty(capacity, np.int64)
     inverse = np.empty(n, np.int64)
-    _dispatch.build_plan(
-        arr, num_experts, block_size, threads, counts, offsets, sorted_slots, inverse
-    )
+    _rows.build_plan(arr, num_experts, block_size, threads, counts, offsets, sorted_slots, inverse)
     return DispatchPlan(
         T, k, num_experts, block_size, counts, offsets, sorted_slots[: offsets[-1]], inverse
     )
@@ -169,20 +167,20 @@ def gather(
             f"gather(): hidden must have shape [{plan.num_tokens}, H] to match "
             f"the plan (got {arr.shape})"
         )
-    threads = _dispatch.resolve_threads(num_threads)
+    threads = _rows.resolve_threads(num_threads)
     arr = np.ascontiguousarray(arr)
     rows, H = plan.num_rows, arr.shape[1]
     if dtype is None or dtype == name:
         out = np.empty((rows, H), arr.dtype)
         if arr.size and rows:
-            _dispatch.gather_rows(
+            _rows.gather_rows(
                 arr.view(np.uint8), plan.sorted_slots, plan.top_k, threads, out.view(np.uint8)
             )
         return to_caller(out, hidden, name)
     if dtype != "float32":
         raise ValueError(f'gather(): dtype must be None or "float32" (got {dtype!r})')
     out = np.empty((rows, H), np.float32)
-    _dispatch.gather_rows_float32(
+    _rows.gather_rows_float32(
         _kernel_view(arr), _KINDS[name], plan.sorted_slots, plan.top_k, threads, out
     )
     return to_caller(out, hidden)
@@ -233,7 +231,7 @@ def combine(
             f"{plan.top_k}] (got {tuple(w.shape)})"
         )
     w = _to_float32(w, w_name)
-    threads = _dispatch.resolve_threads(num_threads)
+    threads = _rows.resolve_threads(num_threads)
     src = np.ascontiguousarray(src)
     H = src.shape[1]
     if out is not None:
@@ -250,7 +248,7 @@ def combine(
         _check_float(dst_name, "combine(): dtype")
         dst = np.empty((plan.num_tokens, H), _STORAGE[dst_name])
         result = None
-    _dispatch.combine_rows(
+    _rows.combine_rows(
         _kernel_view(src),
         _KINDS[src_name],
         plan.inverse,

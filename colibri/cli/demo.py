@@ -21,8 +21,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from colibri._synthetic_demo import parse_size
-from colibri.generate import _policy_names
+from colibri.cli._synthetic_demo import parse_size
+from colibri.cli.generate import _policy_names
 
 __all__ = ["DemoShape", "add_arguments", "ensure_checkpoint", "parse_size", "run"]
 
@@ -346,7 +346,7 @@ def run(args: argparse.Namespace) -> int:
             flush=True,
         )
         return _run_synthetic(args)
-    from colibri import generate
+    from colibri.cli import generate
 
     for name in ("layers", "hidden", "expert_intermediate", "vocab", "max_new_tokens",
                  "batch_size"):  # fmt: skip
@@ -394,7 +394,7 @@ def _with_partitions(model, tokenizer, groups: int, args, budget: int):
 
 
 def _run_synthetic(args: argparse.Namespace) -> int:
-    from colibri import _synthetic_demo
+    from colibri.cli import _synthetic_demo
 
     parser = argparse.ArgumentParser()
     _synthetic_demo.add_arguments(parser)

@@ -27,7 +27,7 @@ def _size(text: str) -> int:
 
 def _policy_names() -> tuple[str, ...]:
     """The cache policies a run can start with ("hot" needs saved usage counts)."""
-    from colibri.policies import POLICIES
+    from colibri.pager import POLICIES
 
     return tuple(name for name in POLICIES if name != "hot")
 

@@ -15,13 +15,12 @@ import tracemalloc
 import numpy as np
 import pytest
 
-import colibri.pager
+import colibri.pager._pager
 from _support.paging import held_pages, hook_io, mapped_rss, mappings
 from colibri.formats import open_weights
 from colibri.formats._io import FileChangedError, FileMap
 from colibri.formats.raw import write_experts
-from colibri.pager import IO_BACKENDS, Pager
-from colibri.policies import Trace, replay
+from colibri.pager import IO_BACKENDS, Pager, Trace, replay
 
 pytestmark = pytest.mark.skipif(
     not sys.platform.startswith("linux"), reason="reads /proc/self/maps and smaps"
@@ -214,7 +213,7 @@ def test_views_alive_across_eviction_and_close_read_the_right_bytes(io, packed):
 
 
 def test_view_backend_maps_at_64k_granularity_like_windows(weights, monkeypatch):
-    monkeypatch.setattr(colibri.pager, "_VIEW_GRANULARITY", 65536)
+    monkeypatch.setattr(colibri.pager._pager, "_VIEW_GRANULARITY", 65536)
     path, experts = weights
     with Pager(path, budget_bytes=4 * EXPERT, page_size_kb=4, io="view") as pager:
         for layer, e in [(0, 1), (0, 2), (1, 5), (2, 7), (3, 3), (0, 1), (3, 15)]:
@@ -375,7 +374,8 @@ def test_threads_load_and_prefetch_through_one_mapping(weights):
 RSS_SCRIPT = textwrap.dedent(
     """
     import sys
-    from colibri.pager import Pager, process_memory
+    from colibri.pager import Pager
+    from colibri.pager._pager import process_memory
 
     path, budget, page_kb, io = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
     pager = Pager(path, budget_bytes=budget, page_size_kb=page_kb, policy="lru", io=io)

@@ -75,7 +75,7 @@ from colibri.formats._io import (
     check_same,
     identity,
 )
-from colibri.policies import CachePolicy, Trace, make_policy
+from colibri.pager._policies import CachePolicy, Trace, make_policy
 
 try:
     import resource
@@ -738,7 +738,7 @@ class Pager:
     prefetch_queue : int
         Bound of the background prefetch queue (experts).
     record_trace : bool
-        Record every load in :attr:`trace` (for :func:`colibri.policies.belady`).
+        Record every load in :attr:`trace` (for :func:`colibri.pager.belady`).
     populate : bool
         ``io="read"`` only: commit the whole pool now (one write per OS page), so that first
         reads into a slot pay no zero-fill page faults. The process's RSS then starts at the
@@ -895,8 +895,8 @@ class Pager:
     def set_cache_policy(self, policy: str | CachePolicy, **options) -> None:
         """Switch the eviction policy now; resident experts stay, in the old eviction order.
 
-        ``policy`` is a name of :data:`colibri.policies.POLICIES` or a
-        :class:`~colibri.policies.CachePolicy`; ``options`` go to its constructor.
+        ``policy`` is a name of :data:`colibri.pager.POLICIES` or a
+        :class:`~colibri.pager.CachePolicy`; ``options`` go to its constructor.
         """
         new = make_policy(policy, self.capacity, **options)
         with self._cache.lock:

@@ -1,4 +1,4 @@
-# DLPack intake shared by colibri's compiled modules (see _dlpack.pyx).
+# DLPack intake shared by colibri's compiled modules (see _capsule.pyx).
 from cpython.buffer cimport Py_buffer
 from libc.stdint cimport int32_t, int64_t, uint8_t, uint16_t, uint32_t, uint64_t
 

@@ -1,0 +1,18 @@
+"""The DLPack boundary: caller memory in (numpy, torch, jax, cupy, raw capsules), results out.
+
+Every colibri function that takes an array goes through :func:`import_host` (a zero-copy
+numpy view and its dtype name, bfloat16 included) and hands results back through
+:func:`to_caller` (the caller's framework, zero-copy). The capsule consumer itself is the
+compiled ``_capsule`` module; compiled modules ``cimport`` it directly.
+"""
+
+from colibri._dlpack._capsule import (
+    DTYPE_NAMES,
+    HostTensor,
+    dtype_name,
+    host_tensor,
+    import_host,
+    to_caller,
+)
+
+__all__ = ["DTYPE_NAMES", "HostTensor", "dtype_name", "host_tensor", "import_host", "to_caller"]

@@ -1,0 +1,27 @@
+"""Type stub of colibri.layer._ffn: the fused expert FFN kernel and the one SIMD dispatch."""
+
+import numpy as np
+
+PATHS: tuple[str, ...]
+MAX_ROWS: int
+ACTIVATIONS: dict[str, int]
+WEIGHT_KINDS: dict[str, int]
+
+def simd_env_check() -> None: ...
+def simd_path() -> str: ...
+def detected_path() -> str: ...
+def runnable_paths() -> tuple[str, ...]: ...
+def ffn_path() -> str: ...
+def path_index(path: str | None) -> int: ...
+def ffn(
+    x: np.ndarray,
+    gate: np.ndarray,
+    up: np.ndarray,
+    down: np.ndarray,
+    kind: int,
+    act: int,
+    y: np.ndarray,
+    threads: int,
+    path: str | None = None,
+) -> None: ...
+def read_pass(words: np.ndarray, threads: int = 0) -> int: ...

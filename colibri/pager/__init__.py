@@ -1,0 +1,57 @@
+"""Expert paging: the :class:`Pager` (weights paged from their files under a hard budget)
+and the cache policies that choose what it evicts, with trace replay and Belady's optimum.
+"""
+
+from colibri.pager._pager import (
+    DEFAULT_IO,
+    IO_BACKENDS,
+    BudgetError,
+    ExpertBatch,
+    ExpertWeights,
+    FileChangedError,
+    LayerStats,
+    Pager,
+    PagerStats,
+)
+from colibri.pager._policies import (
+    POLICIES,
+    AdaptivePolicy,
+    CachePolicy,
+    FIFOPolicy,
+    HotSetPolicy,
+    LFUPolicy,
+    LRFUPolicy,
+    LRUPolicy,
+    NextUsePolicy,
+    ReplayResult,
+    Trace,
+    belady,
+    make_policy,
+    replay,
+)
+
+__all__ = [
+    "DEFAULT_IO",
+    "IO_BACKENDS",
+    "POLICIES",
+    "AdaptivePolicy",
+    "BudgetError",
+    "CachePolicy",
+    "ExpertBatch",
+    "ExpertWeights",
+    "FIFOPolicy",
+    "FileChangedError",
+    "HotSetPolicy",
+    "LFUPolicy",
+    "LRFUPolicy",
+    "LRUPolicy",
+    "LayerStats",
+    "NextUsePolicy",
+    "Pager",
+    "PagerStats",
+    "ReplayResult",
+    "Trace",
+    "belady",
+    "make_policy",
+    "replay",
+]
