@@ -10,7 +10,13 @@ import pytest
 import colibri
 
 # the public modules whose docstrings carry examples
-DOCUMENTED = ["colibri", "colibri.routing._context", "colibri.partition._partition"]
+DOCUMENTED = [
+    "colibri",
+    "colibri.routing._context",
+    "colibri.partition._partition",
+    "colibri.pager._pager",
+    "colibri.layer._moe",
+]
 FLAGS = doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE
 
 

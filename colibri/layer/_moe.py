@@ -484,6 +484,35 @@ class MoELayer:
         than the hand-off to the read-ahead thread costs).
     **route_options
         Passed to ``colibri.init`` when ``router`` is None (scoring, normalize, ...).
+
+    Returns
+    -------
+    Calling the layer, ``layer(hidden [T, H])`` returns ``out [T, H]`` in the input's dtype
+    and framework (numpy, torch, jax, ...), zero-copy where the framework allows.
+
+    Raises
+    ------
+    ValueError
+        ``gate_weight`` is not ``[E, H]``, ``top_k`` is outside ``[1, E]``, neither
+        ``experts`` nor ``expert_fn`` is given, or (when called) ``hidden`` is not
+        ``[T, H]`` floating point; each message names the argument and its shape.
+    IndexError, KeyError
+        The store lacks ``layer`` or a routed expert.
+
+    Examples
+    --------
+    >>> import numpy as np, colibri
+    >>> rng = np.random.default_rng(0)
+    >>> E, H, I = 8, 16, 32
+    >>> experts = colibri.InMemoryExperts(
+    ...     rng.standard_normal((E, I, H), np.float32),  # gate
+    ...     rng.standard_normal((E, I, H), np.float32),  # up
+    ...     rng.standard_normal((E, H, I), np.float32),  # down
+    ... )
+    >>> moe = colibri.MoELayer(rng.standard_normal((E, H), np.float32), experts, top_k=2)
+    >>> out = moe(rng.standard_normal((3, H), np.float32))
+    >>> out.shape, out.dtype
+    ((3, 16), dtype('float32'))
     """
 
     def __init__(

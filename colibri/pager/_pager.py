@@ -753,10 +753,27 @@ class Pager:
 
     Examples
     --------
-    >>> pager = Pager("experts.colibri", budget_bytes=3 << 30)          # doctest: +SKIP
-    >>> with pager.load(0, ids) as experts:                             # doctest: +SKIP
-    ...     w = experts[ids[0, 0]]
-    ...     y = w.down @ (silu(w.gate @ x) * (w.up @ x))
+    Eight experts of one layer in a weight file, paged under a budget of four of them (each
+    expert here takes two 4 KiB pages):
+
+    >>> import numpy as np, colibri
+    >>> from colibri.formats.raw import write_experts
+    >>> rng = np.random.default_rng(0)
+    >>> def expert():  # gate [I, H], up [I, H], down [H, I]
+    ...     return tuple(rng.standard_normal(s, np.float32) for s in ((32, 16), (32, 16), (16, 32)))
+    >>> path = write_experts("experts.bin", {(0, e): expert() for e in range(8)})
+    >>> pager = colibri.Pager(path, budget_bytes=4 * 8192, page_size_kb=4)
+    >>> pager.capacity
+    4
+    >>> x = rng.standard_normal(16, np.float32)
+    >>> with pager.load(0, [1, 5]) as experts:
+    ...     w = experts[5]
+    ...     y = w.down @ (w.gate @ x * (w.up @ x))
+    ...     print(w.gate.shape, w.gate.flags.writeable, y.shape)
+    (32, 16) False (16,)
+    >>> pager.stats.misses, pager.stats.hits
+    (2, 0)
+    >>> pager.close()
     """
 
     def __init__(
