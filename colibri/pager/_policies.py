@@ -214,10 +214,10 @@ class HotSetPolicy(LRUPolicy):
     ----------
     capacity : int
         Cache slots.
-    counts : mapping, array or UsageStats
-        ``{(layer, expert): count}``, an array ``[L, E]`` of counts, or an object with such a
-        ``.counts`` array. Typically
-        :meth:`colibri.Pager.usage` saved from an earlier run.
+    counts : mapping, array [L, E] or sequence of UsageStats
+        How often each expert was used: ``{(layer, expert): count}`` (what
+        :meth:`colibri.Pager.usage` returns, saved from an earlier run), an array ``[L, E]``,
+        or one :class:`colibri.UsageStats` per layer (their ``counts [E]`` stacked).
     hot_fraction : float
         Share of the slots reserved for the hottest experts (default 0.5).
     """
@@ -463,11 +463,14 @@ class AdaptivePolicy(CachePolicy):
 def _counts_mapping(counts) -> dict[Key, float]:
     if isinstance(counts, Mapping):
         return {(int(k[0]), int(k[1])): float(v) for k, v in counts.items()}
+    if isinstance(counts, (list, tuple)) and counts and hasattr(counts[0], "counts"):
+        counts = np.stack([np.asarray(s.counts) for s in counts])  # one UsageStats per layer
     arr = np.asarray(getattr(counts, "counts", counts))
     if arr.ndim != 2:
         raise ValueError(
-            f"counts must be a mapping {{(layer, expert): count}} or an array [L, E] "
-            f"(got shape {arr.shape})"
+            f"counts must be a mapping {{(layer, expert): count}}, an array [L, E] or one "
+            f"UsageStats per layer (got shape {arr.shape}; a single UsageStats is one layer: "
+            "pass [stats])"
         )
     return {(int(layer), int(e)): float(arr[layer, e]) for layer, e in np.ndindex(arr.shape)}
 

@@ -78,6 +78,20 @@ def test_hot_keeps_the_hot_set_and_runs_lru_on_the_rest():
     assert victims("lru", [[5], [1], [2]], 2) == [5]
 
 
+def test_hot_takes_usage_as_a_mapping_an_array_or_usage_stats_per_layer():
+    import numpy as np
+
+    from colibri import UsageStats
+
+    counts = np.zeros((1, 8), np.int64)
+    counts[0, 5], counts[0, 1] = 100, 1
+    stats = UsageStats(counts[0], np.diag(counts[0]), 101)
+    for given in (counts, [stats]):
+        assert victims(make_policy("hot", 2, counts=given), [[5], [1], [2]], 2) == [1]
+    with pytest.raises(ValueError, match="one layer: pass \\[stats\\]"):
+        make_policy("hot", 2, counts=stats)
+
+
 def test_belady_evicts_the_expert_used_furthest_ahead():
     # 0,1 in; 0 hits; 2 evicts 0 (never used again; LRU evicts 1, used next); 1 hits
     trace = Trace((0, [e]) for e in [0, 1, 0, 2, 1])
