@@ -2,18 +2,18 @@
 
 ::
 
-    ids [T, k] ──dispatch──► DispatchPlan (counts [E], offsets [E+1], sorted_slots [N],
-                                           inverse [T*k])
+    ids [T, k] ──dispatch──► DispatchPlan (counts [E], offsets [E+1],
+                                           sorted_assignments [N], inverse [T*k])
     hidden [T, H] ──gather──► rows [N, H] in expert order (expert e owns rows
                                            offsets[e] : offsets[e] + counts[e])
     expert outputs [N, H] ──combine(weights [T, k])──► out [T, H]
 
-A *slot* is one (token, choice) pair, numbered ``s = t * k + j``. The plan follows vLLM's
-``moe_align_block_size`` / ``moe_permute`` contracts: ``sorted_slots`` lists the slots
-grouped by expert, in token order within an expert (stable), each expert padded to a
-multiple of ``block_size`` with the sentinel ``T * k``; ``inverse[s]`` is the row of slot
-``s``; ``offsets`` is vLLM's ``expert_first_token_offset``. Everything is deterministic and
-independent of the thread count.
+An *assignment* is one (token, choice) pair, numbered ``a = t * k + j``. The plan follows
+vLLM's ``moe_align_block_size`` / ``moe_permute`` contracts: ``sorted_assignments`` lists the
+assignments grouped by expert, in token order within an expert (stable), each expert padded
+to a multiple of ``block_size`` with the sentinel ``T * k``; ``inverse[a]`` is the row of
+assignment ``a``; ``offsets`` is vLLM's ``expert_first_token_offset``. Everything is
+deterministic and independent of the thread count.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ _STORAGE = {
 
 @dataclass(frozen=True)
 class DispatchPlan:
-    """Where each (token, choice) slot goes in expert order.
+    """Where each (token, choice) assignment goes in expert order.
 
     Attributes
     ----------
@@ -50,10 +50,10 @@ class DispatchPlan:
     offsets : [E + 1] int64
         First row of each expert; ``offsets[E]`` is the number of rows ``N`` (padding
         included).
-    sorted_slots : [N] int64
+    sorted_assignments : [N] int64
         Slot ``t * k + j`` of each row; padding rows hold ``T * k``.
     inverse : [T * k] int64
-        Row of each slot.
+        Row of each assignment.
     """
 
     num_tokens: int
@@ -62,7 +62,7 @@ class DispatchPlan:
     block_size: int
     counts: np.ndarray
     offsets: np.ndarray
-    sorted_slots: np.ndarray
+    sorted_assignments: np.ndarray
     inverse: np.ndarray
 
     @property
@@ -73,11 +73,11 @@ class DispatchPlan:
     @property
     def token_ids(self) -> np.ndarray:
         """[N] int64: the token of each row; padding rows hold ``T``."""
-        return self.sorted_slots // max(self.top_k, 1)
+        return self.sorted_assignments // max(self.top_k, 1)
 
     @property
     def active_experts(self) -> np.ndarray:
-        """[A] int64: experts with at least one slot, ascending."""
+        """[A] int64: experts with at least one assignment, ascending."""
         return np.flatnonzero(self.counts)
 
     @property
@@ -95,7 +95,7 @@ class DispatchPlan:
 def dispatch(
     ids: Any, num_experts: int, *, block_size: int = 1, num_threads: int | None = None
 ) -> DispatchPlan:
-    """Group the slots of ``ids`` by expert (stable counting sort, parallel).
+    """Group the assignments of ``ids`` by expert (stable counting sort, parallel).
 
     Parameters
     ----------
@@ -131,11 +131,13 @@ def dispatch(
     capacity = n + num_experts * (block_size - 1) if block_size > 1 else n
     counts = np.empty(num_experts, np.int64)
     offsets = np.empty(num_experts + 1, np.int64)
-    sorted_slots = np.empty(capacity, np.int64)
+    sorted_assignments = np.empty(capacity, np.int64)
     inverse = np.empty(n, np.int64)
-    _rows.build_plan(arr, num_experts, block_size, threads, counts, offsets, sorted_slots, inverse)
+    _rows.build_plan(
+        arr, num_experts, block_size, threads, counts, offsets, sorted_assignments, inverse
+    )
     return DispatchPlan(
-        T, k, num_experts, block_size, counts, offsets, sorted_slots[: offsets[-1]], inverse
+        T, k, num_experts, block_size, counts, offsets, sorted_assignments[: offsets[-1]], inverse
     )
 
 
@@ -146,7 +148,7 @@ def gather(
     dtype: str | None = None,
     num_threads: int | None = None,
 ) -> Any:
-    """Copy each slot's token row into expert order.
+    """Copy each assignment's token row into expert order.
 
     Parameters
     ----------
@@ -174,14 +176,14 @@ def gather(
         out = np.empty((rows, H), arr.dtype)
         if arr.size and rows:
             _rows.gather_rows(
-                arr.view(np.uint8), plan.sorted_slots, plan.top_k, threads, out.view(np.uint8)
+                arr.view(np.uint8), plan.sorted_assignments, plan.top_k, threads, out.view(np.uint8)
             )
         return to_caller(out, hidden, name)
     if dtype != "float32":
         raise ValueError(f'gather(): dtype must be None or "float32" (got {dtype!r})')
     out = np.empty((rows, H), np.float32)
     _rows.gather_rows_float32(
-        _kernel_view(arr), _KINDS[name], plan.sorted_slots, plan.top_k, threads, out
+        _kernel_view(arr), _KINDS[name], plan.sorted_assignments, plan.top_k, threads, out
     )
     return to_caller(out, hidden)
 

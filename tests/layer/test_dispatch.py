@@ -18,22 +18,22 @@ def reference_plan(ids: np.ndarray, E: int, block: int = 1):
     counts = np.bincount(flat, minlength=E)
     padded = -(-counts // block) * block
     offsets = np.concatenate([[0], np.cumsum(padded)])
-    sorted_slots = np.full(offsets[-1], n, np.int64)
+    sorted_assignments = np.full(offsets[-1], n, np.int64)
     start = np.concatenate([[0], np.cumsum(counts)])
     for e in range(E):
-        sorted_slots[offsets[e] : offsets[e] + counts[e]] = order[start[e] : start[e + 1]]
+        sorted_assignments[offsets[e] : offsets[e] + counts[e]] = order[start[e] : start[e + 1]]
     inverse = np.empty(n, np.int64)
-    valid = sorted_slots < n
-    inverse[sorted_slots[valid]] = np.flatnonzero(valid)
-    return counts, offsets, sorted_slots, inverse
+    valid = sorted_assignments < n
+    inverse[sorted_assignments[valid]] = np.flatnonzero(valid)
+    return counts, offsets, sorted_assignments, inverse
 
 
 def check_plan(ids, E, block=1, **kw):
     plan = dispatch(ids, E, block_size=block, **kw)
-    counts, offsets, sorted_slots, inverse = reference_plan(np.asarray(ids), E, block)
+    counts, offsets, sorted_assignments, inverse = reference_plan(np.asarray(ids), E, block)
     np.testing.assert_array_equal(plan.counts, counts)
     np.testing.assert_array_equal(plan.offsets, offsets)
-    np.testing.assert_array_equal(plan.sorted_slots, sorted_slots)
+    np.testing.assert_array_equal(plan.sorted_assignments, sorted_assignments)
     np.testing.assert_array_equal(plan.inverse, inverse)
     return plan
 
@@ -59,8 +59,8 @@ def test_plan_matches_stable_argsort(dtype, block):
     # vLLM's per-block expert ids and the token view
     assert plan.block_expert_ids.size == plan.num_rows // block
     for b, e in enumerate(plan.block_expert_ids):
-        slots = plan.sorted_slots[b * block : (b + 1) * block]
-        assert np.all((slots == ids.size) | (ids.reshape(-1)[np.minimum(slots, ids.size - 1)] == e))
+        rows = plan.sorted_assignments[b * block : (b + 1) * block]
+        assert np.all((rows == ids.size) | (ids.reshape(-1)[np.minimum(rows, ids.size - 1)] == e))
     np.testing.assert_array_equal(plan.token_ids[plan.inverse], np.repeat(np.arange(300), 2))
 
 
@@ -117,7 +117,7 @@ def test_bad_arguments_raise():
 
 
 def test_thread_count_invariance():
-    # enough slots for several per-thread chunks; skewed so some experts are empty
+    # enough assignments for several per-thread chunks; skewed so some experts are empty
     ids = (rng.zipf(1.5, (60_000, 2)) % 26).astype(np.int32)
     ids[ids == 7] = 0
     plans = [dispatch(ids, 26, block_size=8, num_threads=t) for t in (1, 2, 3, 4)]
@@ -126,7 +126,7 @@ def test_thread_count_invariance():
     w = rng.random((60_000, 2)).astype(np.float32)
     outs = []
     for t, plan in zip((1, 2, 3, 4), plans, strict=True):
-        np.testing.assert_array_equal(plan.sorted_slots, plans[0].sorted_slots)
+        np.testing.assert_array_equal(plan.sorted_assignments, plans[0].sorted_assignments)
         np.testing.assert_array_equal(plan.inverse, plans[0].inverse)
         outs.append(combine(gather(hidden, plan, num_threads=t), plan, w, num_threads=t))
     for out in outs[1:]:
@@ -162,7 +162,7 @@ def test_torch_dtypes_round_trip(dtype):
     hidden = torch.randn(T, H, dtype=torch.float32).to(dtype)
     rows = gather(hidden, plan)
     assert isinstance(rows, torch.Tensor) and rows.dtype == dtype
-    valid = torch.from_numpy(plan.sorted_slots < T * k)
+    valid = torch.from_numpy(plan.sorted_assignments < T * k)
     token = torch.from_numpy(np.minimum(plan.token_ids, T - 1))
     assert torch.equal(rows[valid], hidden[token[valid]])
     assert torch.all(rows[~valid] == 0)
