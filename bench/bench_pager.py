@@ -17,9 +17,11 @@ peak growth of the process's RSS (VmHWM, reset before each run) next to the budg
 
 ``policies``: hit rate of every policy (offline replay, identical to the Pager) beside
 Belady's MIN on traces none of them was tuned on: the bench's own generator at several
-settings, iid traffic, Zipf-only traffic, colibri's ``Workload`` routed top-k, and a topic
-trace from a separate hidden-Markov model. Every policy's gap to Belady and its margin over
-LRU; the last table is the mean over all of them, which chooses the default.
+settings, iid traffic, Zipf-only traffic, colibri's ``Workload`` routed top-k, a topic
+trace from a separate hidden-Markov model, six held-out traces, and every trace recorded
+from a real checkpoint in ``bench/traces/`` (``bench/record_trace.py`` records one). Every
+policy's gap to Belady per trace and its margin over LRU; the last table is the mean over all
+of them, which chooses the default. ``--plot DIR`` writes ``pager_policies.png``.
 """
 
 from __future__ import annotations
