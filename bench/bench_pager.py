@@ -17,9 +17,11 @@ peak growth of the process's RSS (VmHWM, reset before each run) next to the budg
 
 ``policies``: hit rate of every policy (offline replay, identical to the Pager) beside
 Belady's MIN on traces none of them was tuned on: the bench's own generator at several
-settings, iid traffic, Zipf-only traffic, colibri's ``Workload`` routed top-k, and a topic
-trace from a separate hidden-Markov model. Every policy's gap to Belady and its margin over
-LRU; the last table is the mean over all of them, which chooses the default.
+settings, iid traffic, Zipf-only traffic, colibri's ``Workload`` routed top-k, a topic
+trace from a separate hidden-Markov model, six held-out traces, and every trace recorded
+from a real checkpoint in ``bench/traces/`` (``bench/record_trace.py`` records one). Every
+policy's gap to Belady per trace and its margin over LRU; the last table is the mean over all
+of them, which chooses the default. ``--plot DIR`` writes ``pager_policies.png``.
 """
 
 from __future__ import annotations
@@ -103,6 +105,23 @@ def topic_trace(num_experts, top_k, num_layers, tokens, *, seed, topics=6, stay=
     return Trace(steps)
 
 
+def sticky_trace(num_experts, top_k, num_layers, tokens, *, seed, repeat=0.6, zipf=0.8):
+    """Each layer reuses its previous token's experts with probability ``repeat``, else draws
+    fresh Zipf-popular ones: short bursts of reuse with no topic structure (a third model)."""
+    rng = np.random.default_rng(seed)
+    p = 1.0 / np.arange(1, num_experts + 1) ** zipf
+    p /= p.sum()
+    perms = [rng.permutation(num_experts) for _ in range(num_layers)]
+    last = [perms[layer][:top_k] for layer in range(num_layers)]
+    steps = []
+    for _ in range(tokens):
+        for layer in range(num_layers):
+            if rng.random() > repeat:
+                last[layer] = perms[layer][rng.choice(num_experts, top_k, replace=False, p=p)]
+            steps.append((layer, last[layer]))
+    return Trace(steps)
+
+
 def policy_traces(tokens):
     """``name -> (trace, earlier trace for hot's counts, experts in total)``."""
     out = {}
@@ -138,27 +157,73 @@ def policy_traces(tokens):
         topic_trace(26, 2, 4, 6 * tokens, seed=2),
         26 * 4,
     )
+    # Held out: added after adaptive's rule was fixed, to check it on traffic it never saw.
+    out["held out: generator noise=2.0 seq=64"] = (
+        routing_trace(26, 2, 24, tokens, seed=3, noise=2.0, seq_len=64),
+        routing_trace(26, 2, 24, tokens, seed=4, noise=2.0, seq_len=64),
+        26 * 24,
+    )
+    out["held out: generator 128 experts top-8 noise=0.5"] = (
+        routing_trace(128, 8, 8, tokens, seed=3, noise=0.5),
+        routing_trace(128, 8, 8, tokens, seed=4, noise=0.5),
+        128 * 8,
+    )
+    out["held out: iid uniform 64 top-8"] = (
+        iid_trace(64, 8, 8, tokens, seed=3),
+        iid_trace(64, 8, 8, tokens, seed=4),
+        64 * 8,
+    )
+    out["held out: iid zipf 0.6"] = (
+        iid_trace(26, 2, 24, tokens, seed=3, zipf=0.6),
+        iid_trace(26, 2, 24, tokens, seed=4, zipf=0.6),
+        26 * 24,
+    )
+    out["held out: sticky repeat=0.6"] = (
+        sticky_trace(26, 2, 24, tokens, seed=3),
+        sticky_trace(26, 2, 24, tokens, seed=4),
+        26 * 24,
+    )
+    out["held out: topic HMM 8 layers x 64, top-8, stay 0.9"] = (
+        topic_trace(64, 8, 8, 3 * tokens, seed=3, stay=0.9),
+        topic_trace(64, 8, 8, 3 * tokens, seed=4, stay=0.9),
+        64 * 8,
+    )
     return out
+
+
+RECORDED = sorted(
+    os.path.join(os.path.dirname(os.path.abspath(__file__)), "traces", name)
+    for name in os.listdir(os.path.join(os.path.dirname(os.path.abspath(__file__)), "traces"))
+    if name.endswith(".json")
+)  # traces recorded from real checkpoints (bench/README.md says how)
+
+
+def all_traces(tokens, saved=()):
+    """The synthetic traces plus every recorded one and ``saved`` (hot learns from its first
+    half): ``name -> (trace, earlier trace, experts in total)``."""
+    traces = policy_traces(tokens)
+    for path in (*RECORDED, *saved):
+        trace = Trace.load(path)
+        half = len(trace.steps) // 2
+        keys = {(layer, e) for layer, ids in trace.steps for e in ids}
+        name = f"recorded {os.path.basename(path).removesuffix('.json')}"
+        traces[name] = (trace, Trace(trace.steps[:half]), len(keys))
+    return traces
 
 
 def bench_policies(tokens, saved=()):
     budgets = (0.125, 0.25, 0.5)
     print("## Cache policies against Belady (offline replay, hit %)\n")
-    print("budget = share of all experts held; `vs LRU` = best and worst margin of each policy")
-    print("over LRU across the budgets (points); hot learns its counts from another draw.\n")
+    print("budget = share of all experts held; hot learns its counts from another draw.\n")
     gaps = {p: [] for p in POLICIES}
     margins = {p: [] for p in POLICIES}
-    traces = policy_traces(tokens)
-    for path in saved:  # e.g. recorded from a real checkpoint with Pager(record_trace=True)
-        trace = Trace.load(path)
-        half = len(trace.steps) // 2  # hot learns from the first half
-        keys = {(layer, e) for layer, ids in trace.steps for e in ids}
-        traces[f"saved {os.path.basename(path)}"] = (trace, Trace(trace.steps[:half]), len(keys))
-    for name, (trace, earlier, total) in traces.items():
+    per_trace = {}
+    for name, (trace, earlier, total) in all_traces(tokens, saved).items():
         print(f"### {name}\n")
         print("| budget | slots | " + " | ".join(POLICIES) + " | Belady |")
         print("|---|---|" + "---|" * (len(POLICIES) + 1))
         counts = earlier.counts()
+        rows = per_trace[name] = {p: [] for p in POLICIES}
         for frac in budgets:
             capacity = max(int(frac * total), max(len(ids) for _, ids in trace))
             rates = {
@@ -169,15 +234,24 @@ def bench_policies(tokens, saved=()):
             for p in POLICIES:
                 gaps[p].append(100 * (optimum - rates[p]))
                 margins[p].append(100 * (rates[p] - rates["lru"]))
+                rows[p].append((gaps[p][-1], margins[p][-1]))
             cells = " | ".join(f"{100 * rates[p]:.1f}" for p in POLICIES)
             print(f"| {100 * frac:.1f}% | {capacity} | {cells} | {100 * optimum:.1f} |")
-        print()
-    print("### Over all traces and budgets\n")
+        print(flush=True)
+    print("### Gap to Belady per trace (points, at budgets " + ", ".join(
+        f"{100 * b:g}%" for b in budgets) + ")\n")  # fmt: skip
+    print("| trace | " + " | ".join(POLICIES) + " | adaptive - LRU, worst |")
+    print("|---|" + "---|" * (len(POLICIES) + 1))
+    for name, rows in per_trace.items():
+        cells = " | ".join(" / ".join(f"{g:.1f}" for g, _ in rows[p]) for p in POLICIES)
+        worst = min(m for _, m in rows["adaptive"])
+        print(f"| {name} | {cells} | {worst:+.2f} |")
+    print("\n### Over all traces and budgets\n")
     print("| policy | mean gap to Belady | worst gap | mean vs LRU | worst vs LRU |")
     print("|---|---|---|---|---|")
     for p in POLICIES:
         g, m = np.array(gaps[p]), np.array(margins[p])
-        print(f"| {p} | {g.mean():.1f} | {g.max():.1f} | {m.mean():+.1f} | {m.min():+.1f} |")
+        print(f"| {p} | {g.mean():.1f} | {g.max():.1f} | {m.mean():+.2f} | {m.min():+.2f} |")
     best = min(POLICIES, key=lambda p: np.mean(gaps[p]))
     print(f"\nbest mean gap to Belady: **{best}**\n")
 
@@ -280,17 +354,32 @@ def serve_fresh(*args):
     return json.loads(out.stdout)
 
 
-def bench_io(folder, quick):
-    files = {
-        "demo file (raw, aligned)": demo_file(folder, (64 if quick else 256) << 20),
-        "transformers Mixtral (safetensors)": transformers_checkpoint(
+def demo_checkpoint():
+    """The ``colibri demo`` checkpoint (Qwen3-MoE, 2.9 GiB of bf16 experts in 256 MiB
+    safetensors shards) if it is cached, else None (``colibri demo`` writes it)."""
+    from colibri.demo import DemoShape
+
+    path = os.path.expanduser(f"~/.cache/colibri/{DemoShape().name}-s0")
+    index = os.path.join(path, "model.safetensors.index.json")
+    return index if os.path.exists(index) else None
+
+
+def bench_io(folder, quick, checkpoint=None, which=("demo", "mixtral", "checkpoint")):
+    files = {}
+    if "demo" in which:
+        files["demo file (raw, aligned)"] = demo_file(folder, (64 if quick else 256) << 20)
+    if "mixtral" in which:
+        files["transformers Mixtral (safetensors)"] = transformers_checkpoint(
             folder, 512, 768 if quick else 1536, 4, 8 if quick else 16
-        ),
-    }
+        )
+    checkpoint = checkpoint or (None if quick else demo_checkpoint())
+    if checkpoint and "checkpoint" in which:
+        files["the demo checkpoint (Qwen3-MoE safetensors, 256 MiB shards)"] = checkpoint
     pages = (64,) if quick else (4, 32, 64, 256)
-    tokens = 30 if quick else 150
     print("## Backends side by side\n")
     for name, path in files.items():
+        # the real checkpoint's experts are 7.5 MiB: fewer tokens keep a run to seconds
+        tokens = 30 if quick else 24 if path == checkpoint else 150
         source = open_weights(path)
         layers = source.layers
         per_layer = source.num_experts(layers[0])
@@ -376,67 +465,60 @@ def bench_share(folder, quick):
     print()
 
 
-def svg_plot(curves, path, title, xlabel="budget (% of all experts)", ylabel="hit %"):
-    """A line chart of ``{name: [(x, y), ...]}`` as a stand-alone SVG (no plotting library)."""
-    w, h, left, right, top, bottom = 640, 400, 56, 120, 36, 48
-    xs = [x for pts in curves.values() for x, _ in pts]
-    x0, x1, y0, y1 = min(xs), max(xs), 0.0, 100.0
-    colours = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2",
-               "#000000"]  # fmt: skip
+def plot_policies(tokens, folder, saved=()):
+    """Hit rate against budget, every policy beside Belady (top row), and each policy's
+    margin over LRU (bottom row), on two synthetic traces and every recorded one: one PNG."""
+    import matplotlib
 
-    def px(x, y):
-        return (left + (x - x0) / (x1 - x0) * (w - left - right),
-                h - bottom - (y - y0) / (y1 - y0) * (h - top - bottom))  # fmt: skip
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
 
-    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" '
-           'font-family="sans-serif" font-size="12">',
-           '<rect width="100%" height="100%" fill="white"/>',
-           f'<text x="{w / 2}" y="20" text-anchor="middle">{title}</text>']  # fmt: skip
-    for y in range(0, 101, 20):
-        a, b = px(x0, y), px(x1, y)
-        out.append(f'<line x1="{a[0]:.1f}" y1="{a[1]:.1f}" x2="{b[0]:.1f}" y2="{b[1]:.1f}" '
-                   'stroke="#ddd"/>')  # fmt: skip
-        out.append(f'<text x="{a[0] - 6:.1f}" y="{a[1] + 4:.1f}" text-anchor="end">{y}</text>')
-    for x in sorted(set(xs)):
-        a = px(x, 0)
-        out.append(f'<text x="{a[0]:.1f}" y="{a[1] + 16:.1f}" text-anchor="middle">{x:g}</text>')
-    out.append(f'<text x="{(left + w - right) / 2}" y="{h - 10}" text-anchor="middle">'
-               f"{xlabel}</text>")  # fmt: skip
-    out.append(f'<text x="14" y="{h / 2}" transform="rotate(-90 14 {h / 2})" '
-               f'text-anchor="middle">{ylabel}</text>')  # fmt: skip
-    for i, (name, pts) in enumerate(curves.items()):
-        colour = colours[i % len(colours)]
-        line = " ".join(f"{px(x, y)[0]:.1f},{px(x, y)[1]:.1f}" for x, y in pts)
-        dash = ' stroke-dasharray="6 3"' if name == "Belady" else ""
-        out.append(f'<polyline points="{line}" fill="none" stroke="{colour}" '
-                   f'stroke-width="2"{dash}/>')  # fmt: skip
-        ly = top + 16 * i + 8
-        out.append(f'<line x1="{w - right + 10}" y1="{ly}" x2="{w - right + 30}" y2="{ly}" '
-                   f'stroke="{colour}" stroke-width="2"{dash}/>')  # fmt: skip
-        out.append(f'<text x="{w - right + 36}" y="{ly + 4}">{name}</text>')
-    out.append("</svg>")
-    with open(path, "w") as f:
-        f.write("\n".join(out) + "\n")
-
-
-def plot_policies(tokens, folder):
-    """Hit rate against budget, every policy and Belady, for two traces: ``*.svg``."""
-    traces = policy_traces(tokens)
-    fracs = (0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.6)
-    for name, slug in (("generator noise=1.0 seq=256", "generator"),
-                       ("topic HMM 4 layers x 26, top-2", "topic")):  # fmt: skip
+    traces = all_traces(tokens, saved)
+    names = ["generator noise=1.0 seq=256", "topic HMM 4 layers x 26, top-2"]
+    names += [n for n in traces if n.startswith("recorded")]
+    fracs = (0.05, 0.1, 0.15, 0.2, 0.25, 0.3, 0.4, 0.5, 0.6, 0.75)
+    fig, axes = plt.subplots(2, len(names), figsize=(4.6 * len(names), 7.4), sharex=True,
+                             gridspec_kw={"height_ratios": (3, 2)}, squeeze=False)  # fmt: skip
+    colours = dict(zip(POLICIES, plt.rcParams["axes.prop_cycle"].by_key()["color"], strict=False))
+    for col, name in enumerate(names):
+        top, bottom = axes[0, col], axes[1, col]
         trace, earlier, total = traces[name]
         widest = max(len(ids) for _, ids in trace)
-        curves = {p: [] for p in (*POLICIES, "Belady")}
-        for frac in fracs:
-            capacity = max(int(frac * total), widest)
-            for p in POLICIES:
-                opts = {"counts": earlier.counts()} if p == "hot" else {}
-                curves[p].append((100 * frac, 100 * replay(trace, capacity, p, **opts).hit_rate))
-            curves["Belady"].append((100 * frac, 100 * belady(trace, capacity).hit_rate))
-        path = os.path.join(folder, f"pager_policies_{slug}.svg")
-        svg_plot(curves, path, f"Hit rate against budget: {name}")
-        print(f"wrote {path}")
+        xs = [100 * f for f in fracs]
+        caps = [max(int(f * total), widest) for f in fracs]
+        rates = {}
+        for p in POLICIES:
+            opts = {"counts": earlier.counts()} if p == "hot" else {}
+            rates[p] = [100 * replay(trace, c, p, **opts).hit_rate for c in caps]
+        rates["Belady"] = [100 * belady(trace, c).hit_rate for c in caps]
+        for p, ys in rates.items():
+            style = dict(color=colours.get(p, "black"), lw=1.3, marker="o", ms=3)
+            if p == "adaptive":
+                style.update(color="black", lw=2.6)
+            elif p == "Belady":
+                style.update(ls="--", marker=None, lw=1.6)
+            label = "Belady (optimum)" if p == "Belady" else p
+            top.plot(xs, ys, label=label, **style)
+            if p != "Belady":
+                bottom.plot(xs, [y - b for y, b in zip(ys, rates["lru"], strict=True)], **style)
+        top.set_title(name, fontsize=10)
+        top.set_ylim(0, 100)
+        bottom.axhline(0, color="grey", lw=0.8)
+        gains = [y - b for p in POLICIES for y, b in zip(rates[p], rates["lru"], strict=True)]
+        bottom.set_ylim(-20, max(10.0, max(gains) + 3))
+        bottom.set_xlabel("budget (% of the trace's experts)")
+        for ax in (top, bottom):
+            ax.set_xlim(0, 80)
+            ax.grid(alpha=0.3)
+    axes[0, 0].set_ylabel("hit rate (%)")
+    axes[1, 0].set_ylabel("points over LRU (clipped at -20)")
+    axes[0, -1].legend(loc="lower right", fontsize=8)
+    fig.suptitle("Expert cache hit rate against budget (offline replay, every policy)")
+    fig.tight_layout()
+    path = os.path.join(folder, "pager_policies.png")
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    print(f"wrote {path}")
 
 
 def main():
@@ -449,9 +531,13 @@ def main():
         "--trace",
         action="append",
         default=[],
-        help="a saved colibri Trace (JSON) to add to the policy tables",
+        help="a saved colibri Trace (JSON) to add to the policy tables (bench/traces/ always is)",
     )
-    ap.add_argument("--plot", metavar="DIR", help="write hit rate / budget SVG charts to DIR")
+    ap.add_argument("--checkpoint", help="a real checkpoint for the io section (default: the "
+                    "cached colibri demo checkpoint, if any)")  # fmt: skip
+    ap.add_argument("--io-files", default="demo,mixtral,checkpoint", help="the io section's "
+                    "files: any of demo, mixtral, checkpoint")  # fmt: skip
+    ap.add_argument("--plot", metavar="DIR", help="write the hit rate / budget PNG to DIR")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
@@ -466,13 +552,13 @@ def main():
         f"files in {folder}, load {json.dumps(os.getloadavg())}\n"
     )
     if "io" in sections:
-        bench_io(folder, args.quick)
+        bench_io(folder, args.quick, args.checkpoint, args.io_files.split(","))
     if "share" in sections:
         bench_share(folder, args.quick)
     if "policies" in sections:
         bench_policies(args.tokens, args.trace)
     if args.plot:
-        plot_policies(args.tokens, args.plot)
+        plot_policies(args.tokens, args.plot, args.trace)
 
 
 if __name__ == "__main__":
