@@ -357,7 +357,7 @@ def serve_fresh(*args):
 def demo_checkpoint():
     """The ``colibri demo`` checkpoint (Qwen3-MoE, 2.9 GiB of bf16 experts in 256 MiB
     safetensors shards) if it is cached, else None (``colibri demo`` writes it)."""
-    from colibri.demo import DemoShape
+    from colibri.cli.demo import DemoShape
 
     path = os.path.expanduser(f"~/.cache/colibri/{DemoShape().name}-s0")
     index = os.path.join(path, "model.safetensors.index.json")

@@ -31,7 +31,7 @@ def main() -> None:
 
     import torch
 
-    from colibri.demo import DemoShape, ensure_checkpoint
+    from colibri.cli.demo import DemoShape, ensure_checkpoint
     from colibri.integrations.transformers import from_pretrained
 
     shape = DemoShape(**SHAPES[args.shape])

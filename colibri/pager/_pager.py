@@ -729,7 +729,7 @@ class Pager:
     policy : str or CachePolicy
         ``"adaptive"`` (default: measured best, never below LRU on the bench's traces),
         ``"lru"``, ``"fifo"`` (the seed's), ``"lfu"``, ``"lrfu"``, ``"nextuse"``, ``"hot"``
-        (see :mod:`colibri.policies`).
+        (see :mod:`colibri.pager`).
     policy_options : dict, optional
         Passed to the policy (``half_life`` for lrfu; ``counts``, ``hot_fraction`` for hot).
     io : str, optional
