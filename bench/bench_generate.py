@@ -242,6 +242,14 @@ def _repeat(spec: dict, args) -> dict:
     return out
 
 
+_HEADER = (
+    "| engine | budget | cache | prefetch | decode tok/s | peak RSS GiB (load) | read/token MiB "
+    "| asked/token MiB | read/asked | hit rate (Belady) | recall gate / previous | load avg |\n"
+    + "| --- " * 12
+    + "|"
+)
+
+
 def _gib(n: float) -> str:
     return f"{n / (1 << 30):.2f}"
 
@@ -367,6 +375,7 @@ def main(argv=None) -> int:
     parser.add_argument("--lock", help="run each process under `flock -x LOCK`")
     parser.add_argument("--json", help="append every row here, one JSON object a line")
     parser.add_argument("--plot", help="write a picture of tok/s and peak RSS here (matplotlib)")
+    parser.add_argument("--rows", help="print (and plot) the rows of these --json files instead")
     args = parser.parse_args(argv)
     if args.worker:
         print(json.dumps(worker(json.loads(args.worker))))
@@ -374,6 +383,8 @@ def main(argv=None) -> int:
     if args.convert:
         convert(json.loads(args.convert))
         return 0
+    if args.rows:
+        return _replay(args)
 
     if args.model is None:
         from colibri.demo import DemoShape, ensure_checkpoint
@@ -396,10 +407,7 @@ def main(argv=None) -> int:
           f"-token prompt, {args.tokens} greedy tokens, {args.threads} threads, policy "
           f"{args.policy}, {args.page_size_kb} KiB pages; {args.repeat} fresh processes a row "
           f"(median, min-max); load {os.getloadavg()[0]:.2f}")  # fmt: skip
-    print("| engine | budget | cache | prefetch | decode tok/s | peak RSS GiB (load) | "
-          "read/token MiB | asked/token MiB | read/asked | hit rate (Belady) | "
-          "recall gate / previous | load avg |")  # fmt: skip
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    print(_HEADER)
     rows = []
     for fraction in [float(x) for x in args.budgets.split(",") if x]:
         for cache in args.cache.split(","):
@@ -417,6 +425,22 @@ def main(argv=None) -> int:
                             fraction=fraction, prefetch="-", offload_folder=offload,
                             gguf=gguf)  # fmt: skip
                 rows.append(_show(_repeat(spec, args), args))
+    _ratios(rows)
+    if args.plot:
+        _plot(rows, args.plot)
+    return 0
+
+
+def _replay(args) -> int:
+    """The table, the targets and the picture of rows measured before (``--json``)."""
+    rows = []
+    for path in args.rows.split(","):
+        with open(path) as f:
+            rows += [json.loads(line) for line in f if line.strip()]
+    print(_HEADER)
+    args.json = None
+    for r in rows:
+        _show(r, args)
     _ratios(rows)
     if args.plot:
         _plot(rows, args.plot)
