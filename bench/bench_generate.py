@@ -1,7 +1,9 @@
 """Generation from a checkpoint bigger than its budget: colibri against the peers.
 
-Every configuration runs in a fresh process (peak RSS is per process) on the same
-checkpoint, batch 1, a random 16-token prompt, greedy decode:
+Every measurement runs in a fresh process (peak RSS is per process), optionally under
+``flock -x LOCK`` taken for that process alone, on the same checkpoint, batch 1, a random
+16-token prompt, greedy decode; ``--repeat N`` runs each N times and prints medians with
+min-max:
 
 - colibri (``from_pretrained``, experts paged) at budgets of 12.5/25/50/100% of the expert
   bytes, with the page cache warm, cold (files evicted with ``posix_fadvise(DONTNEED)``
@@ -9,13 +11,18 @@ checkpoint, batch 1, a random 16-token prompt, greedy decode:
   for each prefetch mode asked for;
 - transformers with everything resident (the speed ceiling);
 - transformers + accelerate disk offload (``device_map="auto"``, ``max_memory``,
-  ``offload_folder``) at the 25% budget.
+  ``offload_folder``) at the 25% budget;
+- llama.cpp (llama-cpp-python, when installed) on the checkpoint converted to GGUF f16 by
+  llama.cpp's own converter (taken from the sdist of the installed llama-cpp-python, cached
+  with the GGUF beside the checkpoint), mmap on, warm and emptied after every token.
 
-llama.cpp (llama-cpp-python) is not run here: building it takes ~15 minutes of both cores.
+"read/token" is what the process read from storage (``/proc/self/io`` ``read_bytes``) per
+decoded token; for colibri "asked" is what the pager fetched (the missed experts' pages, plus
+prefetches) and "read/asked" their ratio.
 
-    python bench/bench_generate.py                       # the demo checkpoint (2.9 GiB experts)
+    python bench/bench_generate.py --lock /tmp/colibri-quiet.lock --repeat 3
     python bench/bench_generate.py --shape olmoe         # 64 experts, top-8
-    python bench/bench_generate.py --budgets 0.25 --cache warm --prefetch off,gate
+    python bench/bench_generate.py --budgets 0.25 --cache warm --prefetch off,gate --peers ""
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -31,6 +39,12 @@ import time
 SHAPES = {
     "demo": dict(),
     "olmoe": dict(layers=12, hidden=1024, expert_intermediate=512, num_experts=64, top_k=8),
+}
+#: The issue's targets, as (what, ratio wanted).
+TARGETS = {
+    "full": "colibri 100% warm >= 0.8x llama.cpp f16 warm and >= 1.5x transformers resident",
+    "offload": "colibri 25% warm >= 5x accelerate disk offload 25% warm",
+    "emptied": "colibri 25% emptied: read <= 1.1x asked, tok/s >= 3x llama.cpp f16 emptied",
 }
 
 
@@ -61,6 +75,58 @@ def _evict(files) -> None:
             os.close(fd)
 
 
+def _prompt(folder: str, n: int) -> list[int]:
+    """The same random prompt for every engine (ids in [10, vocab))."""
+    import numpy as np
+
+    with open(os.path.join(folder, "config.json")) as f:
+        vocab = json.load(f)["vocab_size"]
+    return np.random.default_rng(0).integers(10, vocab, n).tolist()
+
+
+def _llama(spec: dict, files: list[str], times: list[float], storage_at: list[int]):
+    """Greedy decode through llama-cpp-python, mmap on; returns the Llama (kept alive)."""
+    import llama_cpp
+    import numpy as np
+
+    llm = llama_cpp.Llama(model_path=spec["gguf"], n_ctx=spec["prompt_tokens"] + spec["tokens"] + 8,
+                          n_threads=spec["threads"], n_threads_batch=spec["threads"],
+                          use_mmap=True, verbose=False)  # fmt: skip
+    if spec["cache"] in ("cold", "emptied"):
+        _evict(files)
+    return llm, lambda ids: _llama_generate(llm, ids, spec, files, times, storage_at, np)
+
+
+def _llama_generate(llm, ids, spec, files, times, storage_at, np) -> None:
+    times.append(time.perf_counter())
+    storage_at.append(_storage_reads())
+    llm.eval(ids)
+    for _ in range(spec["tokens"]):
+        token = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+        times.append(time.perf_counter())
+        storage_at.append(_storage_reads())
+        if spec["cache"] == "emptied":
+            _unmap(files)  # what the kernel does to a mapped file under memory pressure
+            _evict(files)
+        llm.eval([token])
+
+
+def _unmap(files: list[str]) -> None:
+    """Take this process's mappings of ``files`` out of its page tables (``MADV_DONTNEED``),
+    so that ``_evict`` can drop their pages: the page cache keeps mapped pages."""
+    import ctypes
+
+    madvise = ctypes.CDLL(None, use_errno=True).madvise
+    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    with open("/proc/self/maps") as f:
+        for line in f:
+            parts = line.split(maxsplit=5)
+            if len(parts) == 6 and parts[5].strip() in files:
+                lo, hi = (int(x, 16) for x in parts[0].split("-"))
+                if madvise(lo, hi - lo, 4):  # MADV_DONTNEED
+                    raise OSError(ctypes.get_errno(), f"madvise({parts[5].strip()})")
+
+
 def worker(spec: dict) -> dict:
     """One configuration, in this process."""
     import torch
@@ -68,13 +134,20 @@ def worker(spec: dict) -> dict:
     torch.set_num_threads(spec["threads"])
     folder = spec["model"]
     files = [os.path.join(folder, f) for f in os.listdir(folder) if f.endswith(".safetensors")]
+    if spec["engine"] == "llama":
+        files = [spec["gguf"]]
     if spec["cache"] in ("cold", "emptied"):
         _evict(files)
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
     start = time.perf_counter()
-    paging = None
-    if spec["engine"] == "colibri":
+    paging = model = run = None
+    times: list[float] = []
+    reads_at: list[int] = []
+    storage_at: list[int] = []
+    if spec["engine"] == "llama":
+        model, run = _llama(spec, files, times, storage_at)
+    elif spec["engine"] == "colibri":
         from colibri.integrations.transformers import from_pretrained
 
         model = from_pretrained(folder, budget=spec["budget"], prefetch=spec["prefetch"],
@@ -89,40 +162,47 @@ def worker(spec: dict) -> dict:
             options = dict(device_map="auto", max_memory={"cpu": spec["budget"]},
                            offload_folder=spec["offload_folder"])  # fmt: skip
         model = AutoModelForCausalLM.from_pretrained(folder, **options).eval()
+        if spec["engine"] == "offload":  # what it maps per token is its offload folder
+            root = spec["offload_folder"]
+            files += [os.path.join(root, f) for f in os.listdir(root)]
+    if spec["cache"] in ("cold", "emptied") and spec["engine"] != "llama":
+        _evict(files)
     load_s = time.perf_counter() - start
     load_peak = _status()["VmHWM"]
-    gen = torch.Generator().manual_seed(0)
-    ids = torch.randint(10, model.config.vocab_size, (1, spec["prompt_tokens"]), generator=gen)
-    times: list[float] = []
-    reads_at: list[int] = []
+    ids = _prompt(folder, spec["prompt_tokens"])
 
     class Clock:
         def put(self, value):
             times.append(time.perf_counter())
             reads_at.append(paging.stats.bytes_read if paging is not None else 0)
+            storage_at.append(_storage_reads())
             if spec["cache"] == "emptied":
                 _evict(files)
 
         def end(self):
             pass
 
-    storage = _storage_reads()
-    with torch.no_grad():
-        model.generate(ids, do_sample=False, max_new_tokens=spec["tokens"], streamer=Clock(),
-                       pad_token_id=0)  # fmt: skip
+    if run is not None:
+        run(ids)
+    else:
+        with torch.no_grad():
+            model.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=spec["tokens"],
+                           streamer=Clock(), pad_token_id=0)  # fmt: skip
     # times[0]: prompt handed over; times[1]: first new token (prefill done)
     decode_tokens = len(times) - 2
     decode_s = times[-1] - times[1]
     result = dict(spec, load_s=load_s, load_peak=load_peak, prefill_s=times[1] - times[0],
                   decode_tok_s=decode_tokens / decode_s, **_status(),
-                  storage_per_token=(_storage_reads() - storage) / (decode_tokens + 1))  # fmt: skip
+                  storage_per_token=(storage_at[-1] - storage_at[1]) / decode_tokens)  # fmt: skip
     if paging is not None:
         from colibri.pager import belady
 
         stats = paging.stats
         result.update(
             hit_rate=stats.hit_rate,
-            bytes_per_token=(reads_at[-1] - reads_at[1]) / decode_tokens,
+            asked_per_token=(reads_at[-1] - reads_at[1]) / decode_tokens,
+            prefetched=stats.prefetched,
+            prefetch_hits=stats.prefetch_hits,
             resident_bytes=paging.resident_bytes,
             expert_bytes=paging.expert_bytes,
             recall_gate=paging.prediction["gate"].recall,
@@ -135,38 +215,176 @@ def worker(spec: dict) -> dict:
     return result
 
 
-def _run(spec: dict) -> dict:
-    out = subprocess.run([sys.executable, __file__, "--worker", json.dumps(spec)],
-                         capture_output=True, text=True, timeout=1800)  # fmt: skip
+def _run(spec: dict, lock: str | None) -> dict:
+    command = [sys.executable, __file__, "--worker", json.dumps(spec)]
+    if lock:
+        command = ["flock", "-x", lock, *command]
+    out = subprocess.run(command, capture_output=True, text=True, timeout=1800)
     if out.returncode:
         return dict(spec, error=out.stderr.strip().splitlines()[-1] if out.stderr else "failed")
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    result["load_avg"] = os.getloadavg()[0]
+    return result
+
+
+def _repeat(spec: dict, args) -> dict:
+    """``args.repeat`` fresh runs of ``spec``: medians, and the tok/s range."""
+    runs = [_run(spec, args.lock) for _ in range(args.repeat)]
+    good = [r for r in runs if "error" not in r]
+    if not good:
+        return runs[0]
+    out = dict(good[0])
+    for key, value in good[0].items():
+        if isinstance(value, float | int) and not isinstance(value, bool) and key not in spec:
+            out[key] = statistics.median(r[key] for r in good)
+    speeds = [r["decode_tok_s"] for r in good]
+    out.update(tok_s_min=min(speeds), tok_s_max=max(speeds), runs=len(good))
+    return out
+
+
+_HEADER = (
+    "| engine | budget | cache | prefetch | decode tok/s | peak RSS GiB (load) | read/token MiB "
+    "| asked/token MiB | read/asked | hit rate (Belady) | recall gate / previous | load avg |\n"
+    + "| --- " * 12
+    + "|"
+)
 
 
 def _gib(n: float) -> str:
     return f"{n / (1 << 30):.2f}"
 
 
+def _converter(cache_dir: str) -> str:
+    """llama.cpp's ``convert_hf_to_gguf.py`` from the sdist of the installed llama-cpp-python
+    (``pip download`` once, then cached)."""
+    import tarfile
+
+    import llama_cpp
+
+    root = os.path.join(cache_dir, f"llama-cpp-python-{llama_cpp.__version__}")
+    script = os.path.join(root, "convert_hf_to_gguf.py")
+    if os.path.exists(script):
+        return script
+    with tempfile.TemporaryDirectory() as tmp:
+        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps",
+                        "--no-binary", ":all:", f"llama-cpp-python=={llama_cpp.__version__}",
+                        "-d", tmp], check=True)  # fmt: skip
+        (sdist,) = os.listdir(tmp)
+        with tarfile.open(os.path.join(tmp, sdist)) as tar:
+            prefix = tar.getnames()[0].split("/")[0] + "/vendor/llama.cpp/"
+            keep = [m for m in tar.getmembers() if m.name.startswith(prefix)
+                    and m.name[len(prefix):].split("/")[0] in
+                    ("convert_hf_to_gguf.py", "conversion", "gguf-py")]  # fmt: skip
+            for m in keep:
+                m.name = m.name[len(prefix) :]
+            tar.extractall(root + ".part", members=keep, filter="data")
+        os.replace(root + ".part", root)
+    return script
+
+
+def _is_qwen2_pipeline(folder: str) -> bool:
+    """The tokenizer splits text exactly as Qwen2's does (NFC, Qwen2's regex, byte level)."""
+    from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
+
+    with open(os.path.join(folder, "tokenizer.json")) as f:
+        tok = json.load(f)
+    pre = tok.get("pre_tokenizer") or {}
+    steps = pre.get("pretokenizers", [])
+    return (tok.get("normalizer") == {"type": "NFC"} and len(steps) == 2
+            and steps[0].get("type") == "Split" and steps[0].get("behavior") == "Isolated"
+            and steps[0].get("pattern") == {"Regex": PRETOKENIZE_REGEX}
+            and steps[1].get("type") == "ByteLevel"
+            and steps[1].get("use_regex") is False)  # fmt: skip
+
+
+def convert(job: dict) -> None:
+    """Run llama.cpp's converter to f16 in this process. It knows tokenizers by a hash of
+    their output; a locally trained one with Qwen2's exact pipeline is Qwen2's ("qwen2")."""
+    import runpy
+
+    here = os.path.dirname(job["script"])
+    sys.path[:0] = [here, os.path.join(here, "gguf-py")]
+    from conversion import base
+
+    known = base.TextModel.get_vocab_base_pre
+
+    def get_vocab_base_pre(self, tokenizer) -> str:
+        try:
+            return known(self, tokenizer)
+        except NotImplementedError:
+            if _is_qwen2_pipeline(job["model"]):
+                return "qwen2"
+            raise
+
+    base.TextModel.get_vocab_base_pre = get_vocab_base_pre
+    load = base.ModelBase.load_hparams
+
+    def load_hparams(dir_model, is_mistral_format):
+        hparams = load(dir_model, is_mistral_format)
+        if not hparams.get("architectures"):  # transformers' own class for the model type
+            from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+            hparams["architectures"] = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[hparams["model_type"]]]
+        return hparams
+
+    base.ModelBase.load_hparams = staticmethod(load_hparams)
+    part = job["out"] + ".part"
+    sys.argv = [job["script"], job["model"], "--outtype", "f16", "--outfile", part]
+    runpy.run_path(job["script"], run_name="__main__")
+    os.replace(part, job["out"])
+
+
+def _gguf(folder: str, cache_dir: str) -> str | None:
+    """The checkpoint as GGUF f16 beside it (converted once), or None saying why not."""
+    out = folder.rstrip("/") + "-f16.gguf"
+    if os.path.exists(out):
+        return out
+    try:
+        import llama_cpp  # noqa: F401
+    except ImportError as exc:
+        print(f"# llama.cpp not run: llama-cpp-python is not installed ({exc}); "
+              "`pip install llama-cpp-python gguf` compiles it (~15 min on 2 cores)")  # fmt: skip
+        return None
+    job = dict(script=_converter(cache_dir), model=folder, out=out)
+    done = subprocess.run([sys.executable, __file__, "--convert", json.dumps(job)],
+                          capture_output=True, text=True)  # fmt: skip
+    if done.returncode:
+        tail = done.stderr.strip().splitlines()[-1:] or ["failed"]
+        print(f"# llama.cpp not run: converting to GGUF failed: {tail[0]}")
+        return None
+    return out
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument("--convert", help=argparse.SUPPRESS)
     parser.add_argument("--shape", choices=sorted(SHAPES), default="demo")
     parser.add_argument("--model", help="a checkpoint directory instead of --shape")
     parser.add_argument("--cache-dir", default=os.path.expanduser("~/.cache/colibri"))
     parser.add_argument("--budgets", default="0.125,0.25,0.5,1.0", help="fractions of experts")
     parser.add_argument("--cache", default="warm,cold,emptied", help="page cache states")
-    parser.add_argument("--prefetch", default="off,gate,previous", help="colibri modes")
-    parser.add_argument("--peers", default="resident,offload", help="transformers peers")
-    parser.add_argument("--policy", default="lru")
+    parser.add_argument("--prefetch", default="gate", help="colibri modes (off,gate,previous)")
+    parser.add_argument("--peers", default="resident,offload,llama", help="the other engines")
+    parser.add_argument("--policy", default="adaptive")
     parser.add_argument("--page-size-kb", type=int, default=64)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--tokens", type=int, default=32)
     parser.add_argument("--prompt-tokens", type=int, default=16)
+    parser.add_argument("--repeat", type=int, default=1, help="fresh runs per row (medians)")
+    parser.add_argument("--lock", help="run each process under `flock -x LOCK`")
+    parser.add_argument("--json", help="append every row here, one JSON object a line")
     parser.add_argument("--plot", help="write a picture of tok/s and peak RSS here (matplotlib)")
+    parser.add_argument("--rows", help="print (and plot) the rows of these --json files instead")
     args = parser.parse_args(argv)
     if args.worker:
         print(json.dumps(worker(json.loads(args.worker))))
         return 0
+    if args.convert:
+        convert(json.loads(args.convert))
+        return 0
+    if args.rows:
+        return _replay(args)
 
     if args.model is None:
         from colibri.cli.demo import DemoShape, ensure_checkpoint
@@ -180,51 +398,116 @@ def main(argv=None) -> int:
         index = os.path.join(args.model, "model.safetensors.index.json")
         single = os.path.join(args.model, "model.safetensors")
         expert_bytes = open_weights(index if os.path.exists(index) else single).total_expert_nbytes
+    peers = [p for p in args.peers.split(",") if p]
+    gguf = _gguf(args.model, args.cache_dir) if "llama" in peers else None
     base = dict(model=args.model, threads=args.threads, tokens=args.tokens,
                 prompt_tokens=args.prompt_tokens, policy=args.policy,
                 page_size_kb=args.page_size_kb)  # fmt: skip
     print(f"# {args.model}: {_gib(expert_bytes)} GiB of experts; batch 1, {args.prompt_tokens}"
-          f"-token prompt, {args.tokens} greedy tokens, {args.threads} threads; "
-          f"load {os.getloadavg()[0]:.2f}")  # fmt: skip
-    print("| engine | budget | cache | prefetch | decode tok/s | peak RSS GiB (load) | "
-          "read/token MiB | hit rate (Belady) | recall gate / previous |")  # fmt: skip
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+          f"-token prompt, {args.tokens} greedy tokens, {args.threads} threads, policy "
+          f"{args.policy}, {args.page_size_kb} KiB pages; {args.repeat} fresh processes a row "
+          f"(median, min-max); load {os.getloadavg()[0]:.2f}")  # fmt: skip
+    print(_HEADER)
     rows = []
-    fractions = [float(x) for x in args.budgets.split(",") if x]
-    for fraction in fractions:
+    for fraction in [float(x) for x in args.budgets.split(",") if x]:
         for cache in args.cache.split(","):
             for prefetch in args.prefetch.split(","):
                 spec = dict(base, engine="colibri", budget=int(expert_bytes * fraction) + (1 << 20),
                             fraction=fraction, cache=cache, prefetch=prefetch)  # fmt: skip
-                rows.append(_show(_run(spec)))
+                rows.append(_show(_repeat(spec, args), args))
     with tempfile.TemporaryDirectory() as offload:
-        for peer in args.peers.split(","):
-            if not peer:
+        for peer in peers:
+            if peer == "llama" and gguf is None:
                 continue
-            fraction = 1.0 if peer == "resident" else 0.25
-            for cache in ("warm", "emptied") if peer == "offload" else ("warm",):
+            fraction = 0.25 if peer == "offload" else 1.0
+            for cache in ("warm",) if peer == "resident" else ("warm", "emptied"):
                 spec = dict(base, engine=peer, budget=int(expert_bytes * fraction), cache=cache,
-                            fraction=fraction, prefetch="-", offload_folder=offload)  # fmt: skip
-                rows.append(_show(_run(spec)))
+                            fraction=fraction, prefetch="-", offload_folder=offload,
+                            gguf=gguf)  # fmt: skip
+                rows.append(_show(_repeat(spec, args), args))
+    _ratios(rows)
     if args.plot:
         _plot(rows, args.plot)
     return 0
 
 
-def _show(r: dict) -> dict:
+def _replay(args) -> int:
+    """The table, the targets and the picture of rows measured before (``--json``)."""
+    rows = []
+    for path in args.rows.split(","):
+        with open(path) as f:
+            rows += [json.loads(line) for line in f if line.strip()]
+    print(_HEADER)
+    args.json = None
+    for r in rows:
+        _show(r, args)
+    _ratios(rows)
+    if args.plot:
+        _plot(rows, args.plot)
+    return 0
+
+
+def _find(rows, engine, fraction, cache, prefetch=None):
+    for r in rows:
+        if (r["engine"], r["fraction"], r["cache"]) == (engine, fraction, cache) and (
+            prefetch is None or r["prefetch"] == prefetch
+        ) and "error" not in r:  # fmt: skip
+            return r
+    return None
+
+
+def _ratios(rows) -> None:
+    """The issue's targets, as ratios of the rows measured in this run."""
+    print("\n| target | measured | ratio | met |\n| --- | --- | --- | --- |")
+
+    def say(what, ours, theirs, key, want, higher=True):
+        if ours is None or theirs is None:
+            print(f"| {what} | not measured | | |")
+            return
+        ratio = ours[key] / theirs[key] if theirs[key] else float("inf")
+        met = ratio >= want if higher else ratio <= want
+        print(f"| {what} | {ours[key]:.2f} vs {theirs[key]:.2f} | {ratio:.2f}x | "
+              f"{'yes' if met else 'no'} (want {'>=' if higher else '<='} {want}x) |")  # fmt: skip
+
+    full = _find(rows, "colibri", 1.0, "warm")
+    say("100% warm vs llama.cpp f16 warm", full, _find(rows, "llama", 1.0, "warm"),
+        "decode_tok_s", 0.8)  # fmt: skip
+    say("100% warm vs transformers resident", full, _find(rows, "resident", 1.0, "warm"),
+        "decode_tok_s", 1.5)  # fmt: skip
+    say("25% warm vs accelerate offload 25% warm", _find(rows, "colibri", 0.25, "warm"),
+        _find(rows, "offload", 0.25, "warm"), "decode_tok_s", 5.0)  # fmt: skip
+    emptied = _find(rows, "colibri", 0.25, "emptied")
+    if emptied is not None and emptied.get("asked_per_token"):
+        emptied = dict(emptied, ratio=emptied["storage_per_token"] / emptied["asked_per_token"])
+        read = emptied["storage_per_token"] / 2**20
+        print(f"| 25% emptied: storage read / pager asked | {read:.1f}"
+              f" vs {emptied['asked_per_token'] / 2**20:.1f} MiB | {emptied['ratio']:.2f}x | "
+              f"{'yes' if emptied['ratio'] <= 1.1 else 'no'} (want <= 1.1x) |")  # fmt: skip
+    say("25% emptied vs llama.cpp f16 emptied", emptied, _find(rows, "llama", 1.0, "emptied"),
+        "decode_tok_s", 3.0)  # fmt: skip
+
+
+def _show(r: dict, args) -> dict:
+    if args.json:
+        with open(args.json, "a") as f:
+            f.write(json.dumps(r) + "\n")
     if "error" in r:
         print(f"| {r['engine']} | {r['fraction']:.1%} | {r['cache']} | {r['prefetch']} | "
-              f"failed: {r['error'][:80]} | | | | |")  # fmt: skip
+              f"failed: {r['error'][:80]} | | | | | | | |")  # fmt: skip
         return r
     hit = ""
     if "hit_rate" in r:
-        belady = r.get("belady_hit_rate")
-        hit = f"{r['hit_rate']:.1%}" + (f" ({belady:.1%})" if belady is not None else "")
+        hit = f"{r['hit_rate']:.1%} ({r['belady_hit_rate']:.1%})"
     recall = f"{r['recall_gate']:.1%} / {r['recall_previous']:.1%}" if "recall_gate" in r else ""
-    read = r.get("bytes_per_token", r["storage_per_token"]) / (1 << 20)
-    print(f"| {r['engine']} | {r['fraction']:.1%} | {r['cache']} | {r['prefetch']} | "
-          f"{r['decode_tok_s']:.2f} | {_gib(r['VmHWM'])} ({_gib(r['load_peak'])}) | "
-          f"{read:.1f} | {hit} | {recall} |", flush=True)  # fmt: skip
+    asked = r.get("asked_per_token")
+    ratio = f"{r['storage_per_token'] / asked:.2f}" if asked else ""
+    speed = f"{r['decode_tok_s']:.2f}"
+    if r.get("runs", 1) > 1:
+        speed += f" ({r['tok_s_min']:.2f}-{r['tok_s_max']:.2f})"
+    print(f"| {r['engine']} | {r['fraction']:.1%} | {r['cache']} | {r['prefetch']} | {speed} | "
+          f"{_gib(r['VmHWM'])} ({_gib(r['load_peak'])}) | {r['storage_per_token'] / 2**20:.1f} | "
+          f"{asked / 2**20 if asked else 0:.1f} | {ratio} | {hit} | {recall} | "
+          f"{r.get('load_avg', 0):.2f} |", flush=True)  # fmt: skip
     return r
 
 
@@ -245,9 +528,11 @@ def _plot(rows, path) -> None:
     for key, points in lines.items():
         points.sort()
         x = [p[0] * 100 for p in points]
-        speed.plot(x, [p[1] for p in points], marker="o", label=key)
-        memory.plot(x, [p[2] for p in points], marker="o", label=key)
-    speed.set(xlabel="budget, % of expert bytes", ylabel="decode tokens/s", xscale="log")
+        style = dict(marker="o", label=key, linestyle="-" if len(points) > 1 else "none")
+        speed.plot(x, [p[1] for p in points], **style)
+        memory.plot(x, [p[2] for p in points], **style)
+    speed.set(xlabel="budget, % of expert bytes", ylabel="decode tokens/s", xscale="log",
+              yscale="log")  # fmt: skip
     memory.set(xlabel="budget, % of expert bytes", ylabel="peak RSS, GiB", xscale="log")
     speed.legend(fontsize=7)
     fig.tight_layout()

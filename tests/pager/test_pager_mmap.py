@@ -419,3 +419,77 @@ def test_mmap_is_the_default_on_linux(weights):
         assert pager.io == "mmap" and pager.stats.io == "mmap"
     assert mmap.PAGESIZE <= 64 * 1024
     assert open_weights(path).max_expert_nbytes == EXPERT
+
+
+def _page_runs(source, key, page_size):
+    """Byte ranges ``[(offset, length)]`` of the pages expert ``key`` touches, merged."""
+    runs: list[list[int]] = []
+    for ref in sorted(source.experts[key].matrices, key=lambda r: r.offset):
+        first = ref.offset // page_size * page_size
+        end = -(-(ref.offset + ref.nbytes) // page_size) * page_size
+        if runs and first <= runs[-1][1]:
+            runs[-1][1] = max(runs[-1][1], end)
+        else:
+            runs.append([first, end])
+    return [(a, b - a) for a, b in runs]
+
+
+@pytest.mark.parametrize("fixture", ["weights", "packed"])
+def test_a_miss_reads_exactly_the_missed_experts_pages(fixture, request, monkeypatch):
+    """The mapping is MADV_RANDOM (no fault reads around), and a miss reads (WILLNEED) and
+    maps (POPULATE_READ) exactly its expert's pages; a hit asks for nothing."""
+    path, experts = request.getfixturevalue(fixture)
+    calls = []
+    hook_io(monkeypatch, lambda kind, p, offset, length: calls.append((kind, offset, length)))
+    monkeypatch.setattr(FileMap, "_populate_works", True)
+    ps = 4096
+    with Pager(path, budget_bytes=64 * EXPERT, page_size_kb=4, io="mmap", policy="fifo") as pager:
+        assert calls == [("random", 0, os.path.getsize(path))]
+        layers = sorted({lay for lay, _ in experts})
+        for key in [(layers[0], 0), (layers[-1], 3), (layers[0], 0), (layers[0], 1)]:
+            hit = pager.resident().__contains__(key)
+            calls.clear()
+            with pager.load(key[0], [key[1]]) as batch:
+                check(batch, experts, key[0])
+            want = [] if hit else _page_runs(pager.source, key, ps)
+            assert [(o, n) for k, o, n in calls if k == "willneed"] == want
+            assert [(o, n) for k, o, n in calls if k == "populate"] == want
+            assert {k for k, _, _ in calls} <= {"willneed", "populate", "drop"}  # drop: settle
+
+
+def _storage_reads():
+    with open("/proc/self/io") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("read_bytes:"))
+
+
+def _evict(path):
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fdatasync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.skipif(not hasattr(os, "posix_fadvise"), reason="needs posix_fadvise")
+def test_a_cold_miss_reads_from_storage_only_its_pages(tmp_path):
+    """Measured, not mocked: with the page cache emptied, loading experts reads from the
+    device (``/proc/self/io``) no more than their pages, however large the readahead."""
+    experts = make_experts(2, 32, I, H, seed=3)  # 6 MiB
+    path = str(write_experts(tmp_path / "cold.colibri", experts))
+    _evict(path)
+    before = _storage_reads()
+    with open(path, "rb") as f:
+        f.read(EXPERT)
+    if _storage_reads() - before < EXPERT:  # tmpfs, or a file system /proc/self/io misses
+        pytest.skip("this file system's reads are not counted in /proc/self/io read_bytes")
+    keys = [(0, 5), (0, 17), (1, 9), (1, 30)]
+    with Pager(path, budget_bytes=8 * EXPERT, page_size_kb=4, io="mmap") as pager:
+        _evict(path)
+        before = _storage_reads()
+        for layer, e in keys:
+            with pager.load(layer, [e]) as batch:
+                check(batch, experts, layer)
+        read = _storage_reads() - before
+        asked = sum(n for k in keys for _, n in _page_runs(pager.source, k, 4096))
+    assert asked <= read <= 1.1 * asked, (read, asked)
