@@ -395,3 +395,15 @@ def test_checkpoint_index_with_a_repeated_tensor_is_refused(tmp_path):
     shards = header_text([(GATE, '"a.safetensors"'), (GATE, '"b.safetensors"')])
     index.write_text(header_text([("weight_map", shards)]))  # json kept b, which is missing
     refused(lambda p: _open_checkpoint(p.parent / "config.json"), index, "names the key .* twice")
+
+
+def test_npz_member_marked_encrypted(tmp_path):
+    """A flipped flag bit in the central directory: zipfile asks for a password with a
+    RuntimeError (found by test_stats_load_long, 1 run in 13)."""
+    path = tmp_path / "u.npz"
+    UsageStats.from_ids([[0, 1], [1, 2]], 3).save(path)
+    data = bytearray(path.read_bytes())
+    entry = data.rindex(b"PK\x01\x02", 0, data.rindex(b"counts.npy"))  # its central entry
+    data[entry + 8] |= 0x1  # general purpose flags: bit 0, encrypted
+    path.write_bytes(bytes(data))
+    refused(UsageStats.load, path, "member 'counts.npy' is marked encrypted")
