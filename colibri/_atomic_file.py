@@ -41,7 +41,7 @@ def write_atomically(
             file.flush()
             os.fsync(file.fileno())
         publish(temporary, path, overwrite=overwrite)
-        _sync_folder(path)
+        sync_folder(path)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(temporary)
@@ -69,18 +69,23 @@ def _host() -> str:
     return re.sub(r"[^A-Za-z0-9-]", "-", socket.gethostname())[:32] or "host"
 
 
-def _sweep(folder: str, base: str) -> None:
-    """Remove ``folder``'s temporaries of ``base`` whose writer (this host) no longer runs."""
-    if os.name != "posix":  # os.kill(pid, 0) would terminate the process on Windows
-        return
-    pattern = re.compile(re.escape(f".{base}.{_host()}.") + r"(\d+)\.[^.]+\.tmp")
+def _sweep(folder: str, base: str) -> bool:
+    """Remove ``folder``'s temporaries of ``base`` whose writer (this host) no longer runs.
+
+    Returns True when a temporary of ``base`` is left that may still be written: its writer
+    runs, or it comes from another host, or this system cannot tell (not POSIX).
+    """
     try:
         names = os.listdir(folder)
     except OSError:
-        return
+        return True
+    ours = re.compile(re.escape(f".{base}.{_host()}.") + r"(\d+)\.[^.]+\.tmp")
+    anyone = re.compile(re.escape(f".{base}.") + r"[A-Za-z0-9-]+\.\d+\.[^.]+\.tmp")
+    live = False
     for name in names:
-        match = pattern.fullmatch(name)
-        if match is None:
+        match = ours.fullmatch(name)
+        if match is None or os.name != "posix":  # os.kill(pid, 0) would kill on Windows
+            live = live or anyone.fullmatch(name) is not None
             continue
         try:
             os.kill(int(match[1]), 0)
@@ -88,10 +93,19 @@ def _sweep(folder: str, base: str) -> None:
             with contextlib.suppress(OSError):
                 os.unlink(os.path.join(folder, name))
         except (PermissionError, OverflowError):  # alive (another user's) or not a pid
-            pass
+            live = True
+        else:
+            live = True
+    return live
 
 
-def _sync_folder(path: str) -> None:
+def sweep(path: str) -> bool:
+    """Remove the temporaries of ``path`` left by dead writers; True when a writer of ``path``
+    may still be running (one of its temporaries is left)."""
+    return _sweep(os.path.dirname(os.path.abspath(path)), os.path.basename(path))
+
+
+def sync_folder(path: str) -> None:
     """Flush the folder entry of a just-published ``path`` (POSIX; a no-op elsewhere)."""
     if os.name != "posix":
         return
@@ -103,9 +117,11 @@ def _sync_folder(path: str) -> None:
             os.close(fd)
 
 
-def publish(temporary: str, path: str, *, overwrite: bool) -> None:
+def publish(temporary: str, path: str, *, overwrite: bool, keep: bool = False) -> None:
     """Move the finished ``temporary`` to ``path`` in one step; without ``overwrite`` an
-    existing ``path`` is never replaced, even one that appeared meanwhile."""
+    existing ``path`` is never replaced, even one that appeared meanwhile. ``keep`` leaves
+    ``temporary`` as a second name of the file where hard links allow it (its writer removes it
+    later: while it exists, ``sweep`` reports the write under way)."""
     if overwrite:
         os.replace(temporary, path)
         return
@@ -117,4 +133,5 @@ def publish(temporary: str, path: str, *, overwrite: bool) -> None:
         refuse_existing(path, overwrite)
         os.replace(temporary, path)
     else:
-        os.unlink(temporary)
+        if not keep:
+            os.unlink(temporary)

@@ -8,7 +8,9 @@ crash kills it (run under ``.ci/sanitize.sh`` for memory errors that do not cras
 
 The default suite runs ``COLIBRI_FUZZ_EXAMPLES`` (default 150) examples per target; the
 ``slow`` twins run 4 times as many. The inputs generated are counted per target and printed
-at the end of the session.
+at the end of the session; with ``COLIBRI_FUZZ_LEDGER=<file>`` the counts are also appended
+to that JSON-lines ledger (``.ci/fuzz.sh`` runs campaigns into ``tests/fuzz_ledger.jsonl``).
+Files go to ``COLIBRI_FUZZ_TMP`` (default: the system's temporary folder).
 """
 
 from __future__ import annotations
@@ -44,7 +46,10 @@ gguf = pytest.importorskip("gguf")
 FAST = int(os.environ.get("COLIBRI_FUZZ_EXAMPLES", "150"))
 SLOW = 4 * FAST
 COUNTS: collections.Counter[str] = collections.Counter()
-_TMP = tempfile.mkdtemp(prefix="colibri-fuzz-")
+_TMP = tempfile.mkdtemp(prefix="colibri-fuzz-", dir=os.environ.get("COLIBRI_FUZZ_TMP"))
+LEDGER = os.path.join(os.path.dirname(__file__), "fuzz_ledger.jsonl")
+TARGETS = ("json", "safetensors", "index", "manifest", "gguf", "partition", "stats", "trace",
+           "dlpack-route", "dlpack-metadata")  # fmt: skip
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -58,12 +63,58 @@ def _report(request):
         for t in targets
     ]
     total = sum(COUNTS[t] for t in targets)
+    if os.environ.get("COLIBRI_FUZZ_LEDGER") and total:
+        _record(os.environ["COLIBRI_FUZZ_LEDGER"], request.session.testsfailed)
     capture = request.config.pluginmanager.get_plugin("capturemanager")
     if reporter is not None and capture is not None:
         with capture.global_and_fixture_disabled():
             reporter.write_line(f"\nfuzz inputs this session: {total}")
             for line in lines:
                 reporter.write_line(line)
+
+
+def _record(ledger: str, failures: int) -> None:
+    """Append this session's counts to the campaign ledger (one JSON object per line)."""
+    import datetime
+    import platform
+
+    entry = {
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "examples_per_target": FAST,
+        "inputs": {t: COUNTS[t] for t in TARGETS if COUNTS[t]},
+        "refused": {t: COUNTS[t + ":refused"] for t in TARGETS if COUNTS[t]},
+        "failures": failures, "crashes": 0, "hangs": 0, "machine": platform.machine(),
+    }  # fmt: skip
+    with open(ledger, "a") as f:
+        f.write(json.dumps(entry, sort_keys=True) + "\n")
+
+
+def test_fuzz_ledger_is_well_formed():
+    """Every campaign recorded: its date, inputs per known target; one that found a failure,
+    a crash or a hang says so in a ``note`` ("fixed in <commit>: ..." or "open: ..."), it is
+    never recorded as fine."""
+    with open(LEDGER, "rb") as f:
+        lines = f.read().splitlines()
+    assert lines, "the ledger records at least the campaign that created it"
+    totals: collections.Counter[str] = collections.Counter()
+    for n, line in enumerate(lines, 1):
+        entry = strict.parse(line, f"{LEDGER}:{n}", what="a ledger entry")
+        keys = {"date", "examples_per_target", "inputs", "refused", "failures", "crashes",
+                "hangs", "machine"}  # fmt: skip
+        assert set(entry) in (keys, keys | {"note"}), (n, entry)
+        assert len(entry["date"]) == 20 and entry["date"].endswith("Z"), (n, entry["date"])
+        assert set(entry["inputs"]) <= set(TARGETS), (n, entry)
+        for target, count in entry["inputs"].items():
+            assert type(count) is int and count > 0, (n, target)
+            assert 0 <= entry["refused"][target] <= count, (n, target)
+            totals[target] += count
+        faults = entry["failures"] + entry["crashes"] + entry["hangs"]
+        if faults:  # a campaign that found a fault says what it was: fixed (where) or open
+            note = entry.get("note")
+            assert isinstance(note, str) and note.startswith(("fixed in ", "open: ")), (n, entry)
+        else:
+            assert entry["inputs"] and "note" not in entry, (n, entry)
+    print(f"fuzz ledger: {sum(totals.values())} inputs over {len(lines)} campaigns", totals)
 
 
 def fuzz(strategy, name):

@@ -282,3 +282,128 @@ def test_npz_with_objects_is_refused(tmp_path):
     bad = tmp_path / "o.npz"
     np.savez(bad, counts=np.array([1, None], dtype=object))
     refused(UsageStats.load, bad, "objects")
+
+
+# -- a transformers checkpoint's config.json -------------------------------------------------
+
+# a qwen3_moe-like config with the layer-frequency fields of qwen (decoder_sparse_step,
+# mlp_only_layers) and deepseek (first_k_dense_replace, n_group, topk_group)
+CONFIG = {
+    "model_type": "qwen3_moe", "num_hidden_layers": 4, "hidden_size": 32,
+    "intermediate_size": 48, "moe_intermediate_size": 24, "num_experts": 8,
+    "num_experts_per_tok": 2, "decoder_sparse_step": 1, "mlp_only_layers": [0],
+    "first_k_dense_replace": 1, "n_group": 2, "topk_group": 1, "dtype": "bfloat16",
+    "text_config": None,
+}  # fmt: skip
+
+
+def _checkpoint_dir(tmp_path, config_text):
+    folder = tmp_path / "ckpt"
+    folder.mkdir()
+    (folder / "config.json").write_text(config_text)
+    return folder
+
+
+def _open_checkpoint(config_path):
+    """Open the checkpoint directory that holds ``config_path``."""
+    from colibri.integrations.transformers._checkpoint import Checkpoint
+
+    return Checkpoint(config_path.parent)
+
+
+def test_a_good_config_passes_to_the_weights(tmp_path):
+    folder = _checkpoint_dir(tmp_path, json.dumps(CONFIG))
+    with pytest.raises(FormatError, match="neither model.safetensors"):  # next check: weights
+        _open_checkpoint(folder / "config.json")
+
+
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [
+        ({"num_experts": "8"}, r"'num_experts' must be an integer in \[1, 65536\].*got '8'"),
+        ({"num_experts": 0}, r"'num_experts' must be an integer in \[1, 65536\]"),
+        ({"num_experts": True}, r"'num_experts' must be an integer.*got True"),
+        ({"num_experts_per_tok": 9}, r"'num_experts_per_tok' must be an integer in \[1, 8\]"),
+        ({"num_experts_per_tok": 2.0}, r"'num_experts_per_tok' must be an integer"),
+        ({"hidden_size": -32}, r"'hidden_size' must be an integer in \[1, 1048576\]"),
+        ({"moe_intermediate_size": 1 << 40}, r"'moe_intermediate_size' must be an integer in"),
+        ({"num_hidden_layers": 10**30}, r"'num_hidden_layers' must be an integer in \[1, 16384\]"),
+        ({"decoder_sparse_step": 0}, r"'decoder_sparse_step' must be an integer in \[1, 4\]"),
+        ({"mlp_only_layers": [4]}, r"'mlp_only_layers\[0\]' must be an integer in \[0, 3\]"),
+        ({"mlp_only_layers": "0"}, r"'mlp_only_layers' must be a list"),
+        ({"first_k_dense_replace": 5}, r"'first_k_dense_replace' must be an integer in \[0, 4\]"),
+        ({"topk_group": 3}, r"'topk_group' must be an integer in \[1, 2\]"),
+        ({"n_group": 9}, r"'n_group' must be an integer in \[1, 8\]"),
+        ({"dtype": "float128"}, r"'dtype' must be null or one of float32, .*got 'float128'"),
+        ({"torch_dtype": ["bfloat16"]}, r"'torch_dtype' must be null or one of"),
+        ({"model_type": 7}, r"'model_type' must be a string"),
+        ({"text_config": {"num_experts": -1}}, r"'text_config\.num_experts' must be an integer"),
+        ({"text_config": [1]}, r"'text_config' must be an object"),
+    ],
+    ids=lambda v: json.dumps(v)[:40] if isinstance(v, dict) else None,
+)
+def test_config_fields_are_checked_before_use(tmp_path, change, match):
+    folder = _checkpoint_dir(tmp_path, json.dumps({**CONFIG, **change}))
+    refused(_open_checkpoint, folder / "config.json", match)
+
+
+@pytest.mark.parametrize(
+    ("text", "match"),
+    [
+        ('{"model_type": "qwen3_moe", "num_experts": 8, "num_experts": 64}',
+         "names the key 'num_experts' twice"),
+        ('{"model_type": "qwen3_moe", "rope_scaling": ' + "[" * 40 + "]" * 40 + "}",
+         "nests deeper than"),
+        ('{"model_type": "qwen3_moe", "hidden_size": NaN}', "not valid JSON"),
+        ('{"model_type": "qwen3_moe", "hidden_size": 1' + "0" * 5000 + "}", "not valid JSON"),
+        ("\xff", "not UTF-8|not valid JSON"),
+        ('{"hidden_size": 32}', "has no 'model_type'"),
+    ],
+    ids=["duplicate-key", "deep", "nan", "huge-int", "not-utf8", "no-model-type"],
+)  # fmt: skip
+def test_config_json_is_read_strictly(tmp_path, text, match):
+    folder = _checkpoint_dir(tmp_path, text)
+    refused(_open_checkpoint, folder / "config.json", match)
+
+
+def test_config_json_size_is_bounded(tmp_path):
+    folder = _checkpoint_dir(tmp_path, json.dumps(CONFIG))
+    with open(folder / "config.json", "ab") as f:
+        f.truncate((16 << 20) + 1)
+    refused(_open_checkpoint, folder / "config.json", "more than")
+
+
+def test_every_families_saved_config_passes(tmp_path):
+    """No false alarm: the config.json transformers saves for each tested family is accepted."""
+    pytest.importorskip("transformers")
+    from _support.hf_families import FAMILIES, MORE_FAMILIES, build_model
+    from colibri.integrations.transformers._checkpoint import check_config
+
+    for family in [*FAMILIES, *MORE_FAMILIES]:
+        folder = tmp_path / family
+        build_model(family).config.save_pretrained(folder)
+        config = check_config(str(folder / "config.json"))
+        assert (
+            config["model_type"] == json.loads((folder / "config.json").read_text())["model_type"]
+        )
+
+
+def test_checkpoint_index_with_a_repeated_tensor_is_refused(tmp_path):
+    folder = _checkpoint_dir(tmp_path, json.dumps(CONFIG))
+    (folder / "a.safetensors").write_bytes(b"")
+    index = folder / "model.safetensors.index.json"
+    shards = header_text([(GATE, '"a.safetensors"'), (GATE, '"b.safetensors"')])
+    index.write_text(header_text([("weight_map", shards)]))  # json kept b, which is missing
+    refused(lambda p: _open_checkpoint(p.parent / "config.json"), index, "names the key .* twice")
+
+
+def test_npz_member_marked_encrypted(tmp_path):
+    """A flipped flag bit in the central directory: zipfile asks for a password with a
+    RuntimeError (found by test_stats_load_long, 1 run in 13)."""
+    path = tmp_path / "u.npz"
+    UsageStats.from_ids([[0, 1], [1, 2]], 3).save(path)
+    data = bytearray(path.read_bytes())
+    entry = data.rindex(b"PK\x01\x02", 0, data.rindex(b"counts.npy"))  # its central entry
+    data[entry + 8] |= 0x1  # general purpose flags: bit 0, encrypted
+    path.write_bytes(bytes(data))
+    refused(UsageStats.load, path, "member 'counts.npy' is marked encrypted")

@@ -134,7 +134,7 @@ def _pager_work(pager, experts, batches, ctx, rng, kept):
                 np.testing.assert_array_equal(w.up, up)
                 np.testing.assert_array_equal(w.down, down)
                 if rng.integers(8) == 0 and len(kept) < 4:  # a view kept past the batch
-                    kept.append((w.down, down))
+                    kept.append(((layer, int(e)), w.down, down))
     except BudgetError:  # documented: every slot pinned by the other threads' live views
         pass
 
@@ -143,6 +143,17 @@ def _prefetch_work(pager, rng):
     pager.prefetch(int(rng.integers(L)), rng.integers(0, E, 3))
     if rng.integers(4) == 0:
         assert pager.drain(timeout=JOIN)
+
+
+def _monitor_work(pager):
+    """Snapshots taken while the others work must be consistent: every counter moves under
+    the lock, so a snapshot never sees half of an update."""
+    s = pager.stats
+    assert s.resident_pages == s.pages_loaded - s.pages_evicted, s
+    for name in ("hits", "misses", "pages_loaded", "pages_evicted"):
+        assert getattr(s, name) == sum(getattr(p, name) for p in s.per_layer.values()), name
+    assert len(pager.resident()) <= pager.capacity
+    assert sum(pager.usage().values()) >= s.hits + s.misses
 
 
 def test_paging_and_prefetching_from_several_threads(weights):
@@ -157,12 +168,15 @@ def test_paging_and_prefetching_from_several_threads(weights):
             crew.add(f"load-{i}", _pager_work, pager, experts, batches, ctx,
                      np.random.default_rng(i), kept)  # fmt: skip
         crew.add("prefetch", _prefetch_work, pager, np.random.default_rng(7))
+        crew.add("monitor", _monitor_work, pager)
         crew.run(SECONDS)
         assert pager.drain(timeout=JOIN)
         stats = pager.stats
         assert stats.hits + stats.misses > 0
-        assert len(pager.resident()) <= pager.capacity
-    for view, expected in kept:  # views outlive their batch, and the pager
+        _monitor_work(pager)
+        # every pin was given back but the kept views' own: no pin count lost to a race
+        assert pager.pinned() == sorted({key for key, _, _ in kept})
+    for _, view, expected in kept:  # views outlive their batch, and the pager
         np.testing.assert_array_equal(view, expected)
 
 
@@ -195,5 +209,5 @@ def test_close_while_loading_and_prefetching(weights):
         pager.close()  # idempotent
         with pytest.raises(ValueError, match="closed"):
             pager.load(0, [0])
-    for view, expected in kept:
+    for _, view, expected in kept:
         np.testing.assert_array_equal(view, expected)

@@ -122,7 +122,7 @@ def ensure_weight_file(
     folder = Path(cache_dir).expanduser()
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"demo-L{layers}-E{NUM_EXPERTS}-H{hidden}-I{inter}-s{seed}-f16.colibri"
-    if path.exists() and Path(manifest_path(path)).exists():
+    if Path(manifest_path(path)).exists():  # the commit point of write_experts
         return path
 
     def experts() -> Iterator[tuple[tuple[int, int], tuple[np.ndarray, ...]]]:

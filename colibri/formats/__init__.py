@@ -47,12 +47,16 @@ def open_weights(path: str | os.PathLike | WeightSource) -> WeightSource:
     if isinstance(path, WeightSource):
         return path
     path = os.fspath(path)
+    if not path.endswith(".json") and os.path.exists(path + ".json"):
+        from colibri.formats.raw import open_raw
+
+        return open_raw(path)  # its data may be <path>.alt: the manifest names it
     file_size(path)  # FileNotFoundError naming the path
     if path.endswith(".index.json"):
         from colibri.formats.safetensors import open_sharded
 
         return open_sharded(path)
-    if path.endswith(".json") or os.path.exists(path + ".json"):
+    if path.endswith(".json"):
         from colibri.formats.raw import open_raw
 
         return open_raw(path)

@@ -5,8 +5,12 @@
 adjacent, so one read fetches the whole expert, and each expert starts on an ``alignment``
 boundary (default 4096 bytes). The manifest records, per expert, the absolute offset, dtype and
 shape of each matrix, plus optional metadata (a repacked file stores its ``groups`` there).
-Both files are written to temporary names and renamed into place, so a crash never leaves a
-half-written file under the final name.
+The manifest names the data file, and replacing the manifest (one rename) is the only commit
+point. A new file's data is ``model.colibri``; an overwrite writes its data to whichever of
+``model.colibri`` and ``model.colibri.alt`` the current manifest does not name, renames the new
+manifest into place, then removes the superseded data. A process killed at any moment leaves the
+previous file whole or the new one complete; what a dead write left (its temporaries, unnamed
+data) is removed by the next write or open of the same file.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from collections.abc import Iterable, Mapping
 import numpy as np
 
 from colibri import _json
-from colibri._atomic_file import publish, refuse_existing, temporary_beside
+from colibri._atomic_file import publish, refuse_existing, sweep, sync_folder, temporary_beside
 from colibri.formats._base import (
     DTYPE_SIZES,
     MAX_INDEX,
@@ -48,6 +52,38 @@ def manifest_path(path: str | os.PathLike) -> str:
     return os.fspath(path) + ".json"
 
 
+def alternate(path: str | os.PathLike) -> str:
+    """The second data name of a raw file (``<path>.alt``): an overwrite writes the data name
+    the current manifest does not use, so the previous data stays whole until the new manifest
+    replaces the old one."""
+    return os.fspath(path) + ".alt"
+
+
+def _named_data(mpath: str) -> str | None:
+    """The data file name ``mpath`` names, or None if it is missing or not a raw manifest."""
+    try:
+        manifest = _json.load(mpath, what="the manifest")
+    except (OSError, FormatError):
+        return None
+    data = manifest.get("data") if isinstance(manifest, dict) else None
+    return data if isinstance(data, str) else None
+
+
+def _sweep(mpath: str, data: str) -> None:
+    """Remove what dead writes of ``mpath``'s file left: their temporaries, and the data name
+    the manifest does not name (the data of an interrupted or a superseded write)."""
+    base = mpath[: -len(".json")]
+    if sweep(base) | sweep(mpath):  # a write is under way: the unnamed data may be its own
+        return
+    names = {os.path.basename(base): base, os.path.basename(alternate(base)): alternate(base)}
+    if data not in names:  # not written by RawWriter: leave the folder alone
+        return
+    for name, stale in names.items():
+        if name != data:
+            with contextlib.suppress(OSError):
+                os.unlink(stale)
+
+
 def dtype_name(dtype: np.dtype) -> str:
     """Stored name of a numpy dtype (``float16 -> "F16"``, ``bfloat16 -> "BF16"``)."""
     dtype = np.dtype(dtype)
@@ -61,7 +97,7 @@ def dtype_name(dtype: np.dtype) -> str:
 
 
 class RawWriter:
-    """Stream experts into a new raw file; ``commit()`` renames data and manifest into place.
+    """Stream experts into a new raw file; ``commit()`` publishes it with one rename.
 
     Parameters
     ----------
@@ -118,14 +154,14 @@ class RawWriter:
         self._entries.append(entry)
 
     def commit(self, check=None) -> str:
-        """Flush, then rename the data file and the manifest into place; returns the path.
+        """Flush the data, publish it under the data name the manifest does not use, then
+        rename the new manifest into place (the one commit point); returns ``path``.
 
         ``check(tmp_path, entries)``, when given, runs on the finished temporary file before
-        anything is renamed; if it raises, nothing is published and the temporary is removed.
+        anything is published; if it raises, nothing is published and the temporary is removed.
         """
-        # The data ends with a random token the manifest repeats: the two files are published by
-        # two renames, and a process killed between them must not pair new data with an old
-        # manifest unnoticed (open_raw compares the tokens).
+        # The data ends with a random token the manifest repeats, so a manifest never pairs
+        # with data it was not written with unnoticed (open_raw compares the tokens).
         token = os.urandom(_TOKEN_BYTES)
         try:
             self._file.write(token)
@@ -137,29 +173,41 @@ class RawWriter:
         except BaseException:
             self.abort()
             raise
+        current = _named_data(self.manifest)  # what readers load until the commit
+        target = self.path if current != os.path.basename(self.path) else alternate(self.path)
         manifest = {
             "format": FORMAT_NAME, "version": FORMAT_VERSION,
-            "data": os.path.basename(self.path), "data_bytes": self._offset + _TOKEN_BYTES,
+            "data": os.path.basename(target), "data_bytes": self._offset + _TOKEN_BYTES,
             "token": token.hex(), "alignment": self.alignment, "metadata": self.metadata,
             "experts": self._entries,
         }  # fmt: skip
         fd, tmp_manifest = temporary_beside(self.manifest)
-        created = False
+        linked = False
         try:
             with os.fdopen(fd, "w") as f:
                 json.dump(manifest, f)
                 f.flush()
                 os.fsync(f.fileno())
-            publish(self._tmp, self.path, overwrite=self.overwrite)
-            created = not self.overwrite  # the data path did not exist before
-            publish(tmp_manifest, self.manifest, overwrite=self.overwrite)
+            if self.overwrite or target != self.path:  # target is unused: a dead write's
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(target)
+            publish(self._tmp, target, overwrite=False, keep=True)
+            linked = True
+            sync_folder(target)  # the data's name reaches the disk before the manifest's
+            publish(tmp_manifest, self.manifest, overwrite=self.overwrite)  # the commit
         except BaseException:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(tmp_manifest)
-            if created:  # a manifest appeared meanwhile: no data file without its own
-                os.unlink(self.path)
+            if linked:  # nothing names it: the previous manifest names the other data name
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(target)
             self.abort()
             raise
+        sync_folder(self.manifest)
+        superseded = alternate(self.path) if target == self.path else self.path
+        with contextlib.suppress(OSError):  # no longer named; the next open retries
+            os.unlink(superseded)
+        self.abort()  # the temporary, now a second name of the published data
         return self.path
 
     def abort(self) -> None:
@@ -316,4 +364,5 @@ def open_raw(path: str | os.PathLike) -> WeightSource:
                 "from different writes (an overwrite was interrupted); write the file again"
             )  # fmt: skip
     meta = _json.mapping(manifest.get("metadata") or {}, mpath, "metadata")
+    _sweep(mpath, data)
     return WeightSource("colibri-raw", (dpath,), experts, meta)

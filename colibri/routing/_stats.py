@@ -379,6 +379,11 @@ def _read_npz(name: str) -> dict:
                     f"{_MAX_NPZ_BYTES} allowed"
                 )
             for info in archive.infolist():
+                if info.flag_bits & 0x1:  # zipfile would raise RuntimeError, wanting a password
+                    raise FormatError(
+                        f"{name}: member {info.filename!r} is marked encrypted; UsageStats.save "
+                        "writes plain archives, so the file is corrupt or not colibri's"
+                    )
                 _check_member(name, archive, info)
             f.seek(0)
             with np.load(f, allow_pickle=False) as npz:

@@ -171,6 +171,31 @@ def test_raw_round_trip_and_refuses_overwrite(tmp_path):
     write_experts(tmp_path / "x.colibri", experts, overwrite=True)
 
 
+def test_raw_overwrite_alternates_data_names_and_open_sweeps_the_stale_one(tmp_path):
+    experts = {
+        (lay, e): (GATE[lay, e], UP[lay, e], DOWN[lay, e]) for lay in range(L) for e in range(E)
+    }
+    names = lambda: sorted(p.name for p in tmp_path.iterdir())  # noqa: E731
+    path = write_experts(tmp_path / "x.colibri", experts)
+    assert names() == ["x.colibri", "x.colibri.json"]
+    write_experts(path, experts, overwrite=True)  # the previous data stays until the commit
+    assert names() == ["x.colibri.alt", "x.colibri.json"]
+    assert open_weights(path).files == (path + ".alt",)
+    assert_matches_reference(read_all(path))
+    write_experts(path, experts, overwrite=True)
+    assert names() == ["x.colibri", "x.colibri.json"]
+    (tmp_path / "x.colibri.alt").write_bytes(b"left by a write killed before its commit")
+    assert open_weights(path).files == (path,)
+    assert names() == ["x.colibri", "x.colibri.json"]  # the open removed the unnamed data
+    manifest = json.loads((tmp_path / "x.colibri.json").read_text())
+    os.rename(path, tmp_path / "other.bin")
+    (tmp_path / "x.colibri").write_bytes(b"a user's own file")
+    manifest["data"] = "other.bin"  # a manifest RawWriter did not write: nothing is removed
+    (tmp_path / "x.colibri.json").write_text(json.dumps(manifest))
+    assert open_weights(path + ".json").files == (str(tmp_path / "other.bin"),)
+    assert names() == ["other.bin", "x.colibri", "x.colibri.json"]
+
+
 def test_raw_writer_never_clobbers_a_manifest_that_appears_while_writing(tmp_path):
     from colibri.formats.raw import RawWriter
 
@@ -295,14 +320,13 @@ def test_gguf_absurd_counts(tmp_path):
 def test_raw_manifest_attacks(tmp_path):
     experts = {(0, e): (GATE[0, e], UP[0, e], DOWN[0, e]) for e in range(E)}
     path = write_experts(tmp_path / "x.colibri", experts)
-    with open(path + ".json") as f:
-        manifest = json.load(f)
-
     with open(path, "r+b") as f:  # truncated data file
         f.truncate(os.path.getsize(path) - 1)
     with pytest.raises(FormatError, match="truncated"):
         open_weights(path)
-    write_experts(tmp_path / "x.colibri", experts, overwrite=True)
+    write_experts(tmp_path / "x.colibri", experts, overwrite=True)  # its data: x.colibri.alt
+    with open(path + ".json") as f:
+        manifest = json.load(f)
 
     def attempt(m, match):
         (tmp_path / "x.colibri.json").write_text(json.dumps(m))

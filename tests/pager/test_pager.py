@@ -355,7 +355,7 @@ def test_truncated_file_names_the_file_and_pager_recovers(io, tmp_path, weights)
             pager.load(0, [0])
     path = write_experts(tmp_path / "t.colibri", experts, overwrite=True)  # whole again
     source = open_weights(path)  # validated at its full size
-    with open(path, "r+b") as f:
+    with open(source.files[0], "r+b") as f:  # the data of an overwrite: t.colibri.alt
         f.truncate(size - 4096)
     with pytest.raises(FileChangedError, match="must hold"):  # shorter than its header says
         Pager(source, budget_bytes=4 * SLOT, page_size_kb=4, io=io)

@@ -9,11 +9,11 @@ shard's header with colibri's own validating parser and sorts the tensors into r
 
 from __future__ import annotations
 
-import json
 import os
 import re
 from dataclasses import dataclass
 
+from colibri import _json
 from colibri.formats import FormatError
 from colibri.formats._base import TensorInfo
 from colibri.formats.safetensors import read_header
@@ -39,6 +39,88 @@ _STACKED = re.compile(
     r"(?:gate_up_proj|gate_proj|up_proj|down_proj)(?:\.weight)?$"
     r"|^(?:.*\.)?layers\.(?P<granite>\d+)\.block_sparse_moe\.(?:input|output)_linear\.weight$"
 )
+
+
+# config.json fields that size the model colibri pages, by role; each is checked where present
+# (a null means "the family's default" to transformers and is left to it).
+_EXPERTS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+_TOP_K = ("num_experts_per_tok", "moe_topk", "moe_top_k", "moe_k", "top_k_experts")
+_LAYERS = ("num_hidden_layers", "n_layers")
+_SIZES = ("hidden_size", "intermediate_size", "moe_intermediate_size", "ffn_hidden_size",
+          "intermediate_size_mlp")  # fmt: skip
+_SHARED_SIZES = ("shared_expert_intermediate_size", "shared_intermediate_size")
+_EVERY = ("decoder_sparse_step", "moe_layer_freq", "moe_layer_interval",
+          "interleave_moe_layer_step", "expert_layer_period")  # fmt: skip
+_FIRST = ("first_k_dense_replace", "num_dense_layers", "moe_layer_start_index",
+          "expert_layer_offset")  # fmt: skip
+_LAYER_LISTS = ("mlp_only_layers", "moe_layers")
+_DTYPES = ("float32", "float16", "bfloat16", "float64", "float", "half", "double")
+MAX_EXPERTS = 1 << 16
+MAX_LAYERS = 1 << 14
+MAX_SIZE = 1 << 20
+
+
+def check_config(path: str) -> dict:
+    """Read ``config.json`` strictly (colibri's JSON reader) and check the fields colibri and
+    the model code size things by, at the top level and in a ``text_config``.
+
+    Raises
+    ------
+    FormatError
+        Not JSON, duplicate keys, too large or deep, no ``model_type``, or a field of the wrong
+        type or out of range; the message names the file, the key and what was expected.
+    """
+    try:
+        return _checked_config(path)
+    except CheckpointError:
+        raise
+    except FormatError as error:  # from the JSON reader: the same message, the loader's class
+        raise CheckpointError(str(error)) from None
+
+
+def _checked_config(path: str) -> dict:
+    config = _json.load(path, what="config.json", max_bytes=16 << 20)
+    if not isinstance(config, dict) or "model_type" not in config:
+        raise CheckpointError(f"{path}: has no 'model_type'; it is not a transformers config")
+    model_type = _json.string(config["model_type"], path, "model_type")
+    if not model_type:
+        raise CheckpointError(f"{path}: 'model_type' must be a non-empty string (got '')")
+    _check_fields(config, path, "")
+    if config.get("text_config") is not None:
+        _check_fields(_json.mapping(config["text_config"], path, "text_config"), path,
+                      "text_config.")  # fmt: skip
+    return config
+
+
+def _check_fields(config: dict, path: str, prefix: str) -> None:
+    def ints(names, lo, hi) -> int | None:
+        last = None
+        for name in names:
+            if config.get(name) is not None:
+                last = _json.integer(config[name], path, prefix + name, lo=lo, hi=hi)
+        return last
+
+    experts = ints(_EXPERTS, 1, MAX_EXPERTS)
+    ints(_TOP_K, 1, experts or MAX_EXPERTS)  # a top-k never exceeds the expert count
+    layers = ints(_LAYERS, 1, MAX_LAYERS)
+    ints(_SIZES, 1, MAX_SIZE)
+    ints(_SHARED_SIZES, 0, MAX_SIZE)
+    ints(_EVERY, 1, max(layers or MAX_LAYERS, 1))
+    ints(_FIRST, 0, layers or MAX_LAYERS)
+    ints(("num_shared_experts", "n_shared_experts", "moe_num_shared_experts"), 0, MAX_EXPERTS)
+    groups = ints(("n_group",), 1, experts or MAX_EXPERTS)
+    ints(("topk_group",), 1, groups or MAX_EXPERTS)
+    for name in _LAYER_LISTS:
+        if config.get(name) is not None:
+            _json.int_list(config[name], path, prefix + name, hi=(layers or MAX_LAYERS) - 1,
+                           max_len=layers or MAX_LAYERS)  # fmt: skip
+    for name in ("dtype", "torch_dtype"):
+        value = config.get(name)
+        if value is not None and value not in _DTYPES:
+            raise CheckpointError(
+                f"{path}: {prefix + name!r} must be null or one of {', '.join(_DTYPES)} "
+                f"(got {_json.show(value)})"
+            )
 
 
 def is_expert_tensor(name: str) -> bool:
@@ -80,15 +162,7 @@ class Checkpoint:
                 f"{config_path}: missing; a transformers checkpoint directory needs its "
                 "config.json (save_pretrained writes one)"
             )
-        try:
-            with open(config_path, encoding="utf-8") as f:
-                self.config = json.load(f)
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise CheckpointError(f"{config_path}: not valid JSON ({exc})") from None
-        if not isinstance(self.config, dict) or "model_type" not in self.config:
-            raise CheckpointError(
-                f"{config_path}: has no 'model_type'; it is not a transformers config"
-            )
+        self.config = check_config(config_path)
         index = os.path.join(self.path, INDEX)
         single = os.path.join(self.path, SINGLE)
         if os.path.exists(index):
@@ -142,10 +216,9 @@ class Checkpoint:
 
     def _read_index(self, index: str) -> dict[str, str]:
         try:
-            with open(index, encoding="utf-8") as f:
-                data = json.load(f)
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise CheckpointError(f"{index}: not valid JSON ({exc})") from None
+            data = _json.load(index, what="the shard index")
+        except FormatError as error:
+            raise CheckpointError(str(error)) from None
         weight_map = data.get("weight_map") if isinstance(data, dict) else None
         if not isinstance(weight_map, dict) or not weight_map:
             raise CheckpointError(f"{index}: has no 'weight_map' object naming each tensor's shard")
