@@ -30,9 +30,11 @@ import numpy as np
 
 import colibri
 from colibri import _kernels, layer
+from colibri.dispatch import combine, dispatch, gather
 
 SHAPES = {"demo": (2048, 1680), "qwen3-30b-a3b": (2048, 768), "mixtral": (4096, 14336)}
 POOL_BYTES = 640 << 20  # about twice a large server's last-level cache
+DISPATCH_CASE = "dispatch T=16384 k=2 H=64"
 
 
 def best_ms(fn, rounds):
@@ -179,6 +181,18 @@ def stall_table(args, rng, torch, modes):
 
         return run
 
+    # colibri.dispatch's plan, gather and combine: enough slots and bytes for several chunks
+    ids = rng.integers(0, 64, (16384, 2)).astype(np.int32)
+    hidden = rng.standard_normal((16384, 64)).astype(np.float32)
+    w = rng.random((16384, 2)).astype(np.float32)
+
+    def dispatch_call(threads):
+        def run():
+            plan = dispatch(ids, 64, num_threads=threads)
+            combine(gather(hidden, plan, num_threads=threads), plan, w, num_threads=threads)
+
+        return run
+
     a = torch.randn(384, 384) if torch is not None else None
     hooks = {
         "quiet": lambda: None,
@@ -200,9 +214,11 @@ def stall_table(args, rng, torch, modes):
             for threads in (1, args.threads):
                 t = median_us(ffn_call(threads), hooks[mode], rounds=10) / len(experts)
                 results[mode, "expert Qwen3 bf16 batch 1", threads] = t
+                t = median_us(dispatch_call(threads), hooks[mode])
+                results[mode, DISPATCH_CASE, threads] = t
         finally:
             _stop_spinners(spinners, stop)
-    names = [c[0] for c in cases] + ["expert Qwen3 bf16 batch 1"]
+    names = [c[0] for c in cases] + ["expert Qwen3 bf16 batch 1", DISPATCH_CASE]
     probe = colibri.init(64, 2)
     route_path = "avx512" if probe.use_avx512 else "avx2" if probe.use_avx2 else "sse2"
     for name in names:
@@ -212,12 +228,12 @@ def stall_table(args, rng, torch, modes):
         f"'x serial' = / quiet 1-thread; routing path "
         f"{route_path}"
     )
-    header = f"{'':<28}{'quiet 1t':>10}" + "".join(
+    header = f"{'':<30}{'quiet 1t':>10}" + "".join(
         f"{m:>14}{'x serial':>9}" for m in modes if hooks.get(m) is not None
     )
     print(header)
     for name in names:
-        line = f"{name:<28}{serial[name]:>10.1f}"
+        line = f"{name:<30}{serial[name]:>10.1f}"
         for m in modes:
             if hooks.get(m) is None:
                 continue
