@@ -5,6 +5,7 @@ memory floor, measured in one run.
     python bench/bench_kernels.py --quick          # the demo and Qwen3 shapes, fewer rows
     python bench/bench_kernels.py --busy           # stall table beside a process on every core
     python bench/bench_kernels.py --stalls-only --busy
+    python bench/bench_kernels.py --avx2-machine   # each shape also as an AVX2-only CPU runs it
 
 One expert is y = down @ (silu(gate @ x) * (up @ x)), gate/up [I, H], down [H, I]. Each
 figure is milliseconds per expert, the best of several rounds over a pool of experts larger
@@ -17,6 +18,11 @@ than the last-level cache (so weights come from memory, as when decoding a large
     blas       the block-convert + BLAS path (float32 blocks of the weights, numpy matmul)
 
 Ratios: "x floor" = colibri / floor, "x torch" = torch / colibri.
+
+--avx2-machine emulates an AVX2-only CPU for both sides: after each shape's native rows, a
+child process runs it again with COLIBRI_SIMD=avx2 (colibri's kernel on its AVX2 path),
+ONEDNN_MAX_CPU_ISA=AVX2 (oneDNN without AVX-512 and AMX: torch then has no oneDNN bf16/fp16
+matmul and runs its own kernels) and ATEN_CPU_CAPABILITY=avx2 (torch's own kernels on AVX2).
 """
 
 from __future__ import annotations
@@ -24,15 +30,19 @@ from __future__ import annotations
 import argparse
 import multiprocessing as mp
 import os
+import subprocess
+import sys
 import time
 
 import numpy as np
 
 import colibri
-from colibri.layer import _ffn, _moe
+from colibri.layer import _ffn, _moe, combine, dispatch, gather
 
+AVX2_MACHINE = {"COLIBRI_SIMD": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"}
 SHAPES = {"demo": (2048, 1680), "qwen3-30b-a3b": (2048, 768), "mixtral": (4096, 14336)}
 POOL_BYTES = 640 << 20  # about twice a large server's last-level cache
+DISPATCH_CASE = "dispatch T=16384 k=2 H=64"
 
 
 def best_ms(fn, rounds):
@@ -61,6 +71,22 @@ def make_pool(H, I, dtype_name, pool_bytes, rng):
         g, u, d = flat[: I * H], flat[I * H : 2 * I * H], flat[2 * I * H :]
         experts.append((g.reshape(I, H), u.reshape(I, H), d.reshape(H, I), flat.view(np.uint64)))
     return experts
+
+
+def run_avx2_machine(name, dtype_name, args):
+    """The shape's rows again in a child process that sees an AVX2-only CPU (AVX2_MACHINE)."""
+    command = [
+        sys.executable, __file__, "--no-stalls", "--label", "avx2-machine", "--shapes", name,
+        "--dtypes", dtype_name, "--batches", *map(str, args.batches), "--threads",
+        str(args.threads), "--rounds", str(args.rounds), "--pool-mb", str(args.pool_mb),
+        "--paths",
+    ]  # fmt: skip
+    if args.no_torch:
+        command.append("--no-torch")
+    done = subprocess.run(
+        command, env=dict(os.environ, **AVX2_MACHINE), capture_output=True, text=True, check=True
+    )
+    print(done.stdout, end="", flush=True)
 
 
 def run_shape(name, H, I, dtype_name, batches, args, rng, torch):
@@ -118,7 +144,7 @@ def run_shape(name, H, I, dtype_name, batches, args, rng, torch):
         c = cells["colibri"]
         best_other = min(v for k, v in cells.items() if k in ("blas", "torch"))
         line = (
-            f"{name:<14} {dtype_name:<9} {n:>3}  floor {floor:8.3f}  "
+            f"{args.label}{name:<14} {dtype_name:<9} {n:>3}  floor {floor:8.3f}  "
             + "  ".join(f"{k} {v:8.3f}" for k, v in cells.items())
             + f"  | x floor {c / floor:5.2f}"
         )
@@ -127,7 +153,7 @@ def run_shape(name, H, I, dtype_name, batches, args, rng, torch):
         line += f"  x best-other {best_other / c:5.2f}"
         print(line, flush=True)
     print(
-        f"{'':<14} ({count} experts of {nbytes / 2**20:.1f} MiB; floor "
+        f"{args.label}{'':<14} ({count} experts of {nbytes / 2**20:.1f} MiB; floor "
         f"{nbytes / floor / 1e6:.1f} GB/s, colibri at batch 1 "
         f"{nbytes / rows[0][1]['colibri'] / 1e6:.1f} GB/s)",
         flush=True,
@@ -179,6 +205,18 @@ def stall_table(args, rng, torch, modes):
 
         return run
 
+    # colibri.dispatch's plan, gather and combine: enough slots and bytes for several chunks
+    ids = rng.integers(0, 64, (16384, 2)).astype(np.int32)
+    hidden = rng.standard_normal((16384, 64)).astype(np.float32)
+    w = rng.random((16384, 2)).astype(np.float32)
+
+    def dispatch_call(threads):
+        def run():
+            plan = dispatch(ids, 64, num_threads=threads)
+            combine(gather(hidden, plan, num_threads=threads), plan, w, num_threads=threads)
+
+        return run
+
     a = torch.randn(384, 384) if torch is not None else None
     hooks = {
         "quiet": lambda: None,
@@ -200,9 +238,11 @@ def stall_table(args, rng, torch, modes):
             for threads in (1, args.threads):
                 t = median_us(ffn_call(threads), hooks[mode], rounds=10) / len(experts)
                 results[mode, "expert Qwen3 bf16 batch 1", threads] = t
+                t = median_us(dispatch_call(threads), hooks[mode])
+                results[mode, DISPATCH_CASE, threads] = t
         finally:
             _stop_spinners(spinners, stop)
-    names = [c[0] for c in cases] + ["expert Qwen3 bf16 batch 1"]
+    names = [c[0] for c in cases] + ["expert Qwen3 bf16 batch 1", DISPATCH_CASE]
     probe = colibri.init(64, 2)
     route_path = "avx512" if probe.use_avx512 else "avx2" if probe.use_avx2 else "sse2"
     for name in names:
@@ -212,12 +252,12 @@ def stall_table(args, rng, torch, modes):
         f"'x serial' = / quiet 1-thread; routing path "
         f"{route_path}"
     )
-    header = f"{'':<28}{'quiet 1t':>10}" + "".join(
+    header = f"{'':<30}{'quiet 1t':>10}" + "".join(
         f"{m:>14}{'x serial':>9}" for m in modes if hooks.get(m) is not None
     )
     print(header)
     for name in names:
-        line = f"{name:<28}{serial[name]:>10.1f}"
+        line = f"{name:<30}{serial[name]:>10.1f}"
         for m in modes:
             if hooks.get(m) is None:
                 continue
@@ -270,7 +310,15 @@ def main(argv=None):
     )
     parser.add_argument("--stalls-only", action="store_true", help="only the stall table")
     parser.add_argument("--no-stalls", action="store_true", help="no stall table")
+    parser.add_argument(
+        "--avx2-machine",
+        action="store_true",
+        help="each shape again in a child process that sees an AVX2-only CPU (colibri, torch)",
+    )
+    parser.add_argument("--label", default="", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.label:
+        args.label += " "
     if args.quick:
         args.shapes, args.batches = ["demo", "qwen3-30b-a3b"], [1, 16]
     runs = _ffn.runnable_paths()
@@ -281,10 +329,15 @@ def main(argv=None):
         import torch
 
         torch.set_num_threads(args.threads)
+    torch_isa = ""
+    if torch is not None:
+        # whether torch's bf16 linear goes through oneDNN (AVX512_BF16 / AMX kernels here)
+        onednn = "on" if torch.ops.mkldnn._is_mkldnn_bf16_supported() else "off"
+        torch_isa = f" (oneDNN bf16 {onednn}, aten {torch.backends.cpu.get_cpu_capability()})"
     print(
-        f"colibri {colibri.__version__}: kernel path {_ffn.ffn_path()} (simd "
+        f"{args.label}colibri {colibri.__version__}: kernel path {_ffn.ffn_path()} (simd "
         f"{colibri.simd_path()}, runs {', '.join(runs)}); {args.threads} threads; "
-        f"torch {torch.__version__ if torch else '-'}; load {os.getloadavg()[0]:.2f}"
+        f"torch {torch.__version__ if torch else '-'}{torch_isa}; load {os.getloadavg()[0]:.2f}"
     )
     rng = np.random.default_rng(0)
     if not args.stalls_only:
@@ -292,6 +345,8 @@ def main(argv=None):
             H, I = SHAPES[name]
             for dtype_name in args.dtypes:
                 run_shape(name, H, I, dtype_name, args.batches, args, rng, torch)
+                if args.avx2_machine:
+                    run_avx2_machine(name, dtype_name, args)
     if not args.no_stalls:
         modes = ["quiet", "busy", "after torch"] if args.busy else ["quiet", "after torch"]
         stall_table(args, rng, torch, modes)

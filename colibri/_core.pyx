@@ -91,6 +91,8 @@ cdef extern from *:
     #endif
     #ifdef COLIBRI_SSE2
     #define COLIBRI_SIMD "sse2"
+    #elif defined(COLIBRI_NEON)
+    #define COLIBRI_SIMD "neon (score passes, top two, top-k candidates)"
     #else
     #define COLIBRI_SIMD "none (portable C)"
     #endif

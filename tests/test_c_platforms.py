@@ -1,10 +1,10 @@
 """include/colibri/route.h built as C for every platform this machine can run, under every
 routing option, against colibri's own router bit for bit.
 
-Builds: the host compiler with its SIMD path and as plain C (``-U__SSE2__``: the path ARM
-builds without NEON run); aarch64 with a cross compiler, run under qemu-user; Windows x86-64
-with mingw-w64, run under wine. A build whose toolchain is missing is skipped
-(``.ci/toolchains.sh`` installs them for CI).
+Builds: the host compiler with its SIMD path and as plain C (``-U__SSE2__``); aarch64 with a
+cross compiler, run under qemu-user, once on its NEON path and once with ``COLIBRI_SIMD=scalar``
+(plain C, chosen at run time through cpu.h); Windows x86-64 with mingw-w64, run under wine. A
+build whose toolchain is missing is skipped (``.ci/toolchains.sh`` installs them for CI).
 """
 
 from __future__ import annotations
@@ -38,8 +38,8 @@ static void *take(FILE *f, size_t size, size_t n)
 
 int main(int argc, char **argv)
 {
-#if defined(__aarch64__)
-    puts("aarch64");
+#if defined(COLIBRI_NEON)
+    puts(colibri_neon_on() ? "neon" : "plain C");
 #elif defined(COLIBRI_SSE2)
     puts("sse2");
 #else
@@ -99,23 +99,20 @@ WINE = shutil.which("wine64") or (
 HOST_CC = shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
 COMMON = ["-O2", "-std=c11", "-ffp-contract=off", "-Wall"]
 
-# name: (compiler, extra flags, runner prefix or None for native, the path the program prints)
+AARCH64_CC = shutil.which("aarch64-linux-gnu-gcc")
+QEMU = [shutil.which("qemu-aarch64")] if shutil.which("qemu-aarch64") else None
+
+# name: (compiler, extra flags, runner prefix or None for native, environment, the path the
+# program prints)
 TOOLCHAINS = {
-    "host": (HOST_CC, [], None, "sse2"),
-    "plain-c": (HOST_CC, ["-U__SSE2__"], None, "plain C"),
-    "aarch64-qemu": (
-        shutil.which("aarch64-linux-gnu-gcc"),
-        ["-static"],
-        [shutil.which("qemu-aarch64")] if shutil.which("qemu-aarch64") else None,
-        "aarch64",
-    ),
+    "host": (HOST_CC, [], None, {}, "sse2"),
+    "plain-c": (HOST_CC, ["-U__SSE2__"], None, {}, "plain C"),
+    "aarch64-neon-qemu": (AARCH64_CC, ["-static"], QEMU, {}, "neon"),
+    "aarch64-plain-qemu": (AARCH64_CC, ["-static"], QEMU, {"COLIBRI_SIMD": "scalar"}, "plain C"),
     "win64-wine": (
-        shutil.which("x86_64-w64-mingw32-gcc"),
-        ["-static"],
-        [WINE] if WINE else None,
-        "sse2",
+        shutil.which("x86_64-w64-mingw32-gcc"), ["-static"], [WINE] if WINE else None, {}, "sse2",
     ),
-}
+}  # fmt: skip
 
 
 def _rng_partition(rng, E, G):
@@ -156,7 +153,7 @@ CASES = _cases()
 # mingw/wine's differs from glibc's by an ulp now and then. Everything else in route.h is
 # exact IEEE arithmetic or colibri's own exp, the same bits on every platform.
 LIBM_CASES = {"sqrtsoftplus-logit-bias-p2"}
-GLIBC = {"host", "plain-c", "aarch64-qemu"}
+GLIBC = {"host", "plain-c", "aarch64-neon-qemu", "aarch64-plain-qemu"}
 
 
 def _logits(rng, T, E):
@@ -194,7 +191,7 @@ def _write_case(path, x, config: colibri.Config):
 @pytest.fixture(scope="module", params=list(TOOLCHAINS))
 def program(request, tmp_path_factory):
     name = request.param
-    compiler, flags, runner, path = TOOLCHAINS[name]
+    compiler, flags, runner, env, path = TOOLCHAINS[name]
     if compiler is None or (name.endswith(("qemu", "wine")) and runner is None):
         pytest.skip(f"{name}: toolchain not installed (.ci/toolchains.sh installs it)")
     folder = tmp_path_factory.mktemp(name)
@@ -204,12 +201,12 @@ def program(request, tmp_path_factory):
         [compiler, *COMMON, *flags, "-I", colibri.get_include(), "route.c", "-o", exe.name, "-lm"],
         cwd=folder, check=True, capture_output=True, text=True,
     )  # fmt: skip
-    return name, [*(runner or []), str(exe)], path
+    return name, [*(runner or []), str(exe)], env, path
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_route_h_matches_the_router_bit_for_bit(program, case, tmp_path):
-    name, command, path = program
+    name, command, program_env, path = program
     options = dict(CASES[case])
     E, k = options.pop("E"), options.pop("k")
     config = colibri.Config(num_experts=E, top_k=k, **options)
@@ -217,13 +214,14 @@ def test_route_h_matches_the_router_bit_for_bit(program, case, tmp_path):
     x = _logits(rng, 200, E)
     ids, weights = colibri.init(config=config).route(x)
     _write_case(tmp_path / "case.bin", x, config)
-    env = dict(os.environ, WINEDEBUG="-all")
+    env = {k: v for k, v in os.environ.items() if k != "COLIBRI_SIMD"}
+    env.update(WINEDEBUG="-all", **program_env)
     done = subprocess.run(
         [*command, "case.bin", "out.bin"], cwd=tmp_path, env=env, capture_output=True, text=True,
         timeout=300,
     )  # fmt: skip
     assert done.returncode == 0, (name, done.returncode, done.stderr[-2000:])
-    assert done.stdout.split()[0] == path.split()[0], done.stdout
+    assert done.stdout.strip() == path, done.stdout
     out = np.fromfile(tmp_path / "out.bin", np.uint8)
     T = len(x)
     status = out[: T * 4].view("<i4")

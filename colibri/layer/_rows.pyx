@@ -5,14 +5,21 @@ A *slot* is one (token, choice) pair of the routing result ``ids [T, k]``, numbe
 expert: per-thread histograms over contiguous chunks of slots, a prefix sum across
 (expert, chunk), then a parallel scatter in which each thread writes its own chunk in
 order. The result is unique (stable), so it does not depend on the thread count.
+
+Every parallel loop runs on colibri/pool.h's threads, in contiguous chunks of rows: the
+caller takes every chunk no helper has claimed yet, so a busy machine (a compiler, torch's
+own pool) costs at most the serial time instead of a scheduler quantum per call.
 """
 
-from cython.parallel cimport prange, threadid
 from libc.stdint cimport int32_t, int64_t, uint8_t, uint16_t
 from libc.stdlib cimport calloc, free, malloc
 from libc.string cimport memcpy, memset
 
 from colibri._openmp cimport colibri_max_threads
+
+cdef extern from "colibri/pool.h" nogil:
+    ctypedef void (*colibri_chunk_fn)(void *arg, int32_t chunk) noexcept nogil
+    void colibri_pool_run(colibri_chunk_fn fn, void *arg, int32_t chunks, int threads) noexcept
 
 cdef extern from "colibri/half.h" nogil:
     float colibri_bf16_to_float(uint16_t h)
@@ -115,6 +122,51 @@ ctypedef fused dst_t:
 cdef Py_ssize_t MIN_SLOTS_PER_CHUNK = 16384
 cdef Py_ssize_t MIN_BYTES_PER_THREAD = 1 << 18
 
+# A chunk callback learns its arrays' element types from these tags (one branch per chunk).
+cdef enum:
+    TYPE_FLOAT32 = 0
+    TYPE_FLOAT64 = 1
+    TYPE_UINT16 = 2
+
+
+cdef struct Job:
+    # one call's C-contiguous arrays, split into `chunks` contiguous spans of `rows`
+    const void *src
+    void *dst
+    int src_type
+    int src_kind
+    int dst_type
+    int dst_kind
+    Py_ssize_t rows
+    Py_ssize_t width       # elements per row (bytes for gather_rows)
+    Py_ssize_t chunks
+    Py_ssize_t top_k
+    Py_ssize_t n           # slots: T * k
+    const int64_t *slots   # sorted_slots (gather) or inverse (combine)
+    const float *weights   # [T, k] (combine)
+    double *scratch        # one row of `width` doubles per chunk (combine)
+
+
+cdef struct PlanJob:
+    const void *ids
+    int wide               # ids are int64
+    Py_ssize_t n
+    Py_ssize_t E
+    Py_ssize_t chunks
+    int64_t *starts        # [chunks, E] histograms, then each chunk's next row per expert
+    int64_t *first_bad     # [chunks]
+    int64_t *sorted_slots
+    int64_t *inverse
+
+
+cdef inline int _type_of(src_t *tag) noexcept nogil:
+    if src_t is float:
+        return TYPE_FLOAT32
+    elif src_t is double:
+        return TYPE_FLOAT64
+    else:
+        return TYPE_UINT16
+
 
 def resolve_threads(num_threads):
     """The thread count to use: ``num_threads`` if given (>= 1), else OpenMP's default."""
@@ -124,6 +176,49 @@ def resolve_threads(num_threads):
     if n < 1:
         raise ValueError(f"num_threads must be >= 1 or None (got {num_threads!r})")
     return n
+
+
+cdef void _hist_span(const index_t *flat, PlanJob *p, int32_t c) noexcept nogil:
+    cdef Py_ssize_t lo = c * p.n // p.chunks, hi = (c + 1) * p.n // p.chunks, s
+    cdef int64_t *hist = p.starts + c * p.E
+    cdef int64_t value
+    p.first_bad[c] = -1
+    for s in range(lo, hi):
+        value = flat[s]
+        if value < 0 or value >= p.E:
+            if p.first_bad[c] < 0:
+                p.first_bad[c] = s
+        else:
+            hist[value] += 1
+
+
+cdef void _hist_chunk(void *arg, int32_t c) noexcept nogil:
+    """Chunk c's histogram of expert ids (and its first out-of-range slot)."""
+    cdef PlanJob *p = <PlanJob *>arg
+    if p.wide:
+        _hist_span(<const int64_t *>p.ids, p, c)
+    else:
+        _hist_span(<const int32_t *>p.ids, p, c)
+
+
+cdef void _scatter_span(const index_t *flat, PlanJob *p, int32_t c) noexcept nogil:
+    cdef Py_ssize_t lo = c * p.n // p.chunks, hi = (c + 1) * p.n // p.chunks, s
+    cdef int64_t *hist = p.starts + c * p.E
+    cdef int64_t row
+    for s in range(lo, hi):
+        row = hist[flat[s]]
+        hist[flat[s]] = row + 1
+        p.sorted_slots[row] = s
+        p.inverse[s] = row
+
+
+cdef void _scatter_chunk(void *arg, int32_t c) noexcept nogil:
+    """Chunk c's slots to their rows, in order (stable)."""
+    cdef PlanJob *p = <PlanJob *>arg
+    if p.wide:
+        _scatter_span(<const int64_t *>p.ids, p, c)
+    else:
+        _scatter_span(<const int32_t *>p.ids, p, c)
 
 
 def build_plan(
@@ -153,23 +248,22 @@ def build_plan(
         free(starts)
         free(first_bad)
         raise MemoryError("build_plan(): cannot allocate per-thread histograms")
-    cdef Py_ssize_t c, s, lo, hi, e, p, total, count, padded
-    cdef int64_t value, row
-    cdef int64_t* hist
+    cdef Py_ssize_t c, s, e, p, total, count, padded
+    cdef int64_t value
+    cdef PlanJob job
+    job.ids = flat
+    job.wide = index_t is int64_t
+    job.n = n
+    job.E = E
+    job.chunks = num_chunks
+    job.starts = starts
+    job.first_bad = first_bad
+    job.sorted_slots = &sorted_slots[0] if sorted_slots.shape[0] > 0 else NULL
+    job.inverse = &inverse[0] if n > 0 else NULL
     try:
         # 1. Per-chunk histograms (and the first out-of-range id of each chunk).
-        for c in prange(num_chunks, nogil=True, num_threads=num_chunks, schedule="static"):
-            lo = c * n // num_chunks
-            hi = (c + 1) * n // num_chunks
-            hist = starts + c * E
-            first_bad[c] = -1
-            for s in range(lo, hi):
-                value = flat[s]
-                if value < 0 or value >= E:
-                    if first_bad[c] < 0:
-                        first_bad[c] = s
-                else:
-                    hist[value] += 1
+        with nogil:
+            colibri_pool_run(_hist_chunk, &job, <int32_t>num_chunks, <int>num_chunks)
         for c in range(num_chunks):
             if first_bad[c] >= 0:
                 s = first_bad[c]
@@ -195,18 +289,23 @@ def build_plan(
                 total = total + padded
             offsets[E] = total
             # 3. Scatter: each chunk writes its slots in order (stable).
-            for c in prange(num_chunks, num_threads=num_chunks, schedule="static"):
-                lo = c * n // num_chunks
-                hi = (c + 1) * n // num_chunks
-                hist = starts + c * E
-                for s in range(lo, hi):
-                    row = hist[flat[s]]
-                    hist[flat[s]] = row + 1
-                    sorted_slots[row] = s
-                    inverse[s] = row
+            colibri_pool_run(_scatter_chunk, &job, <int32_t>num_chunks, <int>num_chunks)
     finally:
         free(starts)
         free(first_bad)
+
+
+cdef void _gather_bytes_chunk(void *arg, int32_t c) noexcept nogil:
+    cdef const Job *j = <const Job *>arg
+    cdef Py_ssize_t i, s
+    cdef uint8_t *row
+    for i in range(c * j.rows // j.chunks, (c + 1) * j.rows // j.chunks):
+        s = j.slots[i]
+        row = <uint8_t *>j.dst + i * j.width
+        if s >= j.n:
+            memset(row, 0, j.width)
+        else:
+            memcpy(row, <const uint8_t *>j.src + (s // j.top_k) * j.width, j.width)
 
 
 def gather_rows(
@@ -219,17 +318,45 @@ def gather_rows(
     """Copy the token row of each slot into expert order (same dtype, byte copy)."""
     cdef Py_ssize_t rows = dst.shape[0]
     cdef Py_ssize_t width = dst.shape[1]
-    cdef Py_ssize_t n = src.shape[0] * top_k
-    cdef Py_ssize_t i, s
     cdef int threads = _threads_for(rows * width, num_threads)
+    cdef Job job
     if rows == 0 or width == 0:
         return
-    for i in prange(rows, nogil=True, num_threads=threads, schedule="static"):
-        s = sorted_slots[i]
-        if s >= n:
-            memset(&dst[i, 0], 0, width)
+    job.src = &src[0, 0] if src.shape[0] > 0 else NULL
+    job.dst = &dst[0, 0]
+    job.rows = rows
+    job.width = width
+    job.chunks = threads
+    job.top_k = top_k
+    job.n = src.shape[0] * top_k
+    job.slots = &sorted_slots[0]
+    with nogil:
+        colibri_pool_run(_gather_bytes_chunk, &job, threads, threads)
+
+
+cdef void _gather_float32_span(const src_t *src, const Job *j, int32_t c) noexcept nogil:
+    cdef Py_ssize_t i, s, h, H = j.width
+    cdef float *out
+    cdef const src_t *row
+    for i in range(c * j.rows // j.chunks, (c + 1) * j.rows // j.chunks):
+        s = j.slots[i]
+        out = <float *>j.dst + i * H
+        if s >= j.n:
+            memset(out, 0, H * sizeof(float))
         else:
-            memcpy(&dst[i, 0], &src[s // top_k, 0], width)
+            row = src + (s // j.top_k) * H
+            for h in range(H):
+                out[h] = _load(row[h], j.src_kind)
+
+
+cdef void _gather_float32_chunk(void *arg, int32_t c) noexcept nogil:
+    cdef const Job *j = <const Job *>arg
+    if j.src_type == TYPE_FLOAT32:
+        _gather_float32_span(<const float *>j.src, j, c)
+    elif j.src_type == TYPE_FLOAT64:
+        _gather_float32_span(<const double *>j.src, j, c)
+    else:
+        _gather_float32_span(<const uint16_t *>j.src, j, c)
 
 
 def gather_rows_float32(
@@ -243,18 +370,72 @@ def gather_rows_float32(
     """Gather token rows into expert order, converting to float32 on the way."""
     cdef Py_ssize_t rows = dst.shape[0]
     cdef Py_ssize_t H = dst.shape[1]
-    cdef Py_ssize_t n = src.shape[0] * top_k
-    cdef Py_ssize_t i, s, h
     cdef int threads = _threads_for(rows * H * 4, num_threads)
+    cdef Job job
     if rows == 0 or H == 0:
         return
-    for i in prange(rows, nogil=True, num_threads=threads, schedule="static"):
-        s = sorted_slots[i]
-        if s >= n:
-            memset(&dst[i, 0], 0, H * sizeof(float))
+    job.src = &src[0, 0] if src.shape[0] > 0 else NULL
+    job.src_type = _type_of(<src_t *>NULL)
+    job.src_kind = src_kind
+    job.dst = &dst[0, 0]
+    job.rows = rows
+    job.width = H
+    job.chunks = threads
+    job.top_k = top_k
+    job.n = src.shape[0] * top_k
+    job.slots = &sorted_slots[0]
+    with nogil:
+        colibri_pool_run(_gather_float32_chunk, &job, threads, threads)
+
+
+cdef void _combine_span(const src_t *src, dst_t *out, const Job *j, int32_t c) noexcept nogil:
+    """Tokens of chunk c, summed in chunk c's scratch row."""
+    cdef Py_ssize_t t, i, h, row, H = j.width, k = j.top_k
+    cdef float w
+    cdef double *acc64 = j.scratch + c * H
+    cdef float *acc = <float *>acc64
+    cdef dst_t *o
+    for t in range(c * j.rows // j.chunks, (c + 1) * j.rows // j.chunks):
+        o = out + t * H
+        if src_t is double:
+            for h in range(H):
+                acc64[h] = 0.0
+            for i in range(k):
+                row = j.slots[t * k + i]
+                w = j.weights[t * k + i]
+                for h in range(H):
+                    acc64[h] = acc64[h] + <double>w * src[row * H + h]
+            for h in range(H):
+                _store(o + h, acc64[h], j.dst_kind)
         else:
             for h in range(H):
-                dst[i, h] = _load(src, s // top_k, h, src_kind)
+                acc[h] = 0.0
+            for i in range(k):
+                row = j.slots[t * k + i]
+                w = j.weights[t * k + i]
+                for h in range(H):
+                    acc[h] = acc[h] + w * _load(src[row * H + h], j.src_kind)
+            for h in range(H):
+                _store(o + h, acc[h], j.dst_kind)
+
+
+cdef void _combine_to(const src_t *src, const Job *j, int32_t c) noexcept nogil:
+    if j.dst_type == TYPE_FLOAT32:
+        _combine_span(src, <float *>j.dst, j, c)
+    elif j.dst_type == TYPE_FLOAT64:
+        _combine_span(src, <double *>j.dst, j, c)
+    else:
+        _combine_span(src, <uint16_t *>j.dst, j, c)
+
+
+cdef void _combine_chunk(void *arg, int32_t c) noexcept nogil:
+    cdef const Job *j = <const Job *>arg
+    if j.src_type == TYPE_FLOAT32:
+        _combine_to(<const float *>j.src, j, c)
+    elif j.src_type == TYPE_FLOAT64:
+        _combine_to(<const double *>j.src, j, c)
+    else:
+        _combine_to(<const uint16_t *>j.src, j, c)
 
 
 def combine_rows(
@@ -268,47 +449,36 @@ def combine_rows(
 ):
     """``out[t] = sum_j weights[t, j] * expert_out[inverse[t * k + j]]``, j = 0..k-1 in order.
 
-    Each token is one thread's work (no atomics); the sum runs in float32 (float64 for
+    Each token is one chunk's work (no atomics); the sum runs in float32 (float64 for
     float64 inputs) and is rounded to the output dtype once.
     """
     cdef Py_ssize_t T = out.shape[0]
     cdef Py_ssize_t H = out.shape[1]
     cdef Py_ssize_t k = weights.shape[1]
-    cdef Py_ssize_t t, j, h, row
-    cdef float w
-    cdef float* acc
-    cdef double* acc64
     cdef int threads = _threads_for(T * H * (k + 1) * 4, num_threads)
+    cdef Job job
     if T == 0 or H == 0:
         return
-    # One scratch row per thread (doubles, so the float64 path fits too).
+    # One scratch row per chunk (doubles, so the float64 path fits too).
     cdef double* scratch = <double*>malloc(threads * H * sizeof(double))
     if scratch == NULL:
         raise MemoryError(f"combine(): cannot allocate {threads} scratch rows of {H} values")
+    job.src = &expert_out[0, 0] if expert_out.shape[0] > 0 else NULL
+    job.src_type = _type_of(<src_t *>NULL)
+    job.src_kind = src_kind
+    job.dst = &out[0, 0]
+    job.dst_type = _type_of(<dst_t *>NULL)
+    job.dst_kind = dst_kind
+    job.rows = T
+    job.width = H
+    job.chunks = threads
+    job.top_k = k
+    job.slots = &inverse[0] if k > 0 else NULL
+    job.weights = &weights[0, 0] if k > 0 else NULL
+    job.scratch = scratch
     try:
-        for t in prange(T, nogil=True, num_threads=threads, schedule="static"):
-            acc64 = scratch + threadid() * H
-            acc = <float*>acc64
-            if src_t is double:
-                for h in range(H):
-                    acc64[h] = 0.0
-                for j in range(k):
-                    row = inverse[t * k + j]
-                    w = weights[t, j]
-                    for h in range(H):
-                        acc64[h] = acc64[h] + <double>w * expert_out[row, h]
-                for h in range(H):
-                    _store(out, t, h, acc64[h], dst_kind)
-            else:
-                for h in range(H):
-                    acc[h] = 0.0
-                for j in range(k):
-                    row = inverse[t * k + j]
-                    w = weights[t, j]
-                    for h in range(H):
-                        acc[h] = acc[h] + w * _load(expert_out, row, h, src_kind)
-                for h in range(H):
-                    _store(out, t, h, acc[h], dst_kind)
+        with nogil:
+            colibri_pool_run(_combine_chunk, &job, threads, threads)
     finally:
         free(scratch)
 
@@ -322,26 +492,43 @@ cdef inline int _threads_for(Py_ssize_t work_bytes, int num_threads) noexcept no
     return num_threads
 
 
-cdef inline float _load(const src_t[:, ::1] a, Py_ssize_t i, Py_ssize_t j, int kind) noexcept nogil:
+cdef inline float _load(src_t v, int kind) noexcept nogil:
     if src_t is uint16_t:
         if kind == 2:
-            return colibri_bf16_to_float(a[i, j])
-        return colibri_half_to_float_fast(a[i, j])
+            return colibri_bf16_to_float(v)
+        return colibri_half_to_float_fast(v)
     else:
-        return <float>a[i, j]
+        return <float>v
 
 
-cdef inline void _store(dst_t[:, ::1] a, Py_ssize_t i, Py_ssize_t j, double v,
-                        int kind) noexcept nogil:
+cdef inline void _store(dst_t *a, double v, int kind) noexcept nogil:
     if dst_t is uint16_t:
         if kind == 2:
-            a[i, j] = colibri_float_to_bf16(<float>v)
+            a[0] = colibri_float_to_bf16(<float>v)
         else:
-            a[i, j] = colibri_float_to_half(<float>v)
+            a[0] = colibri_float_to_half(<float>v)
     elif dst_t is float:
-        a[i, j] = <float>v
+        a[0] = <float>v
     else:
-        a[i, j] = v
+        a[0] = v
+
+
+cdef void _convert_span(const src_t *src, const Job *j, int32_t c) noexcept nogil:
+    cdef Py_ssize_t i, lo = c * j.rows // j.chunks * j.width
+    cdef Py_ssize_t hi = (c + 1) * j.rows // j.chunks * j.width
+    cdef float *out = <float *>j.dst
+    for i in range(lo, hi):
+        out[i] = _load(src[i], j.src_kind)
+
+
+cdef void _convert_chunk(void *arg, int32_t c) noexcept nogil:
+    cdef const Job *j = <const Job *>arg
+    if j.src_type == TYPE_FLOAT32:
+        _convert_span(<const float *>j.src, j, c)
+    elif j.src_type == TYPE_FLOAT64:
+        _convert_span(<const double *>j.src, j, c)
+    else:
+        _convert_span(<const uint16_t *>j.src, j, c)
 
 
 def to_float32(
@@ -354,10 +541,16 @@ def to_float32(
     to float32."""
     cdef Py_ssize_t R = src.shape[0]
     cdef Py_ssize_t C = src.shape[1]
-    cdef Py_ssize_t i, j
     cdef int threads = _threads_for(R * C * 4, num_threads)
+    cdef Job job
     if R == 0 or C == 0:
         return
-    for i in prange(R, nogil=True, num_threads=threads, schedule="static"):
-        for j in range(C):
-            dst[i, j] = _load(src, i, j, src_kind)
+    job.src = &src[0, 0]
+    job.src_type = _type_of(<src_t *>NULL)
+    job.src_kind = src_kind
+    job.dst = &dst[0, 0]
+    job.rows = R
+    job.width = C
+    job.chunks = threads
+    with nogil:
+        colibri_pool_run(_convert_chunk, &job, threads, threads)

@@ -1,7 +1,8 @@
 /*
  * colibri's per-token router: one fused pass over a row of E gate logits picks the
  * top-k experts and their weights. Plain C99 (no VLAs), header-only, usable from C without
- * Python: SSE2 where the target has it, plain C elsewhere, and where GCC/Clang can build
+ * Python: SSE2 where the target has it, NEON on aarch64 (unless COLIBRI_SIMD=scalar), plain C
+ * elsewhere, and where GCC/Clang can build
  * them and the CPU runs them (colibri/cpu.h; COLIBRI_SIMD caps the path): AVX-512F for the
  * sigmoid pass and the top two (router.use_avx512), AVX2 for the score passes, the top two
  * and the top-k candidate bound (router.use_avx2). Every path gives the same bits. The batch
@@ -44,6 +45,17 @@
 #if defined(__SSE2__) || defined(_M_X64) || (defined(_M_IX86_FP) && _M_IX86_FP >= 2)
 #include <emmintrin.h>
 #define COLIBRI_SSE2 1
+#endif
+
+/* aarch64: NEON versions of the 4-lane code (the same IEEE operations in the same order as
+ * the SSE2 code and plain C, so the same bits), taken unless COLIBRI_SIMD=scalar. */
+#if !defined(COLIBRI_SSE2) && defined(__aarch64__) && defined(__ARM_NEON)
+#include <arm_neon.h>
+#define COLIBRI_NEON 1
+static inline int colibri_neon_on(void)
+{
+    return colibri_simd_path() == COLIBRI_PATH_NEON;
+}
 #endif
 
 /* GCC and Clang on x86-64 also compile AVX-512F kernels (the sigmoid pass and the top two),
@@ -246,6 +258,51 @@ static inline __m128 colibri_sigmoid4(__m128 x)
 }
 #endif
 
+#ifdef COLIBRI_NEON
+/* colibri_exp and colibri_sigmoid on 4 NEON lanes (separate multiplies and adds: no FMA). */
+static inline float32x4_t colibri_exp4n(float32x4_t x)
+{
+    x = vmaxq_f32(x, vdupq_n_f32(COLIBRI_EXP_LO)); /* NaN stays NaN, as in colibri_exp */
+    x = vminq_f32(x, vdupq_n_f32(COLIBRI_EXP_HI));
+    float32x4_t magic = vdupq_n_f32(COLIBRI_ROUND_MAGIC);
+    float32x4_t n = vsubq_f32(vaddq_f32(vmulq_f32(x, vdupq_n_f32(COLIBRI_LOG2E)), magic), magic);
+    float32x4_t r = vsubq_f32(x, vmulq_f32(n, vdupq_n_f32(COLIBRI_LN2_HI)));
+    r = vsubq_f32(r, vmulq_f32(n, vdupq_n_f32(COLIBRI_LN2_LO)));
+    float32x4_t p = vdupq_n_f32(COLIBRI_EXP_P5);
+    p = vaddq_f32(vmulq_f32(p, r), vdupq_n_f32(COLIBRI_EXP_P4));
+    p = vaddq_f32(vmulq_f32(p, r), vdupq_n_f32(COLIBRI_EXP_P3));
+    p = vaddq_f32(vmulq_f32(p, r), vdupq_n_f32(COLIBRI_EXP_P2));
+    p = vaddq_f32(vmulq_f32(p, r), vdupq_n_f32(COLIBRI_EXP_P1));
+    p = vaddq_f32(vmulq_f32(p, r), vdupq_n_f32(COLIBRI_EXP_P0));
+    p = vaddq_f32(vaddq_f32(vmulq_f32(p, vmulq_f32(r, r)), r), vdupq_n_f32(1.0f));
+    int32x4_t ni = vcvtq_s32_f32(n), n1 = vshrq_n_s32(ni, 1), n2 = vsubq_s32(ni, n1);
+    int32x4_t bias = vdupq_n_s32(127);
+    float32x4_t s1 = vreinterpretq_f32_s32(vshlq_n_s32(vaddq_s32(n1, bias), 23));
+    float32x4_t s2 = vreinterpretq_f32_s32(vshlq_n_s32(vaddq_s32(n2, bias), 23));
+    return vmulq_f32(vmulq_f32(p, s1), s2);
+}
+
+static inline float32x4_t colibri_sigmoid4n(float32x4_t x)
+{
+    float32x4_t z = colibri_exp4n(vnegq_f32(vabsq_f32(x))), one = vdupq_n_f32(1.0f);
+    float32x4_t num = vbslq_f32(vcgeq_f32(x, vdupq_n_f32(0.0f)), one, z);
+    return vdivq_f32(num, vaddq_f32(one, z));
+}
+
+/* Bit i of the result: lane i of the mask m is set (_mm_movemask_ps). */
+static inline int colibri_mask4n(uint32x4_t m)
+{
+    static const uint32_t bit[4] = {1, 2, 4, 8};
+    return (int)vaddvq_u32(vandq_u32(m, vld1q_u32(bit)));
+}
+
+/* All-ones lanes where v is NaN. */
+static inline uint32x4_t colibri_unord4n(float32x4_t v)
+{
+    return vmvnq_u32(vceqq_f32(v, v));
+}
+#endif
+
 /* out[e] = exp(x[e] - m) for e < E; returns the sum (lanes summed in a fixed order). */
 static inline float colibri_exp_shifted(const float *x, float m, float *out, int32_t E)
 {
@@ -262,6 +319,18 @@ static inline float colibri_exp_shifted(const float *x, float m, float *out, int
     _mm_storeu_ps(lanes, acc);
     sum = (lanes[0] + lanes[1]) + (lanes[2] + lanes[3]);
 #else
+#ifdef COLIBRI_NEON
+    if (colibri_neon_on()) {
+        float32x4_t mm = vdupq_n_f32(m), acc = vdupq_n_f32(0.0f);
+        for (; e + 4 <= E; e += 4) {
+            float32x4_t v = colibri_exp4n(vsubq_f32(vld1q_f32(x + e), mm));
+            vst1q_f32(out + e, v);
+            acc = vaddq_f32(acc, v);
+        }
+        sum = (vgetq_lane_f32(acc, 0) + vgetq_lane_f32(acc, 1)) +
+              (vgetq_lane_f32(acc, 2) + vgetq_lane_f32(acc, 3));
+    } else
+#endif
     { /* plain C sums in the SSE2 code's order: four lanes, then lane pairs */
         float lanes[4] = {0.0f, 0.0f, 0.0f, 0.0f};
         int32_t j;
@@ -301,6 +370,20 @@ static inline void colibri_exp_gathered(const float *x, const int32_t *ids, int3
         return;
     }
 #endif
+#ifdef COLIBRI_NEON
+    if (colibri_neon_on()) {
+        for (; j < n; j += 4) { /* the last 1-3 padded with exp(0) */
+            float lanes[4] = {m, m, m, m};
+            int32_t i;
+            for (i = 0; i < 4 && j + i < n; i++)
+                lanes[i] = x[ids[j + i]];
+            vst1q_f32(lanes, colibri_exp4n(vsubq_f32(vld1q_f32(lanes), vdupq_n_f32(m))));
+            for (i = 0; i < 4 && j + i < n; i++)
+                out[j + i] = lanes[i];
+        }
+        return;
+    }
+#endif
     for (; j < n; j++)
         out[j] = colibri_exp(x[ids[j]] - m);
 }
@@ -310,6 +393,20 @@ static inline float colibri_sqrtsoftplus(float x)
     /* softplus as torch computes it: x above 20, log1p(exp(x)) below */
     return sqrtf(x > 20.0f ? x : log1pf(colibri_exp(x)));
 }
+
+#ifdef COLIBRI_NEON
+/* scores = sqrt(softplus(x)) with the exponentials 4 at a time (log1pf stays libm's). */
+static inline void colibri_sqrtsoftplus4n(const float *x, int32_t E, float *scores)
+{
+    int32_t e = 0;
+    for (; e + 4 <= E; e += 4)
+        vst1q_f32(scores + e, colibri_exp4n(vld1q_f32(x + e)));
+    for (e = 0; e < E; e++) {
+        float ex = e < (E & ~3) ? scores[e] : colibri_exp(x[e]);
+        scores[e] = sqrtf(x[e] > 20.0f ? x[e] : log1pf(ex));
+    }
+}
+#endif
 
 /* Whether (v, i) comes before (w, j) in top-k order: the larger key, equal keys to the
  * lower id; NaN (a group score of inf + -inf) after every number, as numpy sorts it. */
@@ -405,6 +502,40 @@ static inline int colibri_top2_values(const float *x, int32_t E, float *first, f
         nan = _mm_movemask_ps(unordered);
     }
 #endif
+#ifdef COLIBRI_NEON
+    if (E >= 8 && colibri_neon_on()) { /* the SSE2 code's lanes and merges */
+        float32x4_t a = vdupq_n_f32(-INFINITY), b = a, a2 = a, b2 = a;
+        uint32x4_t unordered = vdupq_n_u32(0);
+        for (; e + 8 <= E; e += 8) {
+            float32x4_t v = vld1q_f32(x + e), w = vld1q_f32(x + e + 4);
+            unordered = vorrq_u32(unordered, vorrq_u32(colibri_unord4n(v), colibri_unord4n(w)));
+            b = vmaxq_f32(vminq_f32(v, a), b);
+            a = vmaxq_f32(v, a);
+            b2 = vmaxq_f32(vminq_f32(w, a2), b2);
+            a2 = vmaxq_f32(w, a2);
+        }
+        if (e + 4 <= E) {
+            float32x4_t v = vld1q_f32(x + e);
+            unordered = vorrq_u32(unordered, colibri_unord4n(v));
+            b = vmaxq_f32(vminq_f32(v, a), b);
+            a = vmaxq_f32(v, a);
+            e += 4;
+        }
+        b = vmaxq_f32(vminq_f32(a, a2), vmaxq_f32(b, b2));
+        a = vmaxq_f32(a, a2);
+        a2 = vextq_f32(a, a, 2); /* lanes 2 3 0 1 */
+        b2 = vextq_f32(b, b, 2);
+        b = vmaxq_f32(vminq_f32(a, a2), vmaxq_f32(b, b2));
+        a = vmaxq_f32(a, a2);
+        a2 = vrev64q_f32(a); /* lanes 1 0 3 2 */
+        b2 = vrev64q_f32(b);
+        b = vmaxq_f32(vminq_f32(a, a2), vmaxq_f32(b, b2));
+        a = vmaxq_f32(a, a2);
+        m1 = vgetq_lane_f32(a, 0);
+        m2 = vgetq_lane_f32(b, 0);
+        nan = vmaxvq_u32(unordered) != 0;
+    }
+#endif
     for (; e < E; e++) {
         float v = x[e];
         nan |= v != v;
@@ -437,6 +568,9 @@ static inline int colibri_top2_claim(uint64_t k1, uint64_t k2, int32_t base, int
 static inline void colibri_top2_ids(const float *x, int32_t E, float m1, float m2, int32_t *ids)
 {
     int32_t base, e, i1 = -1, i2 = -1;
+#ifdef COLIBRI_NEON
+    const int neon = colibri_neon_on();
+#endif
     for (base = 0; base < E; base += 64) {
         const float *span = x + base;
         int32_t n = E - base < 64 ? E - base : 64;
@@ -462,6 +596,16 @@ static inline void colibri_top2_ids(const float *x, int32_t E, float m1, float m
             __m128 v = _mm_loadu_ps(span + e);
             k1 |= (uint64_t)(uint32_t)_mm_movemask_ps(_mm_cmpeq_ps(v, v1)) << e;
             k2 |= (uint64_t)(uint32_t)_mm_movemask_ps(_mm_cmpeq_ps(v, v2)) << e;
+        }
+#endif
+#ifdef COLIBRI_NEON
+        if (neon) {
+            const float32x4_t v1 = vdupq_n_f32(m1), v2 = vdupq_n_f32(m2);
+            for (; e + 4 <= n; e += 4) {
+                float32x4_t v = vld1q_f32(span + e);
+                k1 |= (uint64_t)(uint32_t)colibri_mask4n(vceqq_f32(v, v1)) << e;
+                k2 |= (uint64_t)(uint32_t)colibri_mask4n(vceqq_f32(v, v2)) << e;
+            }
         }
 #endif
         for (; e < n; e++) {
@@ -499,6 +643,20 @@ static inline float colibri_lane_bound(const float *x, int32_t E, int32_t k, int
         *nan |= _mm_movemask_ps(unordered);
     }
 #endif
+#ifdef COLIBRI_NEON
+    if (E >= 8 && colibri_neon_on()) {
+        float32x4_t a = vdupq_n_f32(-INFINITY), b = a;
+        uint32x4_t unordered = vdupq_n_u32(0);
+        for (; e + 4 <= E; e += 4) {
+            float32x4_t v = vld1q_f32(x + e);
+            unordered = vorrq_u32(unordered, colibri_unord4n(v));
+            b = vmaxq_f32(vminq_f32(v, a), b);
+            a = vmaxq_f32(v, a);
+        }
+        bound = vminvq_f32(k <= 4 ? a : b);
+        *nan |= vmaxvq_u32(unordered) != 0;
+    }
+#endif
     (void)k;
     for (; e < E; e++)
         *nan |= x[e] != x[e];
@@ -511,12 +669,24 @@ static inline int32_t colibri_compact(const float *x, int32_t first, int32_t las
                                       int32_t *cand, int32_t c)
 {
     int32_t e = first;
-#ifdef COLIBRI_SSE2
+#if defined(COLIBRI_SSE2) || defined(COLIBRI_NEON)
     static const int32_t lanes[16][4] = {
         {0, 0, 0, 0}, {0, 0, 0, 0}, {1, 0, 0, 0}, {0, 1, 0, 0}, {2, 0, 0, 0}, {0, 2, 0, 0},
         {1, 2, 0, 0}, {0, 1, 2, 0}, {3, 0, 0, 0}, {0, 3, 0, 0}, {1, 3, 0, 0}, {0, 1, 3, 0},
         {2, 3, 0, 0}, {0, 2, 3, 0}, {1, 2, 3, 0}, {0, 1, 2, 3}};
     static const signed char count[16] = {0, 1, 1, 2, 1, 2, 2, 3, 1, 2, 2, 3, 2, 3, 3, 4};
+#endif
+#ifdef COLIBRI_NEON
+    if (colibri_neon_on()) {
+        float32x4_t b = vdupq_n_f32(bound);
+        for (; e + 4 <= last; e += 4) {
+            int mask = colibri_mask4n(vcgeq_f32(vld1q_f32(x + e), b));
+            vst1q_s32(cand + c, vaddq_s32(vld1q_s32(lanes[mask]), vdupq_n_s32(e)));
+            c += count[mask];
+        }
+    }
+#endif
+#ifdef COLIBRI_SSE2
     __m128 b = _mm_set1_ps(bound);
     for (; e + 4 <= last; e += 4) {
         int mask = _mm_movemask_ps(_mm_cmpge_ps(_mm_loadu_ps(x + e), b));
@@ -556,6 +726,18 @@ static inline int32_t colibri_rank(const float *cv, const int32_t *cand, int32_t
     before = _mm_add_epi32(before, _mm_shuffle_epi32(before, _MM_SHUFFLE(2, 3, 0, 1)));
     rank = _mm_cvtsi128_si32(before);
 #else
+#ifdef COLIBRI_NEON
+    if (colibri_neon_on()) {
+        float32x4_t v = vdupq_n_f32(cv[i]);
+        int32x4_t id = vdupq_n_s32(cand[i]), before = vdupq_n_s32(0);
+        for (q = 0; q < c; q += 4) {
+            float32x4_t w = vld1q_f32(cv + q);
+            uint32x4_t tie = vandq_u32(vceqq_f32(w, v), vcltq_s32(vld1q_s32(cand + q), id));
+            before = vsubq_s32(before, vreinterpretq_s32_u32(vorrq_u32(vcgtq_f32(w, v), tie)));
+        }
+        return vaddvq_s32(before);
+    }
+#endif
     for (q = 0; q < c; q++)
         rank += colibri_before(cv[q], cand[q], cv[i], cand[i]);
 #endif
@@ -607,6 +789,20 @@ static inline int colibri_sigmoid_keys(const float *x, int32_t E, const float *b
             _mm_storeu_ps(keys + e, _mm_add_ps(on_logits ? v : s, _mm_loadu_ps(bias + e)));
     }
     nan = _mm_movemask_ps(unordered);
+#endif
+#ifdef COLIBRI_NEON
+    if (colibri_neon_on()) {
+        uint32x4_t unordered = vdupq_n_u32(0);
+        for (; e + 4 <= E; e += 4) {
+            float32x4_t v = vld1q_f32(x + e);
+            float32x4_t s = colibri_sigmoid4n(v);
+            unordered = vorrq_u32(unordered, colibri_unord4n(v));
+            vst1q_f32(scores + e, s);
+            if (bias != NULL)
+                vst1q_f32(keys + e, vaddq_f32(on_logits ? v : s, vld1q_f32(bias + e)));
+        }
+        nan = vmaxvq_u32(unordered) != 0;
+    }
 #endif
     for (; e < E; e++) {
         nan |= x[e] != x[e];
@@ -1080,6 +1276,14 @@ static inline int colibri_has_nan(const float *x, int32_t E)
     }
     nan = _mm_movemask_ps(unordered);
 #endif
+#ifdef COLIBRI_NEON
+    if (colibri_neon_on()) {
+        uint32x4_t unordered = vdupq_n_u32(0);
+        for (; e + 4 <= E; e += 4)
+            unordered = vorrq_u32(unordered, colibri_unord4n(vld1q_f32(x + e)));
+        nan = vmaxvq_u32(unordered) != 0;
+    }
+#endif
     for (; e < E; e++)
         nan |= x[e] != x[e];
     return nan;
@@ -1268,6 +1472,11 @@ static inline int colibri_route_row(const colibri_router_t *r, const float *x, v
                 colibri_sqrtsoftplus8(x, E, scores);
             else
 #endif
+#ifdef COLIBRI_NEON
+            if (colibri_neon_on())
+                colibri_sqrtsoftplus4n(x, E, scores);
+            else
+#endif
                 for (e = 0; e < E; e++)
                     scores[e] = colibri_sqrtsoftplus(x[e]);
         }
@@ -1361,12 +1570,16 @@ static inline int colibri_route_rows8(const colibri_router_t *r, const float *x,
         colibri_row_top2_ids(r, x + i * stride, first[i], second[i], tid + 2 * i);
         finite &= first[i] > -INFINITY && first[i] < INFINITY;
     }
-#ifdef COLIBRI_SSE2
+#if defined(COLIBRI_SSE2) || defined(COLIBRI_NEON)
     if (k == 2 && finite && r->scoring == COLIBRI_SOFTMAX && r->normalize &&
+#ifdef COLIBRI_NEON
+        colibri_neon_on() &&
+#endif
         r->norm_p == 1.0f) {
         /* colibri_weights' renormalised softmax: 1 / sum and exp(x1 - x0) / sum, with
          * sum = (1 + exp(x1 - x0)) + eps */
         float w0[8], w1[8];
+#ifdef COLIBRI_SSE2
         __m128 one = _mm_set1_ps(1.0f), eps = _mm_set1_ps(r->norm_eps);
         for (i = 0; i < 8; i += 4) {
             __m128 e = colibri_exp4(_mm_sub_ps(_mm_loadu_ps(second + i),
@@ -1375,6 +1588,15 @@ static inline int colibri_route_rows8(const colibri_router_t *r, const float *x,
             _mm_storeu_ps(w0 + i, _mm_div_ps(one, sum));
             _mm_storeu_ps(w1 + i, _mm_div_ps(e, sum));
         }
+#else
+        float32x4_t one = vdupq_n_f32(1.0f), eps = vdupq_n_f32(r->norm_eps);
+        for (i = 0; i < 8; i += 4) {
+            float32x4_t e = colibri_exp4n(vsubq_f32(vld1q_f32(second + i), vld1q_f32(first + i)));
+            float32x4_t sum = vaddq_f32(vaddq_f32(one, e), eps);
+            vst1q_f32(w0 + i, vdivq_f32(one, sum));
+            vst1q_f32(w1 + i, vdivq_f32(e, sum));
+        }
+#endif
         for (i = 0; i < 8; i++) {
             float a = w0[i], b = w1[i];
             if (r->expert_scale != NULL) {

@@ -133,6 +133,28 @@ def test_thread_count_invariance():
         np.testing.assert_array_equal(out, outs[0])
 
 
+@pytest.mark.parametrize("dtype", ["float32", "float64", "float16", "bfloat16"])
+def test_every_dtype_in_several_chunks(dtype):
+    # colibri/pool.h runs these in chunks of rows: each dtype's chunk kernels against one
+    # chunk and against numpy (60,000 x 2 slots of 8 values: 4 chunks at num_threads=4)
+    ids = rng.integers(0, 26, (60_000, 2)).astype(np.int64)
+    hidden = torch.randn(60_000, 8, dtype=getattr(torch, dtype))
+    w = rng.random((60_000, 2)).astype(np.float32)
+    plan = check_plan(ids, 26, 1, num_threads=4)
+    ref = reference_combine(hidden.float().numpy()[plan.sorted_assignments // 2], plan.inverse, w)
+    for gather_dtype in (None, "float32"):
+        one = gather(hidden, plan, dtype=gather_dtype, num_threads=1)
+        many = gather(hidden, plan, dtype=gather_dtype, num_threads=4)
+        torch.testing.assert_close(many, one, rtol=0, atol=0)
+        for out_dtype in (None, "float32"):
+            one_out = combine(one, plan, w, dtype=out_dtype, num_threads=1)
+            many_out = combine(many, plan, w, dtype=out_dtype, num_threads=4)
+            torch.testing.assert_close(many_out, one_out, rtol=0, atol=0)
+            # half outputs round once: within a half ulp of |out| < 8
+            got = many_out.float().numpy()
+            np.testing.assert_allclose(got, ref, rtol=1e-2, atol=2e-2)
+
+
 @settings(max_examples=60, deadline=None)
 @given(
     T=st.integers(0, 40),

@@ -10,6 +10,7 @@ with colibri exactly as :func:`patch` does. ``model.generate()`` works unchanged
 
 from __future__ import annotations
 
+import os
 import re
 import warnings
 from dataclasses import dataclass, field
@@ -37,9 +38,18 @@ __all__ = [
 PREFETCH_MODES = ("gate", "previous", "off")
 
 
-# rows per expert up to which the fused kernel runs (decoding; torch's GEMMs win beyond, on
-# CPUs with AMX or AVX512_BF16 from about 4 rows: bench/README.md, Kernels)
-_KERNEL_ROWS = 2
+def _kernel_rows() -> int:
+    """Rows per expert up to which the fused kernel runs (decoding; torch's GEMMs win beyond,
+    on CPUs with AMX or AVX512_BF16 from about 4 rows: bench/README.md, Kernels).
+    ``COLIBRI_EXPERT_KERNEL=0`` turns it off (torch's ``linear`` for every expert), to compare
+    or to rule the kernel out in a bug report."""
+    value = os.environ.get("COLIBRI_EXPERT_KERNEL", "1")
+    if value not in ("0", "1"):
+        raise ValueError(f'COLIBRI_EXPERT_KERNEL must be "0" or "1" (got {value!r})')
+    return 2 if value == "1" else 0
+
+
+_KERNEL_ROWS = _kernel_rows()
 _KERNEL_DTYPES = (torch.bfloat16, torch.float16)
 
 

@@ -294,6 +294,37 @@ def test_bfloat16_checkpoint(tmp_path):
     torch.testing.assert_close(_logits(wide, ids), _logits(same, ids), rtol=0, atol=1e-5)
 
 
+def test_expert_kernel_switch(tmp_path, monkeypatch):
+    """COLIBRI_EXPERT_KERNEL=0 routes every paged expert through torch's linear, 1 (the
+    default) decodes bf16 experts with the fused kernel; anything else is refused."""
+    from colibri.integrations.transformers import _paged
+
+    for value, rows in ((None, 2), ("1", 2), ("0", 0)):
+        if value is None:
+            monkeypatch.delenv("COLIBRI_EXPERT_KERNEL", raising=False)
+        else:
+            monkeypatch.setenv("COLIBRI_EXPERT_KERNEL", value)
+        assert _paged._kernel_rows() == rows
+    monkeypatch.setenv("COLIBRI_EXPERT_KERNEL", "off")
+    with pytest.raises(ValueError, match=r"COLIBRI_EXPERT_KERNEL must be \"0\" or \"1\""):
+        _paged._kernel_rows()
+    ref = build_model("qwen3_moe").to(torch.bfloat16)
+    randomise_routers(ref, [r.name for r in patch(ref)])
+    unpatch(ref)
+    ref.save_pretrained(tmp_path, max_shard_size="20KB")
+    model = from_pretrained(tmp_path, budget=_two_experts(ref), page_size_kb=4)
+    calls = []
+    real = _paged.expert_ffn
+    monkeypatch.setattr(_paged, "expert_ffn", lambda *a, **k: calls.append(1) or real(*a, **k))
+    outputs = {}
+    for rows in (2, 0):
+        monkeypatch.setattr(_paged, "_KERNEL_ROWS", rows)
+        calls.clear()
+        outputs[rows] = _logits(model, _inputs(1, batch=1, length=2)).float()
+        assert (len(calls) > 0) == (rows > 0), (rows, len(calls))
+    torch.testing.assert_close(outputs[0], outputs[2], rtol=2**-6, atol=2**-6)
+
+
 def test_parse_size():
     assert parse_size(805306368) == 805306368
     assert parse_size("768MiB") == 768 << 20
