@@ -32,8 +32,8 @@ enum {
     COLIBRI_PATH_COUNT = 6
 };
 
-static const char *const colibri_path_names[COLIBRI_PATH_COUNT] = {
-    "scalar", "sse2", "avx2", "avx512", "avx512_bf16", "neon"};
+static const char *const colibri_path_names[COLIBRI_PATH_COUNT] = {"scalar", "sse2",        "avx2",
+                                                                   "avx512", "avx512_bf16", "neon"};
 
 #if (defined(__x86_64__) || defined(_M_X64)) && (defined(__GNUC__) || defined(__clang__))
 #include <cpuid.h>

@@ -101,8 +101,7 @@ typedef struct DLPackExchangeAPI {
                                     void *error_ctx,
                                     void (*SetError)(void *error_ctx, const char *kind,
                                                      const char *message));
-    int (*managed_tensor_from_py_object_no_sync)(void *py_object,
-                                                 DLManagedTensorVersioned **out);
+    int (*managed_tensor_from_py_object_no_sync)(void *py_object, DLManagedTensorVersioned **out);
     int (*managed_tensor_to_py_object_no_sync)(DLManagedTensorVersioned *tensor,
                                                void **out_py_object);
     int (*dltensor_from_py_object_no_sync)(void *py_object, DLTensor *out); /* may be NULL */

@@ -32,7 +32,7 @@
 #define COLIBRI_FFN_X86 1
 #define COLIBRI_TARGET_AVX2 __attribute__((target("avx2,fma,f16c")))
 #define COLIBRI_TARGET_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma,f16c")))
-#define COLIBRI_TARGET_AVX512BF16                                                           \
+#define COLIBRI_TARGET_AVX512BF16 \
     __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma,f16c")))
 #endif
 #if defined(__aarch64__) && defined(__ARM_NEON)
@@ -41,7 +41,12 @@
 #endif
 
 enum { COLIBRI_W_F16 = 1, COLIBRI_W_BF16 = 2 };
-enum { COLIBRI_ACT_SILU = 0, COLIBRI_ACT_GELU_TANH = 1, COLIBRI_ACT_GELU = 2, COLIBRI_ACT_RELU = 3 };
+enum {
+    COLIBRI_ACT_SILU = 0,
+    COLIBRI_ACT_GELU_TANH = 1,
+    COLIBRI_ACT_GELU = 2,
+    COLIBRI_ACT_RELU = 3
+};
 
 /* Most rows one call takes (per-row scratch lives on the stack). */
 #define COLIBRI_FFN_MAX_ROWS 64
@@ -56,19 +61,19 @@ enum { COLIBRI_ACT_SILU = 0, COLIBRI_ACT_GELU_TANH = 1, COLIBRI_ACT_GELU = 2, CO
 #define COLIBRI_FFN_ROW_BLOCK 4
 
 typedef struct {
-    int32_t n, H, I;             /* rows, hidden size, intermediate size */
-    int32_t kind;                /* COLIBRI_W_F16 or COLIBRI_W_BF16 */
-    int32_t act;                 /* COLIBRI_ACT_* */
-    int32_t path;                /* COLIBRI_PATH_* (one this CPU runs) */
-    const float *x;              /* [n, H], row stride ldx */
+    int32_t n, H, I; /* rows, hidden size, intermediate size */
+    int32_t kind;    /* COLIBRI_W_F16 or COLIBRI_W_BF16 */
+    int32_t act;     /* COLIBRI_ACT_* */
+    int32_t path;    /* COLIBRI_PATH_* (one this CPU runs) */
+    const float *x;  /* [n, H], row stride ldx */
     int64_t ldx;
-    const uint16_t *gate, *up;   /* [I, H], row strides ldg, ldu (elements) */
+    const uint16_t *gate, *up; /* [I, H], row strides ldg, ldu (elements) */
     int64_t ldg, ldu;
-    const uint16_t *down;        /* [H, I], row stride ldd */
+    const uint16_t *down; /* [H, I], row stride ldd */
     int64_t ldd;
-    float *h;                    /* scratch [n, I]: act(gate x) * (up x) */
-    uint16_t *xs;                /* scratch for the bf16 path: [2, n, H] and [2, n, I] */
-    float *y;                    /* [n, H], row stride ldy */
+    float *h;     /* scratch [n, I]: act(gate x) * (up x) */
+    uint16_t *xs; /* scratch for the bf16 path: [2, n, H] and [2, n, I] */
+    float *y;     /* [n, H], row stride ldy */
     int64_t ldy;
 } colibri_ffn_t;
 
@@ -94,20 +99,36 @@ static inline void colibri_dot_scalar(int kind, const uint16_t *w, int32_t K, co
 }
 
 /* Calls fn with kind and nb as constants (the compiler specializes each). */
-#define COLIBRI_DOT_CASES(fn)                                                               \
-    if (kind == COLIBRI_W_F16) {                                                            \
-        switch (nb) {                                                                       \
-        case 1: fn(COLIBRI_W_F16, w, K, x, ldx, 1, y, ldy); return;                         \
-        case 2: fn(COLIBRI_W_F16, w, K, x, ldx, 2, y, ldy); return;                         \
-        case 3: fn(COLIBRI_W_F16, w, K, x, ldx, 3, y, ldy); return;                         \
-        default: fn(COLIBRI_W_F16, w, K, x, ldx, 4, y, ldy); return;                        \
-        }                                                                                   \
-    }                                                                                       \
-    switch (nb) {                                                                           \
-    case 1: fn(COLIBRI_W_BF16, w, K, x, ldx, 1, y, ldy); return;                            \
-    case 2: fn(COLIBRI_W_BF16, w, K, x, ldx, 2, y, ldy); return;                            \
-    case 3: fn(COLIBRI_W_BF16, w, K, x, ldx, 3, y, ldy); return;                            \
-    default: fn(COLIBRI_W_BF16, w, K, x, ldx, 4, y, ldy); return;                           \
+#define COLIBRI_DOT_CASES(fn)                           \
+    if (kind == COLIBRI_W_F16) {                        \
+        switch (nb) {                                   \
+        case 1:                                         \
+            fn(COLIBRI_W_F16, w, K, x, ldx, 1, y, ldy); \
+            return;                                     \
+        case 2:                                         \
+            fn(COLIBRI_W_F16, w, K, x, ldx, 2, y, ldy); \
+            return;                                     \
+        case 3:                                         \
+            fn(COLIBRI_W_F16, w, K, x, ldx, 3, y, ldy); \
+            return;                                     \
+        default:                                        \
+            fn(COLIBRI_W_F16, w, K, x, ldx, 4, y, ldy); \
+            return;                                     \
+        }                                               \
+    }                                                   \
+    switch (nb) {                                       \
+    case 1:                                             \
+        fn(COLIBRI_W_BF16, w, K, x, ldx, 1, y, ldy);    \
+        return;                                         \
+    case 2:                                             \
+        fn(COLIBRI_W_BF16, w, K, x, ldx, 2, y, ldy);    \
+        return;                                         \
+    case 3:                                             \
+        fn(COLIBRI_W_BF16, w, K, x, ldx, 3, y, ldy);    \
+        return;                                         \
+    default:                                            \
+        fn(COLIBRI_W_BF16, w, K, x, ldx, 4, y, ldy);    \
+        return;                                         \
     }
 
 #ifdef COLIBRI_FFN_X86
@@ -129,9 +150,9 @@ COLIBRI_TARGET_AVX2 static inline float colibri_hsum8(__m256 v)
 
 /* kind and nb are constants where this is inlined (colibri_dot_avx2 below). */
 COLIBRI_TARGET_AVX2 static COLIBRI_INLINE void colibri_dot_avx2_nb(int kind, const uint16_t *w,
-                                                           int32_t K, const float *x,
-                                                           int64_t ldx, int32_t nb, float *y,
-                                                           int64_t ldy)
+                                                                   int32_t K, const float *x,
+                                                                   int64_t ldx, int32_t nb,
+                                                                   float *y, int64_t ldy)
 {
     __m256 a[COLIBRI_FFN_ROW_BLOCK], b[COLIBRI_FFN_ROW_BLOCK];
     int32_t k = 0, r;
@@ -158,12 +179,9 @@ COLIBRI_TARGET_AVX2 static COLIBRI_INLINE void colibri_dot_avx2_nb(int kind, con
     }
 }
 
-COLIBRI_TARGET_AVX2 static void colibri_dot_avx2(int kind, const uint16_t *w, int32_t K,
-                                                 const float *x, int64_t ldx, int32_t nb,
-                                                 float *y, int64_t ldy)
-{
-    COLIBRI_DOT_CASES(colibri_dot_avx2_nb)
-}
+COLIBRI_TARGET_AVX2 static void
+colibri_dot_avx2(int kind, const uint16_t *w, int32_t K, const float *x, int64_t ldx, int32_t nb,
+                 float *y, int64_t ldy){COLIBRI_DOT_CASES(colibri_dot_avx2_nb)}
 
 COLIBRI_TARGET_AVX512 static COLIBRI_INLINE __m512 colibri_load16w(int kind, const uint16_t *p)
 {
@@ -174,9 +192,9 @@ COLIBRI_TARGET_AVX512 static COLIBRI_INLINE __m512 colibri_load16w(int kind, con
 }
 
 COLIBRI_TARGET_AVX512 static COLIBRI_INLINE void colibri_dot_avx512_nb(int kind, const uint16_t *w,
-                                                               int32_t K, const float *x,
-                                                               int64_t ldx, int32_t nb,
-                                                               float *y, int64_t ldy)
+                                                                       int32_t K, const float *x,
+                                                                       int64_t ldx, int32_t nb,
+                                                                       float *y, int64_t ldy)
 {
     __m512 a[COLIBRI_FFN_ROW_BLOCK], b[COLIBRI_FFN_ROW_BLOCK];
     int32_t k = 0, r;
@@ -211,20 +229,15 @@ COLIBRI_TARGET_AVX512 static COLIBRI_INLINE void colibri_dot_avx512_nb(int kind,
         y[r * ldy] = _mm512_reduce_add_ps(_mm512_add_ps(a[r], b[r]));
 }
 
-COLIBRI_TARGET_AVX512 static void colibri_dot_avx512(int kind, const uint16_t *w, int32_t K,
-                                                     const float *x, int64_t ldx, int32_t nb,
-                                                     float *y, int64_t ldy)
-{
-    COLIBRI_DOT_CASES(colibri_dot_avx512_nb)
-}
+COLIBRI_TARGET_AVX512 static void
+colibri_dot_avx512(int kind, const uint16_t *w, int32_t K, const float *x, int64_t ldx, int32_t nb,
+                   float *y, int64_t ldy){COLIBRI_DOT_CASES(colibri_dot_avx512_nb)}
 
 /* bfloat16 weights against x = xh + xl (both bfloat16, [nb, K] at row stride ldx, K even
  * in the vector part): two native bf16 dot products per 32 weights. */
-COLIBRI_TARGET_AVX512BF16 static COLIBRI_INLINE void colibri_dot_bf16_nb(const uint16_t *w, int32_t K,
-                                                                 const uint16_t *xh,
-                                                                 const uint16_t *xl,
-                                                                 int64_t ldx, int32_t nb,
-                                                                 float *y, int64_t ldy)
+COLIBRI_TARGET_AVX512BF16 static COLIBRI_INLINE
+    void colibri_dot_bf16_nb(const uint16_t *w, int32_t K, const uint16_t *xh, const uint16_t *xl,
+                             int64_t ldx, int32_t nb, float *y, int64_t ldy)
 {
     __m512 a[COLIBRI_FFN_ROW_BLOCK], b[COLIBRI_FFN_ROW_BLOCK];
     int32_t k = 0, r;
@@ -241,8 +254,10 @@ COLIBRI_TARGET_AVX512BF16 static COLIBRI_INLINE void colibri_dot_bf16_nb(const u
         __mmask32 m = (__mmask32)((1ull << (K - k)) - 1);
         __m512bh wv = (__m512bh)_mm512_maskz_loadu_epi16(m, w + k);
         for (r = 0; r < nb; r++) {
-            a[r] = _mm512_dpbf16_ps(a[r], wv, (__m512bh)_mm512_maskz_loadu_epi16(m, xh + r * ldx + k));
-            b[r] = _mm512_dpbf16_ps(b[r], wv, (__m512bh)_mm512_maskz_loadu_epi16(m, xl + r * ldx + k));
+            a[r] =
+                _mm512_dpbf16_ps(a[r], wv, (__m512bh)_mm512_maskz_loadu_epi16(m, xh + r * ldx + k));
+            b[r] =
+                _mm512_dpbf16_ps(b[r], wv, (__m512bh)_mm512_maskz_loadu_epi16(m, xl + r * ldx + k));
         }
     }
     for (r = 0; r < nb; r++)
@@ -255,10 +270,18 @@ COLIBRI_TARGET_AVX512BF16 static void colibri_dot_bf16(const uint16_t *w, int32_
                                                        int64_t ldy)
 {
     switch (nb) {
-    case 1: colibri_dot_bf16_nb(w, K, xh, xl, ldx, 1, y, ldy); return;
-    case 2: colibri_dot_bf16_nb(w, K, xh, xl, ldx, 2, y, ldy); return;
-    case 3: colibri_dot_bf16_nb(w, K, xh, xl, ldx, 3, y, ldy); return;
-    default: colibri_dot_bf16_nb(w, K, xh, xl, ldx, 4, y, ldy); return;
+    case 1:
+        colibri_dot_bf16_nb(w, K, xh, xl, ldx, 1, y, ldy);
+        return;
+    case 2:
+        colibri_dot_bf16_nb(w, K, xh, xl, ldx, 2, y, ldy);
+        return;
+    case 3:
+        colibri_dot_bf16_nb(w, K, xh, xl, ldx, 3, y, ldy);
+        return;
+    default:
+        colibri_dot_bf16_nb(w, K, xh, xl, ldx, 4, y, ldy);
+        return;
     }
 }
 #endif /* COLIBRI_FFN_X86 */
@@ -272,8 +295,9 @@ static COLIBRI_INLINE float32x4_t colibri_load4w(int kind, const uint16_t *p)
     return vreinterpretq_f32_u32(vshll_n_u16(v, 16));
 }
 
-static COLIBRI_INLINE void colibri_dot_neon_nb(int kind, const uint16_t *w, int32_t K, const float *x,
-                                       int64_t ldx, int32_t nb, float *y, int64_t ldy)
+static COLIBRI_INLINE void colibri_dot_neon_nb(int kind, const uint16_t *w, int32_t K,
+                                               const float *x, int64_t ldx, int32_t nb, float *y,
+                                               int64_t ldy)
 {
     float32x4_t a[COLIBRI_FFN_ROW_BLOCK], b[COLIBRI_FFN_ROW_BLOCK];
     int32_t k = 0, r;
@@ -295,8 +319,8 @@ static COLIBRI_INLINE void colibri_dot_neon_nb(int kind, const uint16_t *w, int3
     }
 }
 
-static void colibri_dot_neon(int kind, const uint16_t *w, int32_t K, const float *x,
-                             int64_t ldx, int32_t nb, float *y, int64_t ldy)
+static void colibri_dot_neon(int kind, const uint16_t *w, int32_t K, const float *x, int64_t ldx,
+                             int32_t nb, float *y, int64_t ldy)
 {
     COLIBRI_DOT_CASES(colibri_dot_neon_nb)
 }
@@ -304,8 +328,8 @@ static void colibri_dot_neon(int kind, const uint16_t *w, int32_t K, const float
 
 /* One weight row against all n rows of x (blocks of 4 rows; the row stays in L1). */
 static inline void colibri_dot_rows(const colibri_ffn_t *f, const uint16_t *w, int32_t K,
-                                    const float *x, int64_t ldx, const uint16_t *xs,
-                                    float *y, int64_t ldy)
+                                    const float *x, int64_t ldx, const uint16_t *xs, float *y,
+                                    int64_t ldy)
 {
     int32_t r, nb;
     for (r = 0; r < f->n; r += nb) {
@@ -314,8 +338,8 @@ static inline void colibri_dot_rows(const colibri_ffn_t *f, const uint16_t *w, i
 #ifdef COLIBRI_FFN_X86
         case COLIBRI_PATH_AVX512_BF16:
             if (f->kind == COLIBRI_W_BF16) {
-                colibri_dot_bf16(w, K, xs + r * (int64_t)K, xs + (f->n + r) * (int64_t)K, K,
-                                 nb, y + r * ldy, ldy);
+                colibri_dot_bf16(w, K, xs + r * (int64_t)K, xs + (f->n + r) * (int64_t)K, K, nb,
+                                 y + r * ldy, ldy);
                 break;
             }
             colibri_dot_avx512(f->kind, w, K, x + r * ldx, ldx, nb, y + r * ldy, ldy);

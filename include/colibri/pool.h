@@ -44,23 +44,34 @@ static inline void colibri_pool_pause(void)
 typedef struct {
     pthread_mutex_t lock;
     pthread_cond_t wake;
-    pthread_mutex_t busy;        /* held by the call that uses the helpers */
-    int helpers;                 /* started */
+    pthread_mutex_t busy; /* held by the call that uses the helpers */
+    int helpers;          /* started */
     int sleeping;
-    pid_t pid;                   /* a forked child has no helpers: start again */
+    pid_t pid; /* a forked child has no helpers: start again */
     /* the current call, written under lock */
     colibri_chunk_fn fn;
     void *arg;
     int32_t chunks;
-    int32_t want;                /* helpers the call asked for */
+    int32_t want; /* helpers the call asked for */
     uint32_t gen;
     /* claims: generation << 32 | next chunk; finished chunks of the current call */
     volatile uint64_t claim;
     volatile int32_t done;
 } colibri_pool_t;
 
-static colibri_pool_t colibri_pool = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER,
-                                      PTHREAD_MUTEX_INITIALIZER, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0};
+static colibri_pool_t colibri_pool = {PTHREAD_MUTEX_INITIALIZER,
+                                      PTHREAD_COND_INITIALIZER,
+                                      PTHREAD_MUTEX_INITIALIZER,
+                                      0,
+                                      0,
+                                      0,
+                                      0,
+                                      0,
+                                      0,
+                                      0,
+                                      0,
+                                      0,
+                                      0};
 
 /* Claim and run chunks of call `gen` until none is left (or a later call began). */
 static inline void colibri_pool_work(colibri_pool_t *p, uint32_t gen, colibri_chunk_fn fn,

@@ -86,13 +86,13 @@ typedef struct {
     int32_t top_k;
     int32_t scoring;
     int32_t normalize;
-    float norm_p;               /* 1: divide by the sum; p: by the p-norm (DBRX) */
-    float norm_eps;             /* added to the norm before dividing (LFM2: 1e-6) */
-    float scale;                /* multiplies the final weights */
-    const float *bias;          /* [E] selection-only bias, or NULL */
-    int32_t bias_on_logits;     /* add the bias to the logits, not the scores (Kolibri) */
-    const float *expert_scale;  /* [E] per-expert factor after renormalisation, or NULL */
-    int32_t num_groups;         /* <= 1: no group limit */
+    float norm_p;              /* 1: divide by the sum; p: by the p-norm (DBRX) */
+    float norm_eps;            /* added to the norm before dividing (LFM2: 1e-6) */
+    float scale;               /* multiplies the final weights */
+    const float *bias;         /* [E] selection-only bias, or NULL */
+    int32_t bias_on_logits;    /* add the bias to the logits, not the scores (Kolibri) */
+    const float *expert_scale; /* [E] per-expert factor after renormalisation, or NULL */
+    int32_t num_groups;        /* <= 1: no group limit */
     int32_t topk_groups;
     int32_t group_score;
     const int32_t *group_start;   /* [G + 1] offsets into group_members */
@@ -120,10 +120,11 @@ static inline size_t colibri_scratch_bytes(const colibri_router_t *r)
 {
     size_t E = (size_t)r->num_experts, G = (size_t)(r->num_groups > 1 ? r->num_groups : 1);
     size_t k = (size_t)r->top_k;
-    size_t bytes = 4 * (4 * E      /* decoded row, scores, keys, keys in group order */
-                        + 2 * (E + 4) /* candidates: keys and ids, padded to whole vectors */
-                        + 4 * G + 2 /* group scores and runner-up keys, kept groups */
-                        + 2 * (k + 1)); /* top-k values and ids, plus one spare slot */
+    size_t bytes = 4
+                   * (4 * E           /* decoded row, scores, keys, keys in group order */
+                      + 2 * (E + 4)   /* candidates: keys and ids, padded to whole vectors */
+                      + 4 * G + 2     /* group scores and runner-up keys, kept groups */
+                      + 2 * (k + 1)); /* top-k values and ids, plus one spare slot */
     return (bytes + 63) & ~(size_t)63;
 }
 
@@ -143,8 +144,8 @@ static inline void colibri_prefetch(const void *p, size_t n)
 
 /* Decode one row of E logits (any supported dtype, any element stride) to float32.
  * Returns the row itself when it already is contiguous float32. */
-static inline const float *colibri_load_row(const char *row, int dtype, int64_t stride,
-                                            int32_t E, float *buf)
+static inline const float *colibri_load_row(const char *row, int dtype, int64_t stride, int32_t E,
+                                            float *buf)
 {
     int32_t e;
     switch (dtype) {
@@ -183,8 +184,8 @@ static inline const float *colibri_load_row(const char *row, int dtype, int64_t 
  * reduction by ln 2, exact two-step scaling so subnormal results round once). The SSE2 path
  * runs the same IEEE operations in the same order, so every lane and the scalar tail agree
  * bit for bit: a row's result never depends on where an expert falls in a vector. */
-#define COLIBRI_EXP_LO (-104.0f) /* exp below is 0 in float32 */
-#define COLIBRI_EXP_HI 88.8f     /* exp above is inf */
+#define COLIBRI_EXP_LO (-104.0f)        /* exp below is 0 in float32 */
+#define COLIBRI_EXP_HI 88.8f            /* exp above is inf */
 #define COLIBRI_ROUND_MAGIC 12582912.0f /* 1.5 * 2^23: adding it rounds to an integer */
 /* shared by the scalar, SSE2 and AVX-512 versions, which must agree bit for bit */
 #define COLIBRI_LOG2E 1.44269504088896341f
@@ -213,7 +214,7 @@ static inline float colibri_exp(float x)
     p = (p * (r * r) + r) + 1.0f;
     int32_t ni = (int32_t)n, n1 = ni >> 1, n2 = ni - n1;
     return p * colibri_bits_to_float((uint32_t)(n1 + 127) << 23)
-             * colibri_bits_to_float((uint32_t)(n2 + 127) << 23);
+           * colibri_bits_to_float((uint32_t)(n2 + 127) << 23);
 }
 
 static inline float colibri_sigmoid(float x)
@@ -228,8 +229,7 @@ static inline __m128 colibri_exp4(__m128 x)
     x = _mm_max_ps(x, _mm_set1_ps(COLIBRI_EXP_LO));
     x = _mm_min_ps(x, _mm_set1_ps(COLIBRI_EXP_HI));
     __m128 magic = _mm_set1_ps(COLIBRI_ROUND_MAGIC);
-    __m128 n = _mm_sub_ps(_mm_add_ps(_mm_mul_ps(x, _mm_set1_ps(COLIBRI_LOG2E)), magic),
-                          magic);
+    __m128 n = _mm_sub_ps(_mm_add_ps(_mm_mul_ps(x, _mm_set1_ps(COLIBRI_LOG2E)), magic), magic);
     __m128 r = _mm_sub_ps(x, _mm_mul_ps(n, _mm_set1_ps(COLIBRI_LN2_HI)));
     r = _mm_sub_ps(r, _mm_mul_ps(n, _mm_set1_ps(COLIBRI_LN2_LO)));
     __m128 p = _mm_set1_ps(COLIBRI_EXP_P5);
@@ -327,8 +327,8 @@ static inline float colibri_exp_shifted(const float *x, float m, float *out, int
             vst1q_f32(out + e, v);
             acc = vaddq_f32(acc, v);
         }
-        sum = (vgetq_lane_f32(acc, 0) + vgetq_lane_f32(acc, 1)) +
-              (vgetq_lane_f32(acc, 2) + vgetq_lane_f32(acc, 3));
+        sum = (vgetq_lane_f32(acc, 0) + vgetq_lane_f32(acc, 1))
+              + (vgetq_lane_f32(acc, 2) + vgetq_lane_f32(acc, 3));
     } else
 #endif
     { /* plain C sums in the SSE2 code's order: four lanes, then lane pairs */
@@ -420,8 +420,8 @@ static inline int colibri_before(float v, int32_t i, float w, int32_t j)
 }
 
 /* Insert (v, i) into the list (vals, ids) of length *n <= cap, kept in top-k order. */
-static inline void colibri_push(float *vals, int32_t *ids, int32_t *n, int32_t cap,
-                                float v, int32_t i)
+static inline void colibri_push(float *vals, int32_t *ids, int32_t *n, int32_t cap, float v,
+                                int32_t i)
 {
     int32_t j = *n;
     if (j == cap) {
@@ -670,10 +670,10 @@ static inline int32_t colibri_compact(const float *x, int32_t first, int32_t las
 {
     int32_t e = first;
 #if defined(COLIBRI_SSE2) || defined(COLIBRI_NEON)
-    static const int32_t lanes[16][4] = {
-        {0, 0, 0, 0}, {0, 0, 0, 0}, {1, 0, 0, 0}, {0, 1, 0, 0}, {2, 0, 0, 0}, {0, 2, 0, 0},
-        {1, 2, 0, 0}, {0, 1, 2, 0}, {3, 0, 0, 0}, {0, 3, 0, 0}, {1, 3, 0, 0}, {0, 1, 3, 0},
-        {2, 3, 0, 0}, {0, 2, 3, 0}, {1, 2, 3, 0}, {0, 1, 2, 3}};
+    static const int32_t lanes[16][4] = {{0, 0, 0, 0}, {0, 0, 0, 0}, {1, 0, 0, 0}, {0, 1, 0, 0},
+                                         {2, 0, 0, 0}, {0, 2, 0, 0}, {1, 2, 0, 0}, {0, 1, 2, 0},
+                                         {3, 0, 0, 0}, {0, 3, 0, 0}, {1, 3, 0, 0}, {0, 1, 3, 0},
+                                         {2, 3, 0, 0}, {0, 2, 3, 0}, {1, 2, 3, 0}, {0, 1, 2, 3}};
     static const signed char count[16] = {0, 1, 1, 2, 1, 2, 2, 3, 1, 2, 2, 3, 2, 3, 3, 4};
 #endif
 #ifdef COLIBRI_NEON
@@ -690,8 +690,8 @@ static inline int32_t colibri_compact(const float *x, int32_t first, int32_t las
     __m128 b = _mm_set1_ps(bound);
     for (; e + 4 <= last; e += 4) {
         int mask = _mm_movemask_ps(_mm_cmpge_ps(_mm_loadu_ps(x + e), b));
-        __m128i at = _mm_add_epi32(_mm_loadu_si128((const __m128i *)lanes[mask]),
-                                   _mm_set1_epi32(e));
+        __m128i at =
+            _mm_add_epi32(_mm_loadu_si128((const __m128i *)lanes[mask]), _mm_set1_epi32(e));
         _mm_storeu_si128((__m128i *)(cand + c), at);
         c += count[mask];
     }
@@ -748,8 +748,8 @@ static inline int32_t colibri_rank(const float *cv, const int32_t *cand, int32_t
  * in top-k order. Up to COLIBRI_RANK_MAX candidates each one's rank is counted (how many
  * come before it) and it goes to that slot: no data-dependent branch. cv: c + 3 floats of
  * scratch; cand needs 3 spare slots; vals, ids: k + 1 slots (the last one takes the rest). */
-static inline void colibri_select(const float *key, int32_t *cand, int32_t c, int32_t k,
-                                  float *cv, float *vals, int32_t *ids)
+static inline void colibri_select(const float *key, int32_t *cand, int32_t c, int32_t k, float *cv,
+                                  float *vals, int32_t *ids)
 {
     int32_t i, n = 0;
     if (c > COLIBRI_RANK_MAX) {
@@ -773,8 +773,8 @@ static inline void colibri_select(const float *key, int32_t *cand, int32_t c, in
 
 /* scores = sigmoid(x), keys = scores + bias (x + bias when on_logits; no keys without a
  * bias); returns nonzero when x holds a NaN. */
-static inline int colibri_sigmoid_keys(const float *x, int32_t E, const float *bias,
-                                       int on_logits, float *scores, float *keys)
+static inline int colibri_sigmoid_keys(const float *x, int32_t E, const float *bias, int on_logits,
+                                       float *scores, float *keys)
 {
     int32_t e = 0;
     int nan = 0;
@@ -845,8 +845,8 @@ COLIBRI_AVX512_FN static inline __m512 colibri_exp16(__m512 x)
     x = _mm512_max_ps(x, _mm512_set1_ps(COLIBRI_EXP_LO));
     x = _mm512_min_ps(x, _mm512_set1_ps(COLIBRI_EXP_HI));
     __m512 magic = _mm512_set1_ps(COLIBRI_ROUND_MAGIC);
-    __m512 n = _mm512_sub_ps(
-        _mm512_add_ps(_mm512_mul_ps(x, _mm512_set1_ps(COLIBRI_LOG2E)), magic), magic);
+    __m512 n =
+        _mm512_sub_ps(_mm512_add_ps(_mm512_mul_ps(x, _mm512_set1_ps(COLIBRI_LOG2E)), magic), magic);
     __m512 r = _mm512_sub_ps(x, _mm512_mul_ps(n, _mm512_set1_ps(COLIBRI_LN2_HI)));
     r = _mm512_sub_ps(r, _mm512_mul_ps(n, _mm512_set1_ps(COLIBRI_LN2_LO)));
     __m512 p = _mm512_set1_ps(COLIBRI_EXP_P5);
@@ -877,11 +877,11 @@ COLIBRI_AVX512_FN static inline __m512 colibri_sigmoid16(__m512 x)
 
 /* colibri_top2_values and colibri_top2_ids on 16 lanes (the tail by masked loads): the same
  * answers. */
-#define COLIBRI_MERGE16(a, b, shuffled)                                                      \
-    do {                                                                                    \
-        __m512 a2_ = shuffled(a), b2_ = shuffled(b);                                        \
-        b = _mm512_max_ps(_mm512_min_ps(a, a2_), _mm512_max_ps(b, b2_));                    \
-        a = _mm512_max_ps(a, a2_);                                                          \
+#define COLIBRI_MERGE16(a, b, shuffled)                                  \
+    do {                                                                 \
+        __m512 a2_ = shuffled(a), b2_ = shuffled(b);                     \
+        b = _mm512_max_ps(_mm512_min_ps(a, a2_), _mm512_max_ps(b, b2_)); \
+        a = _mm512_max_ps(a, a2_);                                       \
     } while (0)
 #define COLIBRI_SWAP256(v) _mm512_shuffle_f32x4(v, v, _MM_SHUFFLE(1, 0, 3, 2))
 #define COLIBRI_SWAP128(v) _mm512_shuffle_f32x4(v, v, _MM_SHUFFLE(2, 3, 0, 1))
@@ -893,8 +893,8 @@ COLIBRI_AVX512_FN static inline __mmask16 colibri_tail16(int32_t left)
     return left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1);
 }
 
-COLIBRI_AVX512_FN static inline int colibri_top2_values16(const float *x, int32_t E,
-                                                          float *first, float *second)
+COLIBRI_AVX512_FN static inline int colibri_top2_values16(const float *x, int32_t E, float *first,
+                                                          float *second)
 {
     const __m512 none = _mm512_set1_ps(-INFINITY);
     __m512 a = none, b = none;
@@ -949,11 +949,11 @@ COLIBRI_AVX512_FN static inline int colibri_sigmoid_keys16(const float *x, int32
         unordered |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
         _mm512_storeu_ps(scores + e, s);
         if (bias != NULL)
-            _mm512_storeu_ps(keys + e, _mm512_add_ps(on_logits ? v : s,
-                                                     _mm512_loadu_ps(bias + e)));
+            _mm512_storeu_ps(keys + e, _mm512_add_ps(on_logits ? v : s, _mm512_loadu_ps(bias + e)));
     }
-    return (unordered != 0) | colibri_sigmoid_keys(x + e, E - e, bias != NULL ? bias + e : NULL,
-                                                   on_logits, scores + e, keys + e);
+    return (unordered != 0)
+           | colibri_sigmoid_keys(x + e, E - e, bias != NULL ? bias + e : NULL, on_logits,
+                                  scores + e, keys + e);
 }
 #endif
 
@@ -964,8 +964,8 @@ COLIBRI_AVX2_FN static inline __m256 colibri_exp8(__m256 x)
     x = _mm256_max_ps(x, _mm256_set1_ps(COLIBRI_EXP_LO));
     x = _mm256_min_ps(x, _mm256_set1_ps(COLIBRI_EXP_HI));
     __m256 magic = _mm256_set1_ps(COLIBRI_ROUND_MAGIC);
-    __m256 n = _mm256_sub_ps(
-        _mm256_add_ps(_mm256_mul_ps(x, _mm256_set1_ps(COLIBRI_LOG2E)), magic), magic);
+    __m256 n =
+        _mm256_sub_ps(_mm256_add_ps(_mm256_mul_ps(x, _mm256_set1_ps(COLIBRI_LOG2E)), magic), magic);
     __m256 r = _mm256_sub_ps(x, _mm256_mul_ps(n, _mm256_set1_ps(COLIBRI_LN2_HI)));
     r = _mm256_sub_ps(r, _mm256_mul_ps(n, _mm256_set1_ps(COLIBRI_LN2_LO)));
     __m256 p = _mm256_set1_ps(COLIBRI_EXP_P5);
@@ -1006,12 +1006,11 @@ COLIBRI_AVX2_FN static inline int colibri_sigmoid_keys8(const float *x, int32_t 
         unordered = _mm256_or_ps(unordered, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
         _mm256_storeu_ps(scores + e, s);
         if (bias != NULL)
-            _mm256_storeu_ps(keys + e, _mm256_add_ps(on_logits ? v : s,
-                                                     _mm256_loadu_ps(bias + e)));
+            _mm256_storeu_ps(keys + e, _mm256_add_ps(on_logits ? v : s, _mm256_loadu_ps(bias + e)));
     }
-    return (_mm256_movemask_ps(unordered) != 0) |
-           colibri_sigmoid_keys(x + e, E - e, bias != NULL ? bias + e : NULL, on_logits,
-                                scores + e, keys + e);
+    return (_mm256_movemask_ps(unordered) != 0)
+           | colibri_sigmoid_keys(x + e, E - e, bias != NULL ? bias + e : NULL, on_logits,
+                                  scores + e, keys + e);
 }
 
 /* colibri_exp_shifted with 8-lane exponentials, summed as the SSE2 code sums them: one
@@ -1045,8 +1044,7 @@ COLIBRI_AVX2_FN static inline float colibri_exp_shifted8(const float *x, float m
 }
 
 /* scores = sqrt(softplus(x)) with the exponentials 8 at a time (log1pf stays libm's). */
-COLIBRI_AVX2_FN static inline void colibri_sqrtsoftplus8(const float *x, int32_t E,
-                                                         float *scores)
+COLIBRI_AVX2_FN static inline void colibri_sqrtsoftplus8(const float *x, int32_t E, float *scores)
 {
     int32_t e = 0;
     for (; e + 8 <= E; e += 8)
@@ -1112,8 +1110,8 @@ COLIBRI_AVX2_FN static inline int colibri_top2_values8(const float *x, int32_t E
 }
 
 /* colibri_top2_ids with 8-lane equality masks. */
-COLIBRI_AVX2_FN static inline void colibri_top2_ids8(const float *x, int32_t E, float m1,
-                                                     float m2, int32_t *ids)
+COLIBRI_AVX2_FN static inline void colibri_top2_ids8(const float *x, int32_t E, float m1, float m2,
+                                                     int32_t *ids)
 {
     const __m256 v1 = _mm256_set1_ps(m1), v2 = _mm256_set1_ps(m2);
     int32_t base, e, i1 = -1, i2 = -1;
@@ -1161,27 +1159,26 @@ COLIBRI_AVX2_FN static inline float colibri_lane_bound8(const float *x, int32_t 
 }
 
 /* colibri_compact comparing 8 keys at a time (each half's ids stored by the 4-lane table). */
-COLIBRI_AVX2_FN static inline int32_t colibri_compact8(const float *x, int32_t first,
-                                                       int32_t last, float bound,
-                                                       int32_t *cand, int32_t c)
+COLIBRI_AVX2_FN static inline int32_t colibri_compact8(const float *x, int32_t first, int32_t last,
+                                                       float bound, int32_t *cand, int32_t c)
 {
-    static const int32_t lanes[16][4] = {
-        {0, 0, 0, 0}, {0, 0, 0, 0}, {1, 0, 0, 0}, {0, 1, 0, 0}, {2, 0, 0, 0}, {0, 2, 0, 0},
-        {1, 2, 0, 0}, {0, 1, 2, 0}, {3, 0, 0, 0}, {0, 3, 0, 0}, {1, 3, 0, 0}, {0, 1, 3, 0},
-        {2, 3, 0, 0}, {0, 2, 3, 0}, {1, 2, 3, 0}, {0, 1, 2, 3}};
+    static const int32_t lanes[16][4] = {{0, 0, 0, 0}, {0, 0, 0, 0}, {1, 0, 0, 0}, {0, 1, 0, 0},
+                                         {2, 0, 0, 0}, {0, 2, 0, 0}, {1, 2, 0, 0}, {0, 1, 2, 0},
+                                         {3, 0, 0, 0}, {0, 3, 0, 0}, {1, 3, 0, 0}, {0, 1, 3, 0},
+                                         {2, 3, 0, 0}, {0, 2, 3, 0}, {1, 2, 3, 0}, {0, 1, 2, 3}};
     static const signed char count[16] = {0, 1, 1, 2, 1, 2, 2, 3, 1, 2, 2, 3, 2, 3, 3, 4};
     int32_t e = first;
     __m256 b = _mm256_set1_ps(bound);
     for (; e + 8 <= last; e += 8) {
         int mask = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(x + e), b, _CMP_GE_OQ));
         int lo = mask & 15, hi = mask >> 4;
-        _mm_storeu_si128((__m128i *)(cand + c),
-                         _mm_add_epi32(_mm_loadu_si128((const __m128i *)lanes[lo]),
-                                       _mm_set1_epi32(e)));
+        _mm_storeu_si128(
+            (__m128i *)(cand + c),
+            _mm_add_epi32(_mm_loadu_si128((const __m128i *)lanes[lo]), _mm_set1_epi32(e)));
         c += count[lo];
-        _mm_storeu_si128((__m128i *)(cand + c),
-                         _mm_add_epi32(_mm_loadu_si128((const __m128i *)lanes[hi]),
-                                       _mm_set1_epi32(e + 4)));
+        _mm_storeu_si128(
+            (__m128i *)(cand + c),
+            _mm_add_epi32(_mm_loadu_si128((const __m128i *)lanes[hi]), _mm_set1_epi32(e + 4)));
         c += count[hi];
     }
     return colibri_compact(x, e, last, bound, cand, c);
@@ -1189,26 +1186,24 @@ COLIBRI_AVX2_FN static inline int32_t colibri_compact8(const float *x, int32_t f
 #endif /* COLIBRI_AVX2 */
 
 /* colibri_sigmoid_keys of a row of r's experts, 16 lanes wide where r allows. */
-static inline int colibri_row_sigmoid_keys(const colibri_router_t *r, const float *x,
-                                           float *scores, float *keys)
+static inline int colibri_row_sigmoid_keys(const colibri_router_t *r, const float *x, float *scores,
+                                           float *keys)
 {
 #ifdef COLIBRI_AVX512
     if (r->use_avx512)
-        return colibri_sigmoid_keys16(x, r->num_experts, r->bias, r->bias_on_logits, scores,
-                                      keys);
+        return colibri_sigmoid_keys16(x, r->num_experts, r->bias, r->bias_on_logits, scores, keys);
 #endif
 #ifdef COLIBRI_AVX2
     if (r->use_avx2)
-        return colibri_sigmoid_keys8(x, r->num_experts, r->bias, r->bias_on_logits, scores,
-                                     keys);
+        return colibri_sigmoid_keys8(x, r->num_experts, r->bias, r->bias_on_logits, scores, keys);
 #endif
     return colibri_sigmoid_keys(x, r->num_experts, r->bias, r->bias_on_logits, scores, keys);
 }
 
 /* colibri_top2_values / colibri_top2_ids of a row of r's experts, 16 lanes wide where r
  * allows and E >= 16 (E=26: 20% faster, E=256: 25%; E=8 is faster on 4 lanes). */
-static inline int colibri_row_top2_values(const colibri_router_t *r, const float *x,
-                                          float *first, float *second)
+static inline int colibri_row_top2_values(const colibri_router_t *r, const float *x, float *first,
+                                          float *second)
 {
 #ifdef COLIBRI_AVX512
     if (r->use_avx512 && r->num_experts >= 16)
@@ -1251,9 +1246,8 @@ static inline float colibri_row_lane_bound(const colibri_router_t *r, const floa
     return colibri_lane_bound(x, E, k, nan);
 }
 
-static inline int32_t colibri_row_compact(const colibri_router_t *r, const float *x,
-                                          int32_t first, int32_t last, float bound,
-                                          int32_t *cand, int32_t c)
+static inline int32_t colibri_row_compact(const colibri_router_t *r, const float *x, int32_t first,
+                                          int32_t last, float bound, int32_t *cand, int32_t c)
 {
 #ifdef COLIBRI_AVX2
     if (r->use_avx2)
@@ -1332,8 +1326,7 @@ static inline float colibri_score(int scoring, float x)
 /* Weights of the chosen experts tid[0..k) of row x (scores: the row's scores, or NULL when
  * the keys were the logits), into weights/ids. scratch: as for colibri_route_row. */
 static inline int colibri_weights(const colibri_router_t *r, const float *x, const float *scores,
-                                  const int32_t *tid, void *scratch, int32_t *ids,
-                                  float *weights)
+                                  const int32_t *tid, void *scratch, int32_t *ids, float *weights)
 {
     const int32_t E = r->num_experts, k = r->top_k;
     int32_t j;
@@ -1473,7 +1466,7 @@ static inline int colibri_route_row(const colibri_router_t *r, const float *x, v
             else
 #endif
 #ifdef COLIBRI_NEON
-            if (colibri_neon_on())
+                if (colibri_neon_on())
                 colibri_sqrtsoftplus4n(x, E, scores);
             else
 #endif
@@ -1582,8 +1575,7 @@ static inline int colibri_route_rows8(const colibri_router_t *r, const float *x,
 #ifdef COLIBRI_SSE2
         __m128 one = _mm_set1_ps(1.0f), eps = _mm_set1_ps(r->norm_eps);
         for (i = 0; i < 8; i += 4) {
-            __m128 e = colibri_exp4(_mm_sub_ps(_mm_loadu_ps(second + i),
-                                               _mm_loadu_ps(first + i)));
+            __m128 e = colibri_exp4(_mm_sub_ps(_mm_loadu_ps(second + i), _mm_loadu_ps(first + i)));
             __m128 sum = _mm_add_ps(_mm_add_ps(one, e), eps);
             _mm_storeu_ps(w0 + i, _mm_div_ps(one, sum));
             _mm_storeu_ps(w1 + i, _mm_div_ps(e, sum));
