@@ -407,3 +407,28 @@ def test_npz_member_marked_encrypted(tmp_path):
     data[entry + 8] |= 0x1  # general purpose flags: bit 0, encrypted
     path.write_bytes(bytes(data))
     refused(UsageStats.load, path, "member 'counts.npy' is marked encrypted")
+
+
+@pytest.mark.parametrize("count", [1 << 56, 1 << 20])
+def test_gguf_array_count_past_the_end_is_refused_at_once(tmp_path, count):
+    # gguf's reader loops over an array's count element by element, one empty part for each
+    # past the end of the file: 2**56 ran for ever and filled memory (19 GB in a CI run)
+    gguf = pytest.importorskip("gguf")
+    path = str(tmp_path / "m.gguf")
+    w = gguf.GGUFWriter(path, "llama")
+    w.add_array("colibri.list", [7, 8, 9])
+    w.add_tensor("blk.0.ffn_gate_exps.weight", np.ones((2, 3, 4), np.float32))
+    w.add_tensor("blk.0.ffn_up_exps.weight", np.ones((2, 3, 4), np.float32))
+    w.add_tensor("blk.0.ffn_down_exps.weight", np.ones((2, 4, 3), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    assert len(open_weights(path).experts) == 2  # the array is read as it is
+    data = bytearray(Path(path).read_bytes())
+    header = struct.pack("<IQ", 5, 3)  # the int32 array of 3 items
+    at = data.index(header, data.index(b"colibri.list"))
+    data[at + 4 : at + 12] = struct.pack("<Q", count)
+    Path(path).write_bytes(bytes(data))
+    with pytest.raises(FormatError, match=f"an array of {count} items .* bytes left"):
+        open_weights(path)

@@ -28,6 +28,64 @@ _PLAIN = {"F64": "F64", "F32": "F32", "F16": "F16", "BF16": "BF16", "I8": "I8", 
           "I32": "I32", "I64": "I64"}  # fmt: skip
 
 
+# GGUF value types: fixed sizes of the scalars; 8 is a string, 9 an array.
+_SCALAR_BYTES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+_STRING, _ARRAY = 8, 9
+_MAX_NESTING = 4  # arrays of arrays: llama.cpp writes none; the reader recurses on each level
+
+
+def _scan_metadata(path: str, f, size: int, n_kv: int) -> None:
+    """Walk the key/value section as GGUF lays it out, refusing what the file cannot hold.
+
+    ``gguf.GGUFReader`` loops over an array's declared count element by element, appending an
+    empty part for each one past the end of the file: a corrupt count of 2**56 would run for
+    ever and fill memory. Here each count is checked against the bytes left first.
+    """
+
+    def fail(what: str, at: int) -> FormatError:
+        return FormatError(f"{path}: GGUF metadata at byte {at}: {what}; the file is corrupt")
+
+    def take(n: int, at: int, what: str) -> bytes:
+        if n < 0 or at + n > size:
+            raise fail(f"{what} runs past the end of the file ({size} bytes)", at)
+        f.seek(at)
+        return f.read(n)
+
+    def string(at: int, what: str) -> int:
+        (n,) = struct.unpack("<Q", take(8, at, what + " length"))
+        if n > size - at - 8:
+            raise fail(f"{what} of {n} bytes runs past the end of the file ({size} bytes)", at)
+        return at + 8 + n
+
+    def value(kind: int, at: int, depth: int) -> int:
+        if kind in _SCALAR_BYTES:
+            take(_SCALAR_BYTES[kind], at, "a value")
+            return at + _SCALAR_BYTES[kind]
+        if kind == _STRING:
+            return string(at, "a string")
+        if kind != _ARRAY:
+            raise fail(f"unknown value type {kind}", at)
+        if depth >= _MAX_NESTING:
+            raise fail(f"arrays nested more than {_MAX_NESTING} deep", at)
+        item, count = struct.unpack("<IQ", take(12, at, "an array header"))
+        at += 12
+        least = _SCALAR_BYTES.get(item, 8 if item == _STRING else 12)
+        if count * least > size - at:
+            raise fail(f"an array of {count} items of type {item} needs more than the "
+                       f"{size - at} bytes left", at)  # fmt: skip
+        if item in _SCALAR_BYTES:
+            return at + count * least
+        for _ in range(count):
+            at = value(item, at, depth + 1)
+        return at
+
+    at = 24
+    for _ in range(n_kv):
+        at = string(at, "a key")
+        (kind,) = struct.unpack("<I", take(4, at, "a value type"))
+        at = value(kind, at + 4, 0)
+
+
 def _import_gguf():
     try:
         import gguf
@@ -59,6 +117,8 @@ def open_gguf(path: str | os.PathLike) -> WeightSource:
             f"{path}: header claims {n_tensors} tensors and {n_kv} metadata pairs, more than "
             f"a {size}-byte file can hold; the file is corrupt"
         )
+    with open(path, "rb") as f:
+        _scan_metadata(path, f, size, n_kv)
     try:
         reader = gguf.GGUFReader(path, "r")
         tensors = {}
