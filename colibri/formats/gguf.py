@@ -58,8 +58,9 @@ def _scan_metadata(path: str, f, size: int, n_kv: int) -> None:
         return at + 8 + n
 
     def value(kind: int, at: int, depth: int) -> int:
-        if kind in _SCALAR_BYTES:
-            take(_SCALAR_BYTES[kind], at, "a value")
+        if kind in _SCALAR_BYTES:  # only its extent matters here: the reader decodes it
+            if at + _SCALAR_BYTES[kind] > size:
+                raise fail(f"a value runs past the end of the file ({size} bytes)", at)
             return at + _SCALAR_BYTES[kind]
         if kind == _STRING:
             return string(at, "a string")
