@@ -202,6 +202,26 @@ class FileReader:
                 self._active -= 1
                 self._lock.notify_all()
 
+    def advise(self, path: str, offset: int, length: int) -> bool:
+        """Ask the OS to start reading ``length`` bytes of ``path`` at ``offset`` into its page
+        cache (``posix_fadvise(WILLNEED)``, asynchronous); False where it cannot or once
+        closed. Errors are the OS's to report at the read, not here."""
+        if not (_HAS_PREAD and hasattr(os, "posix_fadvise")):
+            return False
+        with self._lock:
+            if self._closed:
+                return False
+            self._active += 1
+        try:
+            os.posix_fadvise(self._fds[path], offset, length, os.POSIX_FADV_WILLNEED)
+            return True
+        except OSError:
+            return False
+        finally:
+            with self._lock:
+                self._active -= 1
+                self._lock.notify_all()
+
     def close(self) -> None:
         """Wait for reads in progress, then close every descriptor and handle."""
         with self._lock:
@@ -300,6 +320,18 @@ class FileMap:
                 f"{self.path}: making bytes [{first}, {first + length}) resident failed "
                 f"({exc.strerror or exc}): the disk returned an error or the file shrank",
             ) from exc
+
+    def advise(self, start: int, length: int) -> bool:
+        """Ask the OS to start reading bytes ``[start, start + length)`` (``start``
+        page-aligned) into its page cache (``MADV_WILLNEED``, asynchronous), mapping none of
+        them; False where the OS cannot, once closed or on an error (the access reports it)."""
+        length = min(length, self.length - start)
+        if length <= 0 or not HAS_MADVISE:
+            return False
+        try:
+            return self._call(mmap.MADV_WILLNEED, start, length)
+        except OSError:
+            return False
 
     def drop(self, start: int, length: int) -> bool:
         """Take bytes ``[start, start + length)`` out of the process (``MADV_DONTNEED``);

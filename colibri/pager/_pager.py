@@ -152,7 +152,8 @@ class PagerStats(LayerStats):
     ``minor_faults`` / ``major_faults`` the page faults the fetching threads took while
     fetching (``getrusage``; 0 where unavailable). ``rss_file`` / ``rss_anon`` are the
     process's file-backed and anonymous resident bytes when the snapshot was taken
-    (``/proc/self/status``; None elsewhere).
+    (``/proc/self/status``; None elsewhere). ``advised`` counts experts handed to the OS by
+    :meth:`Pager.advise` (read-ahead into the page cache, not into the budget).
     """
 
     io: str = ""
@@ -166,6 +167,7 @@ class PagerStats(LayerStats):
     read_seconds: float = 0.0
     prefetched: int = 0
     prefetch_hits: int = 0
+    advised: int = 0
     inflight_waits: int = 0
     rss_file: int | None = None
     rss_anon: int | None = None
@@ -438,6 +440,11 @@ class _IO:
     def close(self, slots: list[_Slot]) -> None:
         raise NotImplementedError
 
+    def advise(self, key: Key) -> bool:
+        """Start the OS reading ``key``'s bytes into its page cache; nothing is mapped or
+        held (False where this backend cannot)."""
+        return False
+
 
 class _ReadIO(_IO):
     """Explicit reads into a pool of ``num_slots x slot_bytes`` bytes."""
@@ -502,6 +509,10 @@ class _ReadIO(_IO):
     def close(self, slots):
         self.reader.close()  # the pool lives on in the views that still use it
 
+    def advise(self, key):
+        done = [self.reader.advise(r.path, r.offset, r.nbytes) for r in self.experts[key].matrices]
+        return all(done)
+
 
 class _PageTable:
     """How many resident experts use each page of one file (no Python object per page)."""
@@ -558,6 +569,11 @@ class _MapIO(_IO):
         ps = self.page_size
         for f, first, end in self.spans[key]:
             self.maps[f].populate(first * ps, (end - first) * ps)
+
+    def advise(self, key):
+        ps = self.page_size
+        return all([self.maps[f].advise(first * ps, (end - first) * ps)
+                    for f, first, end in self.spans[key]])  # fmt: skip
 
     def _drop(self, f: int, runs) -> None:
         ps = self.page_size
@@ -1239,6 +1255,31 @@ class Pager:
                 cache.stats.prefetched += 1
                 queued += 1
         return queued
+
+    def advise(self, layer: int, expert_ids) -> int:
+        """Ask the OS to start reading experts likely needed soon into its page cache.
+
+        Unlike :meth:`prefetch` nothing becomes resident here: no slot is taken, nothing is
+        evicted, the budget is untouched and no thread of this process reads; a later
+        :meth:`load` of these experts finds their bytes in memory instead of on the disk
+        (``MADV_WILLNEED`` on the mapping for ``io="mmap"``, ``posix_fadvise(WILLNEED)``
+        for ``io="read"``; ``io="view"`` cannot). Resident experts are skipped. Under memory
+        pressure the OS may drop the pages again before the load.
+
+        Returns
+        -------
+        int
+            How many experts were handed to the OS.
+        """
+        self._check_open()
+        keys = self._keys(layer, expert_ids, "advise()")
+        cache = self._cache
+        with cache.lock:
+            keys = [k for k in keys if k not in cache.where]
+        advised = sum(self._io.advise(k) for k in keys)
+        with cache.lock:
+            cache.stats.advised += advised
+        return advised
 
     def drain(self, timeout: float | None = None) -> bool:
         """Wait until every queued prefetch has been fetched (or has failed).

@@ -493,3 +493,67 @@ def test_a_cold_miss_reads_from_storage_only_its_pages(tmp_path):
         read = _storage_reads() - before
         asked = sum(n for k in keys for _, n in _page_runs(pager.source, k, 4096))
     assert asked <= read <= 1.1 * asked, (read, asked)
+
+
+@pytest.mark.parametrize("io", ["mmap", "read"])
+def test_advise_reads_ahead_without_touching_the_budget(weights, io, monkeypatch):
+    """advise() hands exactly the missing experts' pages to the OS (WILLNEED) and nothing
+    else: no slot, no residency, no eviction, no hit or miss."""
+    path, experts = weights
+    calls = []
+    if io == "mmap":
+        hook_io(monkeypatch, lambda kind, p, offset, length: calls.append((kind, offset, length)))
+    else:
+        real = os.posix_fadvise
+        monkeypatch.setattr(
+            os, "posix_fadvise",
+            lambda fd, offset, length, advice: calls.append(("willneed", offset, length))
+            if advice == os.POSIX_FADV_WILLNEED else real(fd, offset, length, advice),
+        )  # fmt: skip
+    with Pager(path, budget_bytes=2 * EXPERT, page_size_kb=4, io=io, policy="lru") as pager:
+        with pager.load(0, [1]):
+            pass
+        before, held = pager.stats, pager.resident()
+        calls.clear()
+        assert pager.advise(0, [1, 2, 3, 2]) == 2  # 1 is resident: skipped
+        after = pager.stats
+        assert pager.resident() == held
+        for name in ("hits", "misses", "evictions", "prefetched", "bytes_read", "pages_loaded"):
+            assert getattr(after, name) == getattr(before, name), name
+        assert after.advised == before.advised + 2
+        asked = sorted((o, n) for k, o, n in calls if k == "willneed")
+        if io == "mmap":
+            want = sorted(r for e in (2, 3) for r in _page_runs(pager.source, (0, e), 4096))
+        else:
+            want = sorted((r.offset, r.nbytes) for e in (2, 3)
+                          for r in pager.source.experts[(0, e)].matrices)  # fmt: skip
+        assert asked == want
+        assert {k for k, _, _ in calls} == {"willneed"}
+        with pytest.raises(KeyError):
+            pager.advise(0, [10**6])
+    with pytest.raises(ValueError, match="closed"):
+        pager.advise(0, [2])
+
+
+@pytest.mark.skipif(not hasattr(os, "posix_fadvise"), reason="needs posix_fadvise")
+def test_an_advised_expert_loads_from_the_page_cache(tmp_path):
+    """Measured: with the page cache emptied, advise() is where the device is read; the
+    load that follows reads nothing more from it."""
+    experts = make_experts(1, 16, I, H, seed=4)
+    path = str(write_experts(tmp_path / "ahead.colibri", experts))
+    _evict(path)
+    before = _storage_reads()
+    with open(path, "rb") as f:
+        f.read(EXPERT)
+    if _storage_reads() - before < EXPERT:
+        pytest.skip("this file system's reads are not counted in /proc/self/io read_bytes")
+    with Pager(path, budget_bytes=4 * EXPERT, page_size_kb=4, io="mmap") as pager:
+        _evict(path)
+        before = _storage_reads()
+        assert pager.advise(0, [3, 7]) == 2
+        advised = _storage_reads() - before
+        before = _storage_reads()
+        with pager.load(0, [3, 7]) as batch:
+            check(batch, experts, 0)
+        loaded = _storage_reads() - before
+    assert advised >= 2 * EXPERT and loaded <= EXPERT // 8, (advised, loaded)
