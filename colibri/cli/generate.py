@@ -209,7 +209,7 @@ def generate(model, tokenizer, args, *, out=print) -> dict:
     out(
         f"pager: hit rate {stats.hit_rate:.1%}, {_mib(figures['bytes_per_token'])} read per "
         f"decoded token, next-layer prediction ({paging.prefetch}) recall {shown}, "
-        f"{stats.prefetched} experts prefetched"
+        f"{stats.advised} experts read ahead"
     )
     extra = ""
     if "anon" in mem:

@@ -76,7 +76,7 @@ def test_generate_options(checkpoint, capsys):
     out = capsys.readouterr().out
     assert code == 0
     assert "decode 9 tokens" in out  # 3 sequences x 3 tokens after the first
-    assert "recall n/a (prefetch off)" in out and "0 experts prefetched" in out
+    assert "recall n/a (prefetch off)" in out and "0 experts read ahead" in out
     assert "(fifo, 4 KiB pages)" in out
 
 

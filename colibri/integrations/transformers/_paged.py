@@ -10,6 +10,8 @@ with colibri exactly as :func:`patch` does. ``model.generate()`` works unchanged
 
 from __future__ import annotations
 
+import functools
+import inspect
 import os
 import re
 import warnings
@@ -24,7 +26,8 @@ from torch import nn
 from colibri.integrations.transformers._checkpoint import Checkpoint, CheckpointError
 from colibri.integrations.transformers._families import _fingerprint
 from colibri.integrations.transformers._patch import _STATE, patch, patched_routers
-from colibri.layer import expert_ffn
+from colibri.layer import _ffn
+from colibri.layer._moe import _half_bits
 
 __all__ = [
     "PagedExperts",
@@ -50,7 +53,21 @@ def _kernel_rows() -> int:
 
 
 _KERNEL_ROWS = _kernel_rows()
-_KERNEL_DTYPES = (torch.bfloat16, torch.float16)
+_KERNEL_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
+_SILU = _ffn.ACTIVATIONS["silu"]
+
+
+def _fused_expert(x32: np.ndarray, w: Any, dtype: torch.dtype) -> torch.Tensor | None:
+    """``down @ (silu(gate @ x) * (up @ x))`` for float32 rows ``x32 [n, H]`` through
+    colibri's fused kernel, straight on the pager's arrays, as a ``dtype`` tensor ``[n, H]``;
+    None unless the weights are stored in ``dtype`` (float16 or bfloat16)."""
+    bits = [_half_bits(m) for m in (w.gate, w.up, w.down)]
+    if any(b is None or b[1] != _KERNEL_DTYPES.get(dtype) for b in bits):
+        return None
+    y = np.empty((x32.shape[0], bits[2][0].shape[0]), np.float32)
+    (g, name), (u, _), (d, _) = bits
+    _ffn.ffn(x32, g, u, d, 1 if name == "float16" else 2, _SILU, y, 0)
+    return torch.from_numpy(y).to(dtype)  # nearest even, as torch rounds its own products
 
 
 def _is_silu(act: Any) -> bool:
@@ -256,6 +273,10 @@ class Paging:
     _last: dict[int, np.ndarray] = field(default_factory=dict, repr=False)
     _guess: dict[tuple[str, int], np.ndarray] = field(default_factory=dict, repr=False)
     _chunk: int = 0
+    # layers whose every expert was loaded while the budget holds all experts: nothing
+    # evicts them, so predicting their experts would only cost time
+    _settled: set[int] = field(default_factory=set, repr=False)
+    _seen: dict[int, set[int]] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         self.prediction = {"gate": PredictionStats(), "previous": PredictionStats()}
@@ -293,6 +314,9 @@ class Paging:
                 "load the checkpoint again with from_pretrained()"
             )
         return self.pager
+
+    def _total_experts(self) -> int:
+        return sum(layer.num_experts for layer in self.layers)
 
     def _observe(self, layer: int, used: np.ndarray) -> None:
         """Score the predictions made for ``layer`` against the experts it used."""
@@ -367,54 +391,64 @@ class PagedExperts(nn.Module):
         paging._observe(self.layer, used)
         with warnings.catch_warnings():  # torch warns once: the pager's arrays are read-only
             warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
-            out = self._run(paging, hidden_states, ids, weights, used)
+            out = self._run(paging, hidden_states, ids_np, weights, used)
         paging._last[self.layer] = used
+        if self.layer not in paging._settled and paging._chunk >= paging._total_experts():
+            seen = paging._seen.setdefault(self.layer, set())
+            seen.update(used.tolist())
+            if len(seen) == self.num_experts:
+                paging._settled.add(self.layer)
         return out
 
-    def _run(self, paging, hidden_states, ids, weights, used) -> torch.Tensor:
+    def _run(self, paging, hidden_states, ids_np, weights, used) -> torch.Tensor:
         predicted = False
+        # float32 rows for the fused kernel, converted once for the layer's experts
+        rows32 = None
+        if _KERNEL_ROWS and self.__dict__["_silu"] and hidden_states.dtype in _KERNEL_DTYPES:
+            rows32 = hidden_states.detach().float().numpy()
         while True:
             out = torch.zeros_like(hidden_states)
             try:
                 for start in range(0, len(used), paging._chunk):
                     part = used[start : start + paging._chunk]
                     with paging._load(self.layer, part) as batch:
-                        if not predicted:  # this chunk is pinned: prefetches cannot evict it
-                            self._predict(hidden_states, len(part))
+                        if not predicted:  # after this layer's own misses were asked for
+                            self._predict(hidden_states)
                             predicted = True
                         for e in part:
-                            self._expert(batch[int(e)], int(e), hidden_states, ids, weights, out)
+                            e = int(e)
+                            self._expert(batch[e], e, hidden_states, rows32, ids_np, weights, out)
                 break
             except _Retry:
                 continue
         return out
 
-    def _expert(self, w, e, hidden_states, ids, weights, out) -> None:
-        token, slot = torch.where(ids == e)
-        x = hidden_states[token]
-        gate, up, down = (torch_view(m) for m in (w.gate, w.up, w.down))
-        if (
-            len(token) <= _KERNEL_ROWS
-            and x.dtype == gate.dtype in _KERNEL_DTYPES
-            and self.__dict__["_silu"]
-        ):
+    def _expert(self, w, e, hidden_states, rows32, ids_np, weights, out) -> None:
+        token, slot = np.nonzero(ids_np == e)
+        h = None
+        if rows32 is not None and len(token) <= _KERNEL_ROWS:
             # few rows of half-precision weights (decoding): colibri's fused kernel reads
             # each weight once, in place, at memory speed; torch's GEMMs win on more rows
-            h = expert_ffn(x, gate, up, down, activation="silu")
-        else:
+            h = _fused_expert(rows32[token], w, hidden_states.dtype)
+        token_t, slot_t = torch.from_numpy(token), torch.from_numpy(slot)
+        if h is None:
+            x = hidden_states[token_t]
+            gate, up, down = (torch_view(m) for m in (w.gate, w.up, w.down))
             if gate.dtype != x.dtype:  # a model run in another dtype than stored: a copy
                 gate, up, down = gate.to(x.dtype), up.to(x.dtype), down.to(x.dtype)
             h = F.linear(self.act_fn(F.linear(x, gate)) * F.linear(x, up), down)
-        y = h * weights[token, slot, None]
-        out.index_add_(0, token, y.to(out.dtype))
+        y = h * weights[token_t, slot_t, None]
+        out.index_add_(0, token_t, y.to(out.dtype))
 
-    def _predict(self, hidden_states: torch.Tensor, pinned: int) -> None:
+    def _predict(self, hidden_states: torch.Tensor) -> None:
         """Guess the next MoE layer's experts and prefetch them (mode ``paging.prefetch``)."""
         paging: Paging = self.__dict__["_paging"]
         nxt = self.__dict__["_next"]
         if nxt is None:
             return
         layer, router, block = nxt
+        if layer in paging._settled:  # all resident for good: nothing to fetch
+            return
         guesses = {}
         last = paging._last.get(layer)
         if last is not None:
@@ -429,26 +463,34 @@ class PagedExperts(nn.Module):
         for mode, guess in guesses.items():
             paging._guess[(mode, layer)] = np.sort(guess)
         guess = guesses.get(paging.prefetch)
-        room = paging._chunk - pinned
-        if guess is not None and room > 0:
-            paging.pager.prefetch(layer, np.asarray(guess[:room], dtype=np.int64))
+        if guess is not None:
+            # read ahead into the page cache, not into the budget: a slot prefetch evicts
+            # experts still in use and spends a core mapping pages (bench/README.md)
+            paging.pager.advise(layer, np.asarray(guess, dtype=np.int64))
+
+
+@functools.cache
+def _extra_arguments(forward: Any) -> tuple[str, ...]:
+    """The required arguments of a routing kind's ``forward`` after (router, routing,
+    hidden_states): what the block passes to its router."""
+    names = []
+    for parameter in list(inspect.signature(forward).parameters.values())[3:]:
+        if parameter.default is not inspect.Parameter.empty:
+            break
+        names.append(parameter.name)
+    return tuple(names)
 
 
 def _route_only(router: nn.Module, block: nn.Module, hidden_states: torch.Tensor):
     """The expert ids ``[T, k]`` colibri would choose at ``router`` for ``hidden_states``,
     through the patched routing (no hooks run, nothing recorded). Arguments the block
     passes to its router (MiniMax-M2's, AFMoE's selection bias) are read from ``block``."""
-    import inspect
-
     state = router.__dict__.get(_STATE)
     if state is None:
         return None
-    extra = list(inspect.signature(state.kind.forward).parameters.values())[3:]
     args = []
-    for parameter in extra:
-        if parameter.default is not inspect.Parameter.empty:
-            break
-        value = getattr(block, parameter.name, None)
+    for name in _extra_arguments(state.kind.forward):
+        value = getattr(block, name, None)
         if value is None:
             return None  # the block computes it: no cheap guess
         args.append(value)
@@ -624,9 +666,11 @@ def from_pretrained(
     page_size_kb : int
         The pager's page size (a power of two >= 4).
     prefetch : str
-        ``"gate"`` (default): while layer l runs, read the experts that layer l+1's router
-        picks for layer l's input; ``"previous"``: those layer l+1 used at the previous
-        step; ``"off"``.
+        ``"gate"`` (default): while layer l runs, have the OS read ahead the experts that
+        layer l+1's router picks for layer l's input (:meth:`colibri.Pager.advise`: into the
+        page cache, not into the budget); ``"previous"``: those layer l+1 used at the
+        previous step; ``"off"``. Layers all of whose experts stay resident (a budget that
+        holds every expert) are no longer predicted.
     num_threads : int, optional
         Threads of colibri's routing (torch's own: ``torch.set_num_threads``).
     dtype : torch.dtype or str, optional

@@ -216,7 +216,31 @@ def test_prediction_recall_is_measured(saved):
     gate, previous = model.colibri.prediction["gate"], model.colibri.prediction["previous"]
     assert gate.used > 0 and 0 <= gate.correct <= gate.used
     assert previous.used > 0 and 0 <= previous.recall <= 1
-    assert model.colibri.stats.prefetched > 0
+    assert model.colibri.stats.advised > 0  # read ahead into the page cache, no slot taken
+
+
+def test_no_prediction_once_every_expert_stays(saved, monkeypatch):
+    """With a budget that holds every expert, a layer whose experts have all been loaded is
+    never evicted again: predicting it would only cost time, so it is not predicted."""
+    from colibri.integrations.transformers import _paged
+
+    folder, _, _ = saved("qwen2_moe")
+    model = from_pretrained(folder, budget="1GiB", page_size_kb=4, prefetch="gate")
+    layers = {m.layer for m in model.modules() if isinstance(m, PagedExperts)}
+    model.generate(_inputs(6, batch=4, length=12), do_sample=False, max_new_tokens=2,
+                   pad_token_id=0)  # fmt: skip
+    assert model.colibri._settled == layers  # 64 tokens: every expert of every layer used
+    calls = []
+    real = _paged._route_only
+    monkeypatch.setattr(_paged, "_route_only", lambda *a: calls.append(1) or real(*a))
+    misses = model.colibri.stats.misses
+    model.generate(_inputs(7), do_sample=False, max_new_tokens=3, pad_token_id=0)
+    assert calls == [] and model.colibri.stats.misses == misses  # and nothing was missed
+    # a budget that cannot hold them all keeps predicting
+    small = from_pretrained(folder, budget=saved("qwen2_moe")[2], page_size_kb=4, prefetch="gate")
+    small.generate(_inputs(6, batch=4, length=12), do_sample=False, max_new_tokens=2,
+                   pad_token_id=0)  # fmt: skip
+    assert small.colibri._settled == set() and calls
 
 
 def test_close_and_unpatch_in_any_order(saved):
@@ -314,8 +338,8 @@ def test_expert_kernel_switch(tmp_path, monkeypatch):
     ref.save_pretrained(tmp_path, max_shard_size="20KB")
     model = from_pretrained(tmp_path, budget=_two_experts(ref), page_size_kb=4)
     calls = []
-    real = _paged.expert_ffn
-    monkeypatch.setattr(_paged, "expert_ffn", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = _paged._fused_expert
+    monkeypatch.setattr(_paged, "_fused_expert", lambda *a: calls.append(a[0].shape) or real(*a))
     outputs = {}
     for rows in (2, 0):
         monkeypatch.setattr(_paged, "_KERNEL_ROWS", rows)
@@ -323,6 +347,23 @@ def test_expert_kernel_switch(tmp_path, monkeypatch):
         outputs[rows] = _logits(model, _inputs(1, batch=1, length=2)).float()
         assert (len(calls) > 0) == (rows > 0), (rows, len(calls))
     torch.testing.assert_close(outputs[0], outputs[2], rtol=2**-6, atol=2**-6)
+    # the kernel reads the weights where the pager mapped them: no copy on the way
+    maps = [(m.address, m.address + m.length) for m in model.colibri.pager._io.maps if m]
+    seen = []
+    real_ffn = _paged._ffn.ffn
+
+    class Spy:
+        ACTIVATIONS = _paged._ffn.ACTIVATIONS
+
+        @staticmethod
+        def ffn(x, *args):
+            seen.extend(w.ctypes.data for w in args[:3])
+            return real_ffn(x, *args)
+
+    monkeypatch.setattr(_paged, "_ffn", Spy)
+    monkeypatch.setattr(_paged, "_KERNEL_ROWS", 2)
+    _logits(model, _inputs(1, batch=1, length=2))
+    assert seen and all(any(lo <= p < hi for lo, hi in maps) for p in seen)
 
 
 def test_parse_size():
