@@ -24,4 +24,16 @@ def ffn(
     threads: int,
     path: str | None = None,
 ) -> None: ...
+def ffn_sum(
+    x: np.ndarray,
+    experts: list[tuple[np.ndarray, np.ndarray, np.ndarray]],
+    kind: int,
+    act: int,
+    bounds: np.ndarray,
+    rows: np.ndarray,
+    scale: np.ndarray,
+    y: np.ndarray,
+    threads: int,
+    path: str | None = None,
+) -> None: ...
 def read_pass(words: np.ndarray, threads: int = 0) -> int: ...

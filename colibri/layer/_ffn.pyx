@@ -41,6 +41,8 @@ cdef extern from "colibri/ffn.h" nogil:
         COLIBRI_FFN_MAX_ROWS
     size_t colibri_ffn_split_bytes(const colibri_ffn_t *f) noexcept
     void colibri_ffn_run(const colibri_ffn_t *f, int threads) noexcept
+    void colibri_ffn_run_many(const colibri_ffn_t *f, int32_t count, int32_t *first,
+                              int threads) noexcept
 
 
 PATHS = tuple(colibri_path_names[i].decode() for i in range(COLIBRI_PATH_COUNT))
@@ -153,6 +155,103 @@ def ffn(const float[:, :] x, const uint16_t[:, :] gate, const uint16_t[:, :] up,
     with nogil:
         colibri_ffn_run(&f, threads)
     free(h)
+
+
+def ffn_sum(const float[:, :] x, list experts, int kind, int act,
+            const int64_t[::1] bounds, const int64_t[::1] rows, const float[::1] scale,
+            float[:, :] y, int threads, path=None):
+    """y[rows[i]] += scale[i] * ffn_j(x[rows[i]]) for i in [bounds[j], bounds[j + 1]): a
+    layer's experts in one call, two passes on the pool for all of them (decoding).
+
+    x [T, H] and y [T, H] float32 (rows contiguous); experts[j] = (gate [I, H], up [I, H],
+    down [H, I]) uint16 bits of one ``kind``; rows int64 in [0, T) and scale float32 per
+    assignment, grouped by expert as bounds (int64 [len(experts) + 1], from 0) says, 1 to
+    MAX_ROWS rows an expert. Shapes are checked here; float32 accumulation throughout."""
+    cdef Py_ssize_t count = len(experts), j, i, k
+    cdef int64_t T = x.shape[0], H = x.shape[1], total, n, offset
+    cdef colibri_ffn_t *fs = NULL
+    cdef int32_t *first = NULL
+    cdef float *xg = NULL
+    cdef float *yg = NULL
+    cdef float *hs = NULL
+    cdef char *split = NULL
+    cdef size_t hbytes = 0, sbytes = 0
+    cdef const uint16_t[:, :] g, u, d
+    cdef int p = path_index(path)
+    if bounds.shape[0] != count + 1 or bounds[0] != 0:
+        raise ValueError(f"ffn_sum(): bounds must be [{count + 1}] from 0")
+    total = bounds[count]
+    if rows.shape[0] != total or scale.shape[0] != total:
+        raise ValueError(f"ffn_sum(): rows and scale must be [{total}] (bounds[-1])")
+    if y.shape[0] != T or y.shape[1] != H or (H > 1 and (x.strides[1] != 4 or y.strides[1] != 4)):
+        raise ValueError(f"ffn_sum(): y must be [{T}, {H}] like x, rows contiguous float32")
+    for i in range(total):
+        if rows[i] < 0 or rows[i] >= T:
+            raise ValueError(f"ffn_sum(): row {rows[i]} outside x's {T} rows")
+    if count == 0:
+        return
+    if threads < 1:
+        threads = colibri_max_threads()
+    fs = <colibri_ffn_t *>malloc(count * sizeof(colibri_ffn_t))
+    first = <int32_t *>malloc((count + 1) * sizeof(int32_t))
+    xg = <float *>malloc((total * H + 1) * sizeof(float))
+    yg = <float *>malloc((total * H + 1) * sizeof(float))
+    try:
+        if fs == NULL or first == NULL or xg == NULL or yg == NULL:
+            raise MemoryError()
+        for j in range(count):
+            n = bounds[j + 1] - bounds[j]
+            if n < 1 or n > COLIBRI_FFN_MAX_ROWS:
+                raise ValueError(f"ffn_sum(): expert {j} has {n} rows (1 to "
+                                 f"{COLIBRI_FFN_MAX_ROWS})")
+            g, u, d = experts[j]
+            if g.shape[1] != H or u.shape[0] != g.shape[0] or u.shape[1] != H \
+                    or d.shape[0] != H or d.shape[1] != g.shape[0] or g.shape[0] < 1:
+                raise ValueError(f"ffn_sum(): expert {j} must be gate/up [I, {H}] and down "
+                                 f"[{H}, I] (got {tuple(g.shape)}, {tuple(u.shape)}, "
+                                 f"{tuple(d.shape)})")
+            fs[j].n = <int32_t>n
+            fs[j].H = <int32_t>H
+            fs[j].I = <int32_t>g.shape[0]
+            fs[j].kind = kind
+            fs[j].act = act
+            fs[j].path = p
+            fs[j].x = xg + bounds[j] * H
+            fs[j].ldx = H
+            fs[j].gate = _rows(g, &fs[j].ldg, "gate")
+            fs[j].up = _rows(u, &fs[j].ldu, "up")
+            fs[j].down = _rows(d, &fs[j].ldd, "down")
+            fs[j].y = yg + bounds[j] * H
+            fs[j].ldy = H
+            fs[j].xs = NULL
+            fs[j].h = NULL
+            hbytes += <size_t>n * fs[j].I * sizeof(float)
+            sbytes += colibri_ffn_split_bytes(&fs[j])
+        hs = <float *>malloc(hbytes + sbytes + 64)
+        if hs == NULL:
+            raise MemoryError()
+        split = <char *>hs + hbytes
+        offset = 0
+        for j in range(count):
+            fs[j].h = hs + offset
+            offset += <int64_t>fs[j].n * fs[j].I
+            if colibri_ffn_split_bytes(&fs[j]):
+                fs[j].xs = <uint16_t *>split
+                split += colibri_ffn_split_bytes(&fs[j])
+        with nogil:
+            for i in range(total):
+                for k in range(H):
+                    xg[i * H + k] = x[rows[i], k]
+            colibri_ffn_run_many(fs, <int32_t>count, first, threads)
+            for i in range(total):
+                for k in range(H):
+                    y[rows[i], k] += scale[i] * yg[i * H + k]
+    finally:
+        free(fs)
+        free(first)
+        free(xg)
+        free(yg)
+        free(hs)
 
 
 cdef extern from *:

@@ -238,6 +238,66 @@ def test_expert_ffn_bad_input(change, message):
         )
 
 
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_ffn_sum_is_the_weighted_sum_of_experts(path, dtype):
+    """A layer's experts in one call: y[row] += scale * expert(x[row]) for every assignment,
+    within the kernel's bound of float64, and bit for bit the single-expert kernel's rows
+    summed in assignment order (experts of different widths, rows shared and repeated)."""
+    rng = np.random.default_rng(11)
+    H, T = 40, 5
+    experts = [_weights(rng, H, I, dtype) for I in (24, 56, 24, 8)]
+    groups = [[0, 3], [3], [1, 2, 4, 0], [4, 4]]  # expert j's rows (a row twice: allowed)
+    scale = rng.uniform(0.1, 1.0, sum(map(len, groups))).astype(np.float32)
+    x = rng.standard_normal((T, H)).astype(np.float32)
+    y0 = rng.standard_normal((T, H)).astype(np.float32)  # accumulated into, not overwritten
+    rows = np.concatenate(groups).astype(np.int64)
+    bounds = np.cumsum([0] + [len(g) for g in groups]).astype(np.int64)
+    y = y0.copy()
+    bits = [tuple(w.view(np.uint16) for w in e) for e in experts]
+    kind = _ffn.WEIGHT_KINDS[dtype]
+    _ffn.ffn_sum(x, bits, kind, _ffn.ACTIVATIONS["silu"], bounds, rows, scale, y, 0, path)
+    want, bound, at = y0.astype(np.float64), np.zeros((T, H)), 0
+    same = y0.copy()
+    for (g, u, d), group in zip(experts, groups):  # noqa: B905 (4 and 4)
+        ref, err = reference(x[group], g, u, d)
+        one = _run(np.ascontiguousarray(x[group]), g, u, d, path=path)
+        for r, row in enumerate(group):
+            want[row] += scale[at] * ref[r]
+            bound[row] += scale[at] * err[r]
+            same[row] += scale[at] * one[r]
+            at += 1
+    assert np.all(np.abs(y - want) <= bound + 4 * U * np.abs(want) + 1e-30)
+    np.testing.assert_array_equal(y, same)
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (dict(bounds=[0, 2]), r"bounds must be \[3\] from 0"),
+        (dict(bounds=[1, 1, 2]), r"bounds must be \[3\] from 0"),
+        (dict(rows=[0, 9]), r"row 9 outside x's 3 rows"),
+        (dict(rows=[0, -1]), r"row -1 outside"),
+        (dict(scale=[1.0]), r"rows and scale must be \[2\]"),
+        (dict(bounds=[0, 0, 2]), r"expert 0 has 0 rows"),
+        (dict(y=np.zeros((3, 7), np.float32)), r"y must be \[3, 16\] like x"),
+        (dict(second=(np.zeros((4, 16)), np.zeros((4, 16)), np.zeros((15, 4)))),
+         r"expert 1 must be gate/up \[I, 16\] and down \[16, I\]"),
+    ],
+)  # fmt: skip
+def test_ffn_sum_bad_input(change, message):
+    rng = np.random.default_rng(2)
+    e = tuple(w.view(np.uint16) for w in _weights(rng, 16, 4, "bfloat16"))
+    args = dict(bounds=[0, 1, 2], rows=[0, 2], scale=[1.0, 0.5], y=np.zeros((3, 16), np.float32))
+    second = change.pop("second", None)
+    args.update(change)
+    experts = [e, tuple(np.asarray(w, np.uint16) for w in second) if second else e]
+    with pytest.raises(ValueError, match=message):
+        _ffn.ffn_sum(np.ones((3, 16), np.float32), experts, 2, 0,
+                     np.asarray(args["bounds"], np.int64), np.asarray(args["rows"], np.int64),
+                     np.asarray(args["scale"], np.float32), args["y"], 0)  # fmt: skip
+
+
 def test_unknown_path_is_refused():
     with pytest.raises(ValueError, match="path must be one of"):
         _ffn.path_index("avx3")
