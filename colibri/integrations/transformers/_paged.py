@@ -343,6 +343,16 @@ class Paging:
             raise _Retry from None
 
 
+class _Rows:
+    """A layer call's rows as float32 numpy (``x [T, H]``) for the fused kernel, the dtype
+    they came in, and the float32 sums of the experts run in one call (``sums``)."""
+
+    def __init__(self, hidden_states: torch.Tensor) -> None:
+        self.x = hidden_states.detach().float().numpy()
+        self.dtype = hidden_states.dtype
+        self.sums: np.ndarray | None = None
+
+
 class _Retry(Exception):
     """The chunk size shrank: PagedExperts restarts the layer's loop with smaller chunks."""
 
@@ -405,9 +415,11 @@ class PagedExperts(nn.Module):
         # float32 rows for the fused kernel, converted once for the layer's experts
         rows32 = None
         if _KERNEL_ROWS and self.__dict__["_silu"] and hidden_states.dtype in _KERNEL_DTYPES:
-            rows32 = hidden_states.detach().float().numpy()
+            rows32 = _Rows(hidden_states)
         while True:
             out = torch.zeros_like(hidden_states)
+            if rows32 is not None:  # a retry starts the sums over
+                rows32.sums = None
             try:
                 for start in range(0, len(used), paging._chunk):
                     part = used[start : start + paging._chunk]
@@ -415,13 +427,43 @@ class PagedExperts(nn.Module):
                         if not predicted:  # after this layer's own misses were asked for
                             self._predict(hidden_states)
                             predicted = True
+                        if rows32 is not None and self._sum(batch, part, rows32, ids_np, weights):
+                            continue
                         for e in part:
                             e = int(e)
                             self._expert(batch[e], e, hidden_states, rows32, ids_np, weights, out)
                 break
             except _Retry:
                 continue
+        if rows32 is not None and rows32.sums is not None:
+            out += torch.from_numpy(rows32.sums).to(out.dtype)
         return out
+
+    def _sum(self, batch, part, rows32, ids_np, weights) -> bool:
+        """Decoding: every expert of ``part`` has at most ``_KERNEL_ROWS`` rows, so the chunk
+        runs as one kernel call (both passes of all its experts on the pool at once, float32
+        sums into ``rows32.sums``); False, having done nothing, otherwise."""
+        flat = ids_np.reshape(-1)
+        order = np.argsort(flat, kind="stable")
+        lo = np.searchsorted(flat[order], part, "left")
+        hi = np.searchsorted(flat[order], part, "right")
+        if (hi - lo).max() > _KERNEL_ROWS:
+            return False
+        want, experts = _KERNEL_DTYPES[rows32.dtype], []
+        for e in part:
+            w = batch[int(e)]
+            bits = [_half_bits(m) for m in (w.gate, w.up, w.down)]
+            if any(b is None or b[1] != want for b in bits):
+                return False
+            experts.append(tuple(b[0] for b in bits))
+        pick = np.concatenate([order[a:b] for a, b in zip(lo, hi)])  # noqa: B905
+        scale = weights.reshape(-1).detach().float().numpy()[pick]
+        if rows32.sums is None:
+            rows32.sums = np.zeros_like(rows32.x)
+        bounds = np.concatenate([[0], np.cumsum(hi - lo)]).astype(np.int64)
+        _ffn.ffn_sum(rows32.x, experts, 1 if want == "float16" else 2, _SILU, bounds,
+                     (pick // ids_np.shape[1]).astype(np.int64), scale, rows32.sums, 0)  # fmt: skip
+        return True
 
     def _expert(self, w, e, hidden_states, rows32, ids_np, weights, out) -> None:
         token, slot = np.nonzero(ids_np == e)
@@ -429,7 +471,7 @@ class PagedExperts(nn.Module):
         if rows32 is not None and len(token) <= _KERNEL_ROWS:
             # few rows of half-precision weights (decoding): colibri's fused kernel reads
             # each weight once, in place, at memory speed; torch's GEMMs win on more rows
-            h = _fused_expert(rows32[token], w, hidden_states.dtype)
+            h = _fused_expert(rows32.x[token], w, hidden_states.dtype)
         token_t, slot_t = torch.from_numpy(token), torch.from_numpy(slot)
         if h is None:
             x = hidden_states[token_t]

@@ -309,6 +309,9 @@ def test_bfloat16_checkpoint(tmp_path):
     ids = _inputs(9)
     got, want = _logits(model, ids).float(), _logits(ref, ids).float()
     torch.testing.assert_close(got, want, rtol=2**-7, atol=2**-7 * want.abs().max().item())
+    for one in (_inputs(9, batch=1, length=1), _inputs(10, batch=3, length=1)):  # decoding
+        got, want = _logits(model, one).float(), _logits(ref, one).float()
+        torch.testing.assert_close(got, want, rtol=2**-7, atol=2**-7 * want.abs().max().item())
     # run in float32 on the same bytes: each expert converted on use, the float32 math of the
     # resident model with the same (bf16) values
     wide = from_pretrained(tmp_path, budget=_two_experts(ref), page_size_kb=4, dtype="float32")
@@ -337,33 +340,37 @@ def test_expert_kernel_switch(tmp_path, monkeypatch):
     unpatch(ref)
     ref.save_pretrained(tmp_path, max_shard_size="20KB")
     model = from_pretrained(tmp_path, budget=_two_experts(ref), page_size_kb=4)
-    calls = []
-    real = _paged._fused_expert
-    monkeypatch.setattr(_paged, "_fused_expert", lambda *a: calls.append(a[0].shape) or real(*a))
-    outputs = {}
-    for rows in (2, 0):
-        monkeypatch.setattr(_paged, "_KERNEL_ROWS", rows)
-        calls.clear()
-        outputs[rows] = _logits(model, _inputs(1, batch=1, length=2)).float()
-        assert (len(calls) > 0) == (rows > 0), (rows, len(calls))
-    torch.testing.assert_close(outputs[0], outputs[2], rtol=2**-6, atol=2**-6)
     # the kernel reads the weights where the pager mapped them: no copy on the way
     maps = [(m.address, m.address + m.length) for m in model.colibri.pager._io.maps if m]
-    seen = []
-    real_ffn = _paged._ffn.ffn
+    calls, seen, real = [], [], _paged._ffn
 
     class Spy:
-        ACTIVATIONS = _paged._ffn.ACTIVATIONS
+        ACTIVATIONS = real.ACTIVATIONS
 
         @staticmethod
-        def ffn(x, *args):
-            seen.extend(w.ctypes.data for w in args[:3])
-            return real_ffn(x, *args)
+        def ffn(x, g, u, d, *args):
+            calls.append("ffn")
+            seen.extend(w.ctypes.data for w in (g, u, d))
+            return real.ffn(x, g, u, d, *args)
+
+        @staticmethod
+        def ffn_sum(x, experts, *args):
+            calls.append("ffn_sum")
+            seen.extend(w.ctypes.data for e in experts for w in e)
+            return real.ffn_sum(x, experts, *args)
 
     monkeypatch.setattr(_paged, "_ffn", Spy)
-    monkeypatch.setattr(_paged, "_KERNEL_ROWS", 2)
-    _logits(model, _inputs(1, batch=1, length=2))
+    outputs = {}
+    for rows, length in ((2, 2), (0, 2), (1, 2), (2, 1)):
+        monkeypatch.setattr(_paged, "_KERNEL_ROWS", rows)
+        calls.clear()
+        outputs[rows, length] = _logits(model, _inputs(1, batch=1, length=length)).float()
+        assert (len(calls) > 0) == (rows > 0), (rows, len(calls))
+        if rows and length == 1:  # one token: each layer's experts in one call
+            assert set(calls) == {"ffn_sum"}
     assert seen and all(any(lo <= p < hi for lo, hi in maps) for p in seen)
+    torch.testing.assert_close(outputs[0, 2], outputs[2, 2], rtol=2**-6, atol=2**-6)
+    torch.testing.assert_close(outputs[0, 2], outputs[1, 2], rtol=2**-6, atol=2**-6)
 
 
 def test_parse_size():
