@@ -75,13 +75,14 @@ def _evict(files) -> None:
             os.close(fd)
 
 
-def _prompt(folder: str, n: int) -> list[int]:
-    """The same random prompt for every engine (ids in [10, vocab))."""
+def _prompt(folder: str, n: int, seed: int = 0) -> list[int]:
+    """The same random prompt for every engine (ids in [10, vocab)); ``seed`` picks another
+    one (the rows of a batch)."""
     import numpy as np
 
     with open(os.path.join(folder, "config.json")) as f:
         vocab = json.load(f)["vocab_size"]
-    return np.random.default_rng(0).integers(10, vocab, n).tolist()
+    return np.random.default_rng(seed).integers(10, vocab, n).tolist()
 
 
 def _llama(spec: dict, files: list[str], times: list[float], storage_at: list[int]):
@@ -152,7 +153,7 @@ def worker(spec: dict) -> dict:
 
         model = from_pretrained(folder, budget=spec["budget"], prefetch=spec["prefetch"],
                                 policy=spec["policy"], page_size_kb=spec["page_size_kb"],
-                                record_trace=True)  # fmt: skip
+                                num_threads=spec["threads"], record_trace=True)  # fmt: skip
         paging = model.colibri
     else:
         from transformers import AutoModelForCausalLM
@@ -169,7 +170,9 @@ def worker(spec: dict) -> dict:
         _evict(files)
     load_s = time.perf_counter() - start
     load_peak = _status()["VmHWM"]
+    batch = spec.get("batch", 1)
     ids = _prompt(folder, spec["prompt_tokens"])
+    rows = [_prompt(folder, spec["prompt_tokens"], seed=b) for b in range(batch)]
 
     class Clock:
         def put(self, value):
@@ -186,21 +189,22 @@ def worker(spec: dict) -> dict:
         run(ids)
     else:
         with torch.no_grad():
-            model.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=spec["tokens"],
+            model.generate(torch.tensor(rows), do_sample=False, max_new_tokens=spec["tokens"],
                            streamer=Clock(), pad_token_id=0)  # fmt: skip
     # times[0]: prompt handed over; times[1]: first new token (prefill done)
     decode_tokens = len(times) - 2
     decode_s = times[-1] - times[1]
     result = dict(spec, load_s=load_s, load_peak=load_peak, prefill_s=times[1] - times[0],
-                  decode_tok_s=decode_tokens / decode_s, **_status(),
-                  storage_per_token=(storage_at[-1] - storage_at[1]) / decode_tokens)  # fmt: skip
+                  decode_tok_s=batch * decode_tokens / decode_s, **_status(),
+                  storage_per_token=(storage_at[-1] - storage_at[1]) / (batch * decode_tokens),
+                  batch=batch)  # fmt: skip
     if paging is not None:
         from colibri.pager import belady
 
         stats = paging.stats
         result.update(
             hit_rate=stats.hit_rate,
-            asked_per_token=(reads_at[-1] - reads_at[1]) / decode_tokens,
+            asked_per_token=(reads_at[-1] - reads_at[1]) / (batch * decode_tokens),
             prefetched=stats.prefetched,
             prefetch_hits=stats.prefetch_hits,
             resident_bytes=paging.resident_bytes,
@@ -243,10 +247,9 @@ def _repeat(spec: dict, args) -> dict:
 
 
 _HEADER = (
-    "| engine | budget | cache | prefetch | decode tok/s | peak RSS GiB (load) | read/token MiB "
-    "| asked/token MiB | read/asked | hit rate (Belady) | recall gate / previous | load avg |\n"
-    + "| --- " * 12
-    + "|"
+    "| engine | budget | cache | prefetch | setting | decode tok/s | peak RSS GiB (load) "
+    "| read/token MiB | asked/token MiB | read/asked | hit rate (Belady) "
+    "| recall gate / previous | load avg |\n" + "| --- " * 13 + "|"
 )
 
 
@@ -376,6 +379,9 @@ def main(argv=None) -> int:
     parser.add_argument("--json", help="append every row here, one JSON object a line")
     parser.add_argument("--plot", help="write a picture of tok/s and peak RSS here (matplotlib)")
     parser.add_argument("--rows", help="print (and plot) the rows of these --json files instead")
+    parser.add_argument("--tune", action="store_true",
+                        help="also the tuning rows: batch 4/8, pages 4/32 KiB, 1 thread, "
+                             "fifo/lru (25%% budget)")  # fmt: skip
     args = parser.parse_args(argv)
     if args.worker:
         print(json.dumps(worker(json.loads(args.worker))))
@@ -415,6 +421,17 @@ def main(argv=None) -> int:
                 spec = dict(base, engine="colibri", budget=int(expert_bytes * fraction) + (1 << 20),
                             fraction=fraction, cache=cache, prefetch=prefetch)  # fmt: skip
                 rows.append(_show(_repeat(spec, args), args))
+    if args.tune:  # the knobs one at a time, from the defaults, at a 25% budget
+        default = dict(batch=1, page_size_kb=args.page_size_kb, threads=args.threads,
+                       policy=args.policy)  # fmt: skip
+        for knob, values in (("batch", (4, 8)), ("page_size_kb", (4, 32)),
+                             ("threads", (1,)), ("policy", ("fifo", "lru"))):  # fmt: skip
+            for value in values:
+                for cache in ("warm", "emptied") if knob == "page_size_kb" else ("warm",):
+                    spec = dict(base, engine="colibri", budget=int(expert_bytes / 4) + (1 << 20),
+                                fraction=0.25, cache=cache, prefetch=args.prefetch.split(",")[0],
+                                **dict(default, **{knob: value}))  # fmt: skip
+                    rows.append(_show(_repeat(spec, args), args))
     with tempfile.TemporaryDirectory() as offload:
         for peer in peers:
             if peer == "llama" and gguf is None:
@@ -487,13 +504,17 @@ def _ratios(rows) -> None:
         "decode_tok_s", 3.0)  # fmt: skip
 
 
+#: The settings of a plain row (others are shown in its "setting" column).
+_DEFAULTS = dict(batch=1, page_size_kb=64, threads=2, policy="adaptive")
+
+
 def _show(r: dict, args) -> dict:
     if args.json:
         with open(args.json, "a") as f:
             f.write(json.dumps(r) + "\n")
     if "error" in r:
         print(f"| {r['engine']} | {r['fraction']:.1%} | {r['cache']} | {r['prefetch']} | "
-              f"failed: {r['error'][:80]} | | | | | | | |")  # fmt: skip
+              f"| failed: {r['error'][:80]} | | | | | | | |")  # fmt: skip
         return r
     hit = ""
     if "hit_rate" in r:
@@ -504,7 +525,13 @@ def _show(r: dict, args) -> dict:
     speed = f"{r['decode_tok_s']:.2f}"
     if r.get("runs", 1) > 1:
         speed += f" ({r['tok_s_min']:.2f}-{r['tok_s_max']:.2f})"
-    print(f"| {r['engine']} | {r['fraction']:.1%} | {r['cache']} | {r['prefetch']} | {speed} | "
+    setting = " ".join(
+        f"{k} {r[k]}"
+        for k in ("batch", "page_size_kb", "threads", "policy")
+        if k in r and r[k] != _DEFAULTS.get(k) and r["engine"] == "colibri"
+    )
+    print(f"| {r['engine']} | {r['fraction']:.1%} | {r['cache']} | {r['prefetch']} | {setting} "
+          f"| {speed} | "
           f"{_gib(r['VmHWM'])} ({_gib(r['load_peak'])}) | {r['storage_per_token'] / 2**20:.1f} | "
           f"{asked / 2**20 if asked else 0:.1f} | {ratio} | {hit} | {recall} | "
           f"{r.get('load_avg', 0):.2f} |", flush=True)  # fmt: skip

@@ -57,7 +57,9 @@ _KERNEL_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
 _SILU = _ffn.ACTIVATIONS["silu"]
 
 
-def _fused_expert(x32: np.ndarray, w: Any, dtype: torch.dtype) -> torch.Tensor | None:
+def _fused_expert(
+    x32: np.ndarray, w: Any, dtype: torch.dtype, threads: int = 0
+) -> torch.Tensor | None:
     """``down @ (silu(gate @ x) * (up @ x))`` for float32 rows ``x32 [n, H]`` through
     colibri's fused kernel, straight on the pager's arrays, as a ``dtype`` tensor ``[n, H]``;
     None unless the weights are stored in ``dtype`` (float16 or bfloat16)."""
@@ -66,7 +68,7 @@ def _fused_expert(x32: np.ndarray, w: Any, dtype: torch.dtype) -> torch.Tensor |
         return None
     y = np.empty((x32.shape[0], bits[2][0].shape[0]), np.float32)
     (g, name), (u, _), (d, _) = bits
-    _ffn.ffn(x32, g, u, d, 1 if name == "float16" else 2, _SILU, y, 0)
+    _ffn.ffn(x32, g, u, d, 1 if name == "float16" else 2, _SILU, y, threads)
     return torch.from_numpy(y).to(dtype)  # nearest even, as torch rounds its own products
 
 
@@ -258,6 +260,8 @@ class Paging:
         Bytes of the tensors loaded resident (everything but the routed experts).
     expert_bytes : int
         Bytes of the routed experts in the checkpoint.
+    threads : int
+        Threads of the expert kernels (0: OpenMP's default).
     prediction : dict
         ``{"gate": PredictionStats, "previous": PredictionStats}``: both are measured
         (``gate`` only when ``prefetch="gate"``), whichever one prefetches.
@@ -273,6 +277,7 @@ class Paging:
     _last: dict[int, np.ndarray] = field(default_factory=dict, repr=False)
     _guess: dict[tuple[str, int], np.ndarray] = field(default_factory=dict, repr=False)
     _chunk: int = 0
+    threads: int = 0
     # layers whose every expert was loaded while the budget holds all experts: nothing
     # evicts them, so predicting their experts would only cost time
     _settled: set[int] = field(default_factory=set, repr=False)
@@ -347,8 +352,9 @@ class _Rows:
     """A layer call's rows as float32 numpy (``x [T, H]``) for the fused kernel, the dtype
     they came in, and the float32 sums of the experts run in one call (``sums``)."""
 
-    def __init__(self, hidden_states: torch.Tensor) -> None:
+    def __init__(self, hidden_states: torch.Tensor, threads: int) -> None:
         self.x = hidden_states.detach().float().numpy()
+        self.threads = threads  # 0: OpenMP's default
         self.dtype = hidden_states.dtype
         self.sums: np.ndarray | None = None
 
@@ -415,7 +421,7 @@ class PagedExperts(nn.Module):
         # float32 rows for the fused kernel, converted once for the layer's experts
         rows32 = None
         if _KERNEL_ROWS and self.__dict__["_silu"] and hidden_states.dtype in _KERNEL_DTYPES:
-            rows32 = _Rows(hidden_states)
+            rows32 = _Rows(hidden_states, paging.threads)
         while True:
             out = torch.zeros_like(hidden_states)
             if rows32 is not None:  # a retry starts the sums over
@@ -462,7 +468,8 @@ class PagedExperts(nn.Module):
             rows32.sums = np.zeros_like(rows32.x)
         bounds = np.concatenate([[0], np.cumsum(hi - lo)]).astype(np.int64)
         _ffn.ffn_sum(rows32.x, experts, 1 if want == "float16" else 2, _SILU, bounds,
-                     (pick // ids_np.shape[1]).astype(np.int64), scale, rows32.sums, 0)  # fmt: skip
+                     (pick // ids_np.shape[1]).astype(np.int64), scale, rows32.sums,
+                     rows32.threads)  # fmt: skip
         return True
 
     def _expert(self, w, e, hidden_states, rows32, ids_np, weights, out) -> None:
@@ -471,7 +478,7 @@ class PagedExperts(nn.Module):
         if rows32 is not None and len(token) <= _KERNEL_ROWS:
             # few rows of half-precision weights (decoding): colibri's fused kernel reads
             # each weight once, in place, at memory speed; torch's GEMMs win on more rows
-            h = _fused_expert(rows32.x[token], w, hidden_states.dtype)
+            h = _fused_expert(rows32.x[token], w, hidden_states.dtype, rows32.threads)
         token_t, slot_t = torch.from_numpy(token), torch.from_numpy(slot)
         if h is None:
             x = hidden_states[token_t]
@@ -714,7 +721,8 @@ def from_pretrained(
         previous step; ``"off"``. Layers all of whose experts stay resident (a budget that
         holds every expert) are no longer predicted.
     num_threads : int, optional
-        Threads of colibri's routing (torch's own: ``torch.set_num_threads``).
+        Threads of colibri's routing and expert kernels (default: OpenMP's; torch's own:
+        ``torch.set_num_threads``).
     dtype : torch.dtype or str, optional
         Compute dtype; default: the dtype the experts are stored in (then expert views are
         used as they are; another dtype converts each expert on use).
@@ -784,6 +792,7 @@ def from_pretrained(
         resident_bytes=0,
         expert_bytes=source.total_expert_nbytes,
         layers=paged,
+        threads=num_threads or 0,
     )
     try:
         for module in paged:
