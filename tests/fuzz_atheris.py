@@ -88,7 +88,24 @@ def _seeds(contracts, target: str) -> list[bytes]:
     if target == "manifest":
         return [json.dumps(contracts.raw_manifest()[1]).encode()]
     if target == "gguf":
-        return [contracts.gguf_bytes()]
+        import gguf
+
+        file = contracts.path("rich.gguf")  # metadata of every kind: arrays, strings, numbers
+        w = gguf.GGUFWriter(file, "qwen2moe")
+        w.add_expert_count(2)
+        w.add_expert_used_count(1)
+        w.add_array("tokenizer.ggml.tokens", ["a", "bc", ""])
+        w.add_array("tokenizer.ggml.scores", [0.5, -1.0])
+        w.add_array("colibri.nested", [[1, 2], [3]])
+        w.add_tensor("blk.0.ffn_gate_exps.weight", np.ones((2, 3, 4), np.float16))
+        w.add_tensor("blk.0.ffn_up_exps.weight", np.ones((2, 3, 4), np.float16))
+        w.add_tensor("blk.0.ffn_down_exps.weight", np.ones((2, 4, 3), np.float16))
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+        with open(file, "rb") as f:
+            return [contracts.gguf_bytes(), f.read()]
     if target == "partition":
         return [
             json.dumps(
