@@ -2,7 +2,8 @@
 # A coverage-guided fuzz campaign (atheris): every target of tests/test_fuzz.py, RUNS inputs
 # each, PIECES times, through the same contracts (tests/_support/contracts.py), appended to the
 # ledger ($COLIBRI_FUZZ_LEDGER, default tests/fuzz_ledger.jsonl). Fails on any failure, crash
-# or hang, whose input it saves under tests/fuzz_findings/. Needs the test and fuzz extras and torch.
+# or hang, whose input it saves in fuzz_findings/ beside the ledger. Needs the test and fuzz
+# extras and torch.
 # Usage: .ci/fuzz_atheris.sh [RUNS=5000] [PIECES=1]; run from the repository root.
 set -eu
 RUNS=${1:-5000}

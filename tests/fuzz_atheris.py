@@ -6,9 +6,10 @@ the branches each input reaches in colibri's Python code and in the gguf package
 every input to the same contract as the hypothesis fuzzer (``_support/contracts.py``): the
 public parser must refuse it with colibri's documented error or return a result that checks out.
 A broken contract or an undocumented exception is a failure, a signal or a memory blow-up
-(``-rss_limit_mb``) a crash, an input running past ``-timeout`` seconds a hang; libFuzzer saves
-the input beside the ledger's note. The counts (inputs per target, how many were refused) are
-appended to the ledger, one entry per piece, ``"harness": "atheris"``.
+(``-rss_limit_mb``) a crash, an input running past ``-timeout`` seconds a hang; its input is
+saved in ``fuzz_findings/`` beside the ledger, and the ledger's note names it. The counts
+(inputs per target, how many were refused) are appended to the ledger, one entry per piece,
+``"harness": "atheris"``.
 
 Usage, from the repository root (needs the ``fuzz`` extra)::
 
@@ -315,8 +316,8 @@ def child(target: str, runs: int, corpus: str, counts_file: str, artifacts: str)
 # -- the driver: pieces, ledger ----------------------------------------------------------------
 
 
-def piece(target: str, runs: int, corpus: str, work: str) -> dict:
-    """One child run of ``target``; its ledger entry."""
+def piece(target: str, runs: int, corpus: str, work: str, keep: str) -> dict:
+    """One child run of ``target``; its ledger entry. The inputs of a fault go to ``keep``."""
     counts_file = os.path.join(work, f"{target}.counts")
     artifacts = os.path.join(work, f"{target}.artifacts")
     os.makedirs(artifacts, exist_ok=True)
@@ -350,13 +351,12 @@ def piece(target: str, runs: int, corpus: str, work: str) -> dict:
             "failures" if "Uncaught Python exception" in log else "crashes")  # fmt: skip
     entry[kind] = 1
     saved = sorted(os.listdir(artifacts))
-    keep = os.path.join(HERE, "fuzz_findings")
     os.makedirs(keep, exist_ok=True)
     for name in saved:
         if name != "tokens.dict":
             shutil.copy(os.path.join(artifacts, name), os.path.join(keep, f"{target}-{name}"))
     lines = [ln for ln in log.splitlines() if ln.strip()]
-    entry["note"] = (f"open: {target}: rc={rc}, inputs saved as tests/fuzz_findings/{target}-*; "
+    entry["note"] = (f"open: {target}: rc={rc}, inputs saved as {keep}/{target}-*; "
                      + " | ".join(lines[-6:]))[:2000]  # fmt: skip
     print(log[-6000:], file=sys.stderr)
     return entry
@@ -376,6 +376,7 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     base = os.environ.get("COLIBRI_FUZZ_TMP") or ("/dev/shm" if os.path.isdir("/dev/shm") else None)
     work = tempfile.mkdtemp(prefix="colibri-atheris-", dir=base)
+    keep = os.path.join(os.path.dirname(os.path.abspath(args.ledger)), "fuzz_findings")
     status = 0
     try:
         for target in args.targets or TARGETS:
@@ -383,7 +384,7 @@ def main(argv: list[str]) -> int:
             os.makedirs(corpus, exist_ok=True)
             for _ in range(args.pieces):
                 start = time.perf_counter()
-                entry = piece(target, args.runs, corpus, work)
+                entry = piece(target, args.runs, corpus, work, keep)
                 seconds = time.perf_counter() - start
                 with open(args.ledger, "a") as f:
                     f.write(json.dumps(entry, sort_keys=True) + "\n")

@@ -22,6 +22,8 @@ import json
 import math
 import os
 import shutil
+import subprocess
+import sys
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -79,17 +81,16 @@ def _record(ledger: str, failures: int) -> None:
         f.write(json.dumps(entry, sort_keys=True) + "\n")
 
 
-def test_fuzz_ledger_is_well_formed():
+def check_ledger(ledger: str) -> collections.Counter[str]:
     """Every campaign recorded: its date, its harness (hypothesis unless named), inputs per
-    known target; one that found a failure,
-    a crash or a hang says so in a ``note`` ("fixed in <commit>: ..." or "open: ..."), it is
-    never recorded as fine."""
-    with open(LEDGER, "rb") as f:
+    known target; one that found a failure, a crash or a hang says so in a ``note`` ("fixed
+    in <commit>: ..." or "open: ..."), it is never recorded as fine. The totals per target."""
+    with open(ledger, "rb") as f:
         lines = f.read().splitlines()
     assert lines, "the ledger records at least the campaign that created it"
     totals: collections.Counter[str] = collections.Counter()
     for n, line in enumerate(lines, 1):
-        entry = strict.parse(line, f"{LEDGER}:{n}", what="a ledger entry")
+        entry = strict.parse(line, f"{ledger}:{n}", what="a ledger entry")
         keys = {"date", "examples_per_target", "inputs", "refused", "failures", "crashes",
                 "hangs", "machine"}  # fmt: skip
         assert keys <= set(entry) <= keys | {"note", "harness"}, (n, entry)
@@ -106,7 +107,55 @@ def test_fuzz_ledger_is_well_formed():
             assert isinstance(note, str) and note.startswith(("fixed in ", "open: ")), (n, entry)
         else:
             assert entry["inputs"] and "note" not in entry, (n, entry)
-    print(f"fuzz ledger: {sum(totals.values())} inputs over {len(lines)} campaigns", totals)
+    return totals
+
+
+def test_fuzz_ledger_is_well_formed():
+    totals = check_ledger(LEDGER)
+    print(f"fuzz ledger: {sum(totals.values())} inputs", totals)
+
+
+def _atheris(tmp_path, *args, **env):
+    ledger = tmp_path / "ledger.jsonl"
+    script = os.path.join(os.path.dirname(__file__), "fuzz_atheris.py")
+    proc = subprocess.run(
+        [sys.executable, script, "--runs", "300", "--ledger", str(ledger), *args],
+        capture_output=True, text=True, timeout=300, cwd=tmp_path,
+        env=dict(os.environ, COLIBRI_FUZZ_TMP=str(tmp_path), **env),
+    )  # fmt: skip
+    entries = [json.loads(line) for line in ledger.read_text().splitlines()]
+    return proc, entries, check_ledger(str(ledger))
+
+
+def test_atheris_campaign_counts_every_input(tmp_path):
+    """The coverage-guided driver runs each target's contract on exactly ``--runs`` inputs
+    and records them; a clean campaign exits 0."""
+    pytest.importorskip("atheris")
+    proc, entries, totals = _atheris(tmp_path, "trace", "dlpack-metadata")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert totals == {"trace": 300, "dlpack-metadata": 300}
+    assert all(e["harness"] == "atheris" and "note" not in e for e in entries)
+
+
+def test_atheris_campaign_records_a_broken_contract(tmp_path):
+    """A parser that accepts what it must not (here ``Trace.load`` planted to return a negative
+    layer, from a sitecustomize) is a failure: an ``open:`` note, the input kept, exit 1."""
+    pytest.importorskip("atheris")
+    plant = tmp_path / "plant"
+    plant.mkdir()
+    (plant / "sitecustomize.py").write_text(
+        "from colibri.pager import Trace\n"
+        "def load(path):\n"
+        "    t = Trace()\n"
+        "    t.steps.append((-1, (0,)))\n"
+        "    return t\n"
+        "Trace.load = staticmethod(load)\n"
+    )
+    proc, entries, _ = _atheris(tmp_path, "trace", PYTHONPATH=str(plant))
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    (entry,) = entries
+    assert entry["failures"] == 1 and entry["note"].startswith("open: trace"), entry
+    assert any(n.startswith("trace-crash-") for n in os.listdir(tmp_path / "fuzz_findings"))
 
 
 def fuzz(strategy, name):
