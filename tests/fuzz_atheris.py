@@ -338,6 +338,9 @@ def piece(target: str, runs: int, corpus: str, work: str, keep: str) -> dict:
     with open(counts_file) as f:
         counts = json.load(f)
     done = re.search(r"Done (\d+) runs", log)
+    ran = re.search(r"stat::number_of_executed_units: *(\d+)", log)  # printed on a fault too
+    if ran and int(ran.group(1)) > counts["inputs"]:  # flushed every 1000: refused is a floor
+        counts["inputs"] = int(ran.group(1))
     entry = {
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "harness": "atheris", "examples_per_target": runs, "machine": platform.machine(),
