@@ -10,7 +10,9 @@ The default suite runs ``COLIBRI_FUZZ_EXAMPLES`` (default 150) examples per targ
 ``slow`` twins run 4 times as many. The inputs generated are counted per target and printed
 at the end of the session; with ``COLIBRI_FUZZ_LEDGER=<file>`` the counts are also appended
 to that JSON-lines ledger (``.ci/fuzz.sh`` runs campaigns into ``tests/fuzz_ledger.jsonl``).
-Files go to ``COLIBRI_FUZZ_TMP`` (default: the system's temporary folder).
+Files go to ``COLIBRI_FUZZ_TMP`` (default: the system's temporary folder). What each target
+owes is written once, in ``_support/contracts.py``; ``fuzz_atheris.py`` drives the same checks
+coverage-guided, for campaigns of millions of inputs.
 """
 
 from __future__ import annotations
@@ -20,42 +22,32 @@ import json
 import math
 import os
 import shutil
-import struct
-import tempfile
+import subprocess
+import sys
 
-import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import colibri
-from _support.capsules import Capsule
-from colibri import FormatError, Partition, UsageStats
-from colibri import _json as strict
-from colibri._dlpack import host_tensor
-from colibri.formats import open_weights
-from colibri.formats._base import DTYPE_SIZES
-from colibri.formats.raw import write_experts
-from colibri.pager import Trace
+pytest.importorskip("safetensors")
+pytest.importorskip("torch")
+pytest.importorskip("gguf")
 
-safetensors_numpy = pytest.importorskip("safetensors.numpy")
-safetensors_torch = pytest.importorskip("safetensors.torch")
-torch = pytest.importorskip("torch")
-gguf = pytest.importorskip("gguf")
+from _support import contracts  # noqa: E402  (after the skips: it imports them)
+from _support.contracts import BASES, E_ROUTE, EXPERT, TARGETS, extent  # noqa: E402
+from colibri import _json as strict  # noqa: E402
+from colibri.formats._base import DTYPE_SIZES  # noqa: E402
 
 FAST = int(os.environ.get("COLIBRI_FUZZ_EXAMPLES", "150"))
 SLOW = 4 * FAST
 COUNTS: collections.Counter[str] = collections.Counter()
-_TMP = tempfile.mkdtemp(prefix="colibri-fuzz-", dir=os.environ.get("COLIBRI_FUZZ_TMP"))
 LEDGER = os.path.join(os.path.dirname(__file__), "fuzz_ledger.jsonl")
-TARGETS = ("json", "safetensors", "index", "manifest", "gguf", "partition", "stats", "trace",
-           "dlpack-route", "dlpack-metadata")  # fmt: skip
 
 
 @pytest.fixture(scope="module", autouse=True)
 def _report(request):
     yield
-    shutil.rmtree(_TMP, ignore_errors=True)
+    shutil.rmtree(contracts.TMP, ignore_errors=True)
     reporter = request.config.pluginmanager.get_plugin("terminalreporter")
     targets = sorted({k.split(":")[0] for k in COUNTS})
     lines = [
@@ -89,19 +81,20 @@ def _record(ledger: str, failures: int) -> None:
         f.write(json.dumps(entry, sort_keys=True) + "\n")
 
 
-def test_fuzz_ledger_is_well_formed():
-    """Every campaign recorded: its date, inputs per known target; one that found a failure,
-    a crash or a hang says so in a ``note`` ("fixed in <commit>: ..." or "open: ..."), it is
-    never recorded as fine."""
-    with open(LEDGER, "rb") as f:
+def check_ledger(ledger: str) -> collections.Counter[str]:
+    """Every campaign recorded: its date, its harness (hypothesis unless named), inputs per
+    known target; one that found a failure, a crash or a hang says so in a ``note`` ("fixed
+    in <commit>: ..." or "open: ..."), it is never recorded as fine. The totals per target."""
+    with open(ledger, "rb") as f:
         lines = f.read().splitlines()
     assert lines, "the ledger records at least the campaign that created it"
     totals: collections.Counter[str] = collections.Counter()
     for n, line in enumerate(lines, 1):
-        entry = strict.parse(line, f"{LEDGER}:{n}", what="a ledger entry")
+        entry = strict.parse(line, f"{ledger}:{n}", what="a ledger entry")
         keys = {"date", "examples_per_target", "inputs", "refused", "failures", "crashes",
                 "hangs", "machine"}  # fmt: skip
-        assert set(entry) in (keys, keys | {"note"}), (n, entry)
+        assert keys <= set(entry) <= keys | {"note", "harness"}, (n, entry)
+        assert entry.get("harness", "hypothesis") in ("hypothesis", "atheris"), (n, entry)
         assert len(entry["date"]) == 20 and entry["date"].endswith("Z"), (n, entry["date"])
         assert set(entry["inputs"]) <= set(TARGETS), (n, entry)
         for target, count in entry["inputs"].items():
@@ -114,7 +107,55 @@ def test_fuzz_ledger_is_well_formed():
             assert isinstance(note, str) and note.startswith(("fixed in ", "open: ")), (n, entry)
         else:
             assert entry["inputs"] and "note" not in entry, (n, entry)
-    print(f"fuzz ledger: {sum(totals.values())} inputs over {len(lines)} campaigns", totals)
+    return totals
+
+
+def test_fuzz_ledger_is_well_formed():
+    totals = check_ledger(LEDGER)
+    print(f"fuzz ledger: {sum(totals.values())} inputs", totals)
+
+
+def _atheris(tmp_path, *args, **env):
+    ledger = tmp_path / "ledger.jsonl"
+    script = os.path.join(os.path.dirname(__file__), "fuzz_atheris.py")
+    proc = subprocess.run(
+        [sys.executable, script, "--runs", "300", "--ledger", str(ledger), *args],
+        capture_output=True, text=True, timeout=300, cwd=tmp_path,
+        env=dict(os.environ, COLIBRI_FUZZ_TMP=str(tmp_path), **env),
+    )  # fmt: skip
+    entries = [json.loads(line) for line in ledger.read_text().splitlines()]
+    return proc, entries, check_ledger(str(ledger))
+
+
+def test_atheris_campaign_counts_every_input(tmp_path):
+    """The coverage-guided driver runs each target's contract on exactly ``--runs`` inputs
+    and records them; a clean campaign exits 0."""
+    pytest.importorskip("atheris")
+    proc, entries, totals = _atheris(tmp_path, "trace", "dlpack-metadata")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert totals == {"trace": 300, "dlpack-metadata": 300}
+    assert all(e["harness"] == "atheris" and "note" not in e for e in entries)
+
+
+def test_atheris_campaign_records_a_broken_contract(tmp_path):
+    """A parser that accepts what it must not (here ``Trace.load`` planted to return a negative
+    layer, from a sitecustomize) is a failure: an ``open:`` note, the input kept, exit 1."""
+    pytest.importorskip("atheris")
+    plant = tmp_path / "plant"
+    plant.mkdir()
+    (plant / "sitecustomize.py").write_text(
+        "from colibri.pager import Trace\n"
+        "def load(path):\n"
+        "    t = Trace()\n"
+        "    t.steps.append((-1, (0,)))\n"
+        "    return t\n"
+        "Trace.load = staticmethod(load)\n"
+    )
+    proc, entries, _ = _atheris(tmp_path, "trace", PYTHONPATH=str(plant))
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    (entry,) = entries
+    assert entry["failures"] == 1 and entry["note"].startswith("open: trace"), entry
+    assert any(n.startswith("trace-crash-") for n in os.listdir(tmp_path / "fuzz_findings"))
 
 
 def fuzz(strategy, name):
@@ -137,23 +178,6 @@ def fuzz(strategy, name):
         return make(FAST), pytest.mark.slow(make(SLOW))
 
     return wrap
-
-
-def _path(name: str) -> str:
-    return os.path.join(_TMP, name)
-
-
-REFUSED = object()
-
-
-def attempt(call, errors=(FormatError,)):
-    """``call()``, or ``REFUSED`` when it raised one of the documented ``errors``."""
-    try:
-        return call()
-    except errors as error:
-        if isinstance(error, FormatError):
-            assert _TMP in str(error), error  # the message names the file
-        return REFUSED
 
 
 # -- generated JSON ----------------------------------------------------------------------------
@@ -230,48 +254,10 @@ def json_documents(draw):
     return mutate_bytes(draw, text) if draw(st.booleans()) else text
 
 
-def _depth(data: bytes) -> int:
-    depth = best = 0
-    for c in data:
-        depth += (c in b"[{") - (c in b"]}")
-        best = max(best, depth)
-    return best
-
-
-def _dup_or_constant(data: bytes) -> bool:
-    found = []
-
-    def hook(pairs):
-        found.extend([1] * (len(pairs) - len(dict(pairs))))
-        return dict(pairs)
-
-    try:
-        json.loads(data, object_pairs_hook=hook, parse_constant=lambda c: found.append(c))
-    except (ValueError, RecursionError):
-        return False
-    return bool(found)
-
-
-@fuzz(json_documents(), "json")
-def _json_body(data):
-    try:
-        expected = json.loads(data.decode("utf-8"))  # bytes would also be read as UTF-16/32
-    except (ValueError, RecursionError):
-        expected = REFUSED
-    got = attempt(lambda: strict.parse(data, _path("doc.json"), what="the document"))
-    if got is REFUSED:  # json refuses it too, or it repeats a key, uses NaN or nests deep
-        assert expected is REFUSED or _dup_or_constant(data) or _depth(data) > 32, data
-        return False
-    assert expected is not REFUSED and got == expected, data
-    return True
-
-
-test_json_parse, test_json_parse_long = _json_body
+test_json_parse, test_json_parse_long = fuzz(json_documents(), "json")(contracts.check_json)
 
 
 # -- safetensors headers, checked against the safetensors library ------------------------------
-
-EXPERT = "model.layers.{}.mlp.experts.{}.{}_proj.weight"
 
 
 @st.composite
@@ -295,38 +281,13 @@ def safetensors_files(draw):
     data_len = offset + draw(st.sampled_from([0, 0, 0, 0, 1, -1, -8]))
     if draw(st.integers(0, 2)) == 0:
         header = mutate_tree(draw, header)
-    blob = json.dumps(header).encode()
-    blob += b" " * draw(st.integers(0, 8))
-    body = struct.pack("<Q", len(blob)) + blob + bytes(range(256)) * 2
-    body = body[: 8 + len(blob) + max(data_len, 0)]
+    body = contracts.safetensors_file(header, max(data_len, 0), pad=draw(st.integers(0, 8)))
     return mutate_bytes(draw, body) if draw(st.integers(0, 4)) == 0 else body
 
 
-@fuzz(safetensors_files(), "safetensors")
-def _safetensors_body(data):
-    path = _path("m.safetensors")
-    with open(path, "wb") as f:
-        f.write(data)
-    source = attempt(lambda: open_weights(path))
-    try:
-        reference = safetensors_torch.load(data)  # torch: bfloat16 too
-    except Exception:  # noqa: BLE001 - the library's own errors, any kind
-        reference = None
-    if source is REFUSED:
-        return False
-    # accepted: every expert matrix is the bytes the safetensors library reads for it
-    assert reference is not None, "colibri accepted a file the safetensors library refuses"
-    for layout in source.experts.values():
-        for ref in layout.matrices:
-            assert ref.offset + ref.nbytes <= len(data)
-            expected = reference[ref.name]
-            assert tuple(expected.shape) == ref.shape
-            raw = expected.reshape(-1).view(torch.uint8).numpy().tobytes()
-            assert data[ref.offset : ref.offset + ref.nbytes] == raw
-    return True
-
-
-test_safetensors_header, test_safetensors_header_long = _safetensors_body
+test_safetensors_header, test_safetensors_header_long = fuzz(safetensors_files(), "safetensors")(
+    contracts.check_safetensors
+)
 
 
 @st.composite
@@ -344,94 +305,30 @@ def indexes(draw):
     return mutate_bytes(draw, text) if draw(st.integers(0, 3)) == 0 else text
 
 
-@fuzz(indexes(), "index")
-def _index_body(data):
-    if not os.path.exists(_path("s.safetensors")):
-        safetensors_numpy.save_file(
-            {EXPERT.format(0, 0, p): np.ones((2, 2), np.float16) for p in ("gate", "up", "down")},
-            _path("s.safetensors"),
-        )
-    path = _path("m.safetensors.index.json")
-    with open(path, "wb") as f:
-        f.write(data)
-    source = attempt(lambda: open_weights(path), errors=(FormatError, FileNotFoundError))
-    if source is REFUSED:
-        return False
-    assert source.files == (_path("s.safetensors"),)
-    return True
-
-
-test_sharded_index, test_sharded_index_long = _index_body
+test_sharded_index, test_sharded_index_long = fuzz(indexes(), "index")(contracts.check_index)
 
 
 # -- colibri raw manifests ---------------------------------------------------------------------
 
 
-def _raw_manifest():
-    path = _path("x.colibri")
-    if not os.path.exists(path):
-        gate, down = np.ones((2, 3), np.float16), np.ones((3, 2), np.float16)
-        experts = {(lay, e): (gate * e, gate, down) for lay in range(2) for e in range(2)}
-        write_experts(path, experts, alignment=64, metadata={"groups": {"0": [[0], [1]]}})
-    with open(path + ".json") as f:
-        return path, json.load(f)
-
-
 @st.composite
 def manifests(draw):
-    _, manifest = _raw_manifest()
+    _, manifest = contracts.raw_manifest()
     if draw(st.integers(0, 3)):
         manifest = mutate_tree(draw, manifest)
     text = json.dumps(manifest).encode()
     return mutate_bytes(draw, text) if draw(st.integers(0, 3)) == 0 else text
 
 
-@fuzz(manifests(), "manifest")
-def _manifest_body(data):
-    path, _ = _raw_manifest()
-    mpath = _path("y.colibri.json")
-    with open(mpath, "wb") as f:
-        f.write(data)
-    source = attempt(lambda: open_weights(mpath), errors=(FormatError, FileNotFoundError))
-    if source is REFUSED:
-        return False
-    size = os.path.getsize(path)
-    spans = []
-    for layout in source.experts.values():
-        for ref in layout.matrices:
-            width = DTYPE_SIZES.get(ref.dtype)
-            assert width is None or ref.nbytes == math.prod(ref.shape) * width
-            assert ref.offset >= 0 and ref.offset + ref.nbytes <= size
-            spans.append((ref.offset, ref.offset + ref.nbytes))
-    spans = sorted(s for s in spans if s[0] != s[1])
-    assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:], strict=False))  # no overlaps
-    return True
-
-
-test_raw_manifest, test_raw_manifest_long = _manifest_body
+test_raw_manifest, test_raw_manifest_long = fuzz(manifests(), "manifest")(contracts.check_manifest)
 
 
 # -- GGUF, through the gguf package ------------------------------------------------------------
 
 
-def _gguf_bytes() -> bytes:
-    path = _path("m.gguf")
-    if not os.path.exists(path):
-        w = gguf.GGUFWriter(path, "llama")
-        w.add_tensor("blk.0.ffn_gate_exps.weight", np.ones((2, 3, 4), np.float32))
-        w.add_tensor("blk.0.ffn_up_exps.weight", np.ones((2, 3, 4), np.float32))
-        w.add_tensor("blk.0.ffn_down_exps.weight", np.ones((2, 4, 3), np.float32))
-        w.write_header_to_file()
-        w.write_kv_data_to_file()
-        w.write_tensors_to_file()
-        w.close()
-    with open(path, "rb") as f:
-        return f.read()
-
-
 @st.composite
 def gguf_files(draw):
-    data = bytearray(_gguf_bytes())
+    data = bytearray(contracts.gguf_bytes())
     for _ in range(draw(st.integers(0, 4))):  # header fields: counts, lengths, types, offsets
         i = draw(st.integers(0, min(len(data), 400) - 1))
         data[i] = draw(st.sampled_from([0, 1, 2, 0x7F, 0x80, 0xFF, data[i] ^ 1]))
@@ -440,21 +337,7 @@ def gguf_files(draw):
     return bytes(data)
 
 
-@fuzz(gguf_files(), "gguf")
-def _gguf_body(data):
-    path = _path("f.gguf")
-    with open(path, "wb") as f:
-        f.write(data)
-    source = attempt(lambda: open_weights(path))
-    if source is REFUSED:
-        return False
-    for layout in source.experts.values():
-        for ref in layout.matrices:
-            assert ref.offset + ref.nbytes <= len(data)
-    return True
-
-
-test_gguf, test_gguf_long = _gguf_body
+test_gguf, test_gguf_long = fuzz(gguf_files(), "gguf")(contracts.check_gguf)
 
 
 # -- partitions, usage statistics, traces: refused, or a value that round-trips ------------------
@@ -477,61 +360,22 @@ def partitions(draw):
     return mutate_bytes(draw, text) if draw(st.integers(0, 3)) == 0 else text
 
 
-@fuzz(partitions(), "partition")
-def _partition_body(data):
-    path = _path("p.json")
-    with open(path, "wb") as f:
-        f.write(data)
-    partition = attempt(lambda: Partition.load(path))
-    if partition is REFUSED:
-        return False
-    flat = sorted(e for g in partition.groups for e in g)
-    assert flat == list(range(partition.num_experts))  # every expert exactly once
-    partition.save(_path("p2.json"), overwrite=True)
-    assert Partition.load(_path("p2.json")) == partition
-    return True
-
-
-test_partition_load, test_partition_load_long = _partition_body
-
-
-def _stats_document():
-    stats = UsageStats.from_ids([[0, 1], [1, 2], [2, 0]], 3)
-    stats.save(_path("u0.json"), overwrite=True)
-    with open(_path("u0.json")) as f:
-        return json.load(f)
+test_partition_load, test_partition_load_long = fuzz(partitions(), "partition")(
+    contracts.check_partition
+)
 
 
 @st.composite
 def stats_files(draw):
+    seeds = contracts.stats_seeds()
     if draw(st.booleans()):  # .npz: bytes of a valid archive, mutated
-        stats = UsageStats.from_ids([[0, 1], [1, 2]], 3)
-        stats.save(_path("u0.npz"), overwrite=True)
-        with open(_path("u0.npz"), "rb") as f:
-            return ".npz", mutate_bytes(draw, f.read())
-    document = _stats_document()
+        return ".npz", mutate_bytes(draw, seeds[".npz"])
+    document = json.loads(seeds[".json"])
     text = json.dumps(mutate_tree(draw, document) if draw(st.integers(0, 3)) else document).encode()
     return ".json", mutate_bytes(draw, text) if draw(st.integers(0, 3)) == 0 else text
 
 
-@fuzz(stats_files(), "stats")
-def _stats_body(case):
-    suffix, data = case
-    path = _path("u" + suffix)
-    with open(path, "wb") as f:
-        f.write(data)
-    stats = attempt(lambda: UsageStats.load(path))
-    if stats is REFUSED:
-        return False
-    co = stats.coactivation
-    assert (co == co.T).all() and (np.diagonal(co) == stats.counts).all()
-    assert stats.counts.max(initial=0) <= stats.tokens
-    stats.save(_path("u2" + suffix), overwrite=True)
-    assert UsageStats.load(_path("u2" + suffix)) == stats
-    return True
-
-
-test_stats_load, test_stats_load_long = _stats_body
+test_stats_load, test_stats_load_long = fuzz(stats_files(), "stats")(contracts.check_stats)
 
 
 @st.composite
@@ -544,38 +388,10 @@ def traces(draw):
     return mutate_bytes(draw, text) if draw(st.integers(0, 3)) == 0 else text
 
 
-@fuzz(traces(), "trace")
-def _trace_body(data):
-    path = _path("t.json")
-    with open(path, "wb") as f:
-        f.write(data)
-    trace = attempt(lambda: Trace.load(path))
-    if trace is REFUSED:
-        return False
-    for layer, ids in trace.steps:
-        assert type(layer) is int and layer >= 0
-        assert all(type(e) is int and 0 <= e < 1 << 31 for e in ids)
-    return True
-
-
-test_trace_load, test_trace_load_long = _trace_body
+test_trace_load, test_trace_load_long = fuzz(traces(), "trace")(contracts.check_trace)
 
 
 # -- DLPack intake: hand-made capsules ----------------------------------------------------------
-
-E_ROUTE = 8
-_RNG = np.random.default_rng(3)
-BASES = {
-    dtype: (_RNG.standard_normal(600) * 4).astype(dtype)
-    for dtype in (np.float32, np.float64, np.float16)
-}
-_CONTEXTS = {}
-
-
-def _context(k: int):
-    if k not in _CONTEXTS:
-        _CONTEXTS[k] = colibri.init(E_ROUTE, k)
-    return _CONTEXTS[k]
 
 
 @st.composite
@@ -588,11 +404,9 @@ def in_bounds(draw):
     strides = None
     if draw(st.booleans()):
         strides = [draw(st.integers(-40, 40)) for _ in shape]
-    steps = strides or [E_ROUTE, 1][-len(shape) :]
-    low = sum(min(0, s * (d - 1)) for s, d in zip(steps, shape, strict=True) if d)
-    high = sum(max(0, s * (d - 1)) for s, d in zip(steps, shape, strict=True) if d)
+    low, high = extent(shape, strides)
     if high - low >= n:
-        steps = strides = None
+        strides = None
         low, high = 0, math.prod(shape) - 1
     offset = draw(st.integers(-low, n - 1 - high))
     versioned = draw(st.booleans())
@@ -600,29 +414,9 @@ def in_bounds(draw):
     return dtype, shape, strides, offset, versioned, flags, draw(st.integers(1, 3))
 
 
-@fuzz(in_bounds(), "dlpack-route")
-def _route_body(case):
-    dtype, shape, strides, offset, versioned, flags, k = case
-    base = BASES[dtype]
-    itemsize = base.itemsize
-    cap = Capsule(base, shape=shape, strides=strides, byte_offset=offset * itemsize,
-                  versioned=versioned, flags=flags)  # fmt: skip
-    view = np.ndarray(  # numpy checks that the geometry stays inside base
-        shape, dtype, buffer=base, offset=offset * itemsize,
-        strides=None if strides is None else [s * itemsize for s in strides],
-    )  # fmt: skip
-    ctx = _context(k)
-    ids, weights = ctx.route(cap.capsule)
-    ref_ids, ref_weights = ctx.route(np.ascontiguousarray(view))
-    assert ids.shape == ref_ids.shape == (*shape[:-1], k)
-    assert ((ids >= 0) & (ids < E_ROUTE)).all()  # never an out-of-range expert id
-    np.testing.assert_array_equal(ids, ref_ids)
-    np.testing.assert_array_equal(weights, ref_weights)
-    assert cap.deleted == 1  # freed by reference counting (no gc.collect: slow in a big heap)
-    return True
-
-
-test_dlpack_route_geometry, test_dlpack_route_geometry_long = _route_body
+test_dlpack_route_geometry, test_dlpack_route_geometry_long = fuzz(in_bounds(), "dlpack-route")(
+    contracts.check_route
+)
 
 big_ints = st.sampled_from([0, 1, 2, 7, (1 << 31) - 1, 1 << 31, 1 << 32, (1 << 62) + 1,
                             (1 << 63) - 1]) | st.integers(0, (1 << 63) - 1)  # fmt: skip
@@ -658,27 +452,6 @@ def hostile_capsules(draw):
     }  # fmt: skip
 
 
-DLPACK_ERRORS = (TypeError, ValueError, BufferError)
-
-
-@fuzz(hostile_capsules(), "dlpack-metadata")
-def _metadata_body(fields):
-    """Metadata only: colibri must validate it without reading a byte of the tensor."""
-    cap = Capsule(BASES[np.float32], **fields)
-    tensor = attempt(lambda: host_tensor(cap.capsule), errors=DLPACK_ERRORS)
-    accepted = tensor is not REFUSED
-    if accepted:
-        assert tensor.shape == tuple(fields["shape"])
-        if fields["strides"] is not None and math.prod(fields["shape"]):
-            assert tensor.strides == tuple(fields["strides"])
-        shape = tensor.shape
-        if len(shape) not in (1, 2) or shape[-1] != E_ROUTE or not math.prod(shape):
-            # route() must refuse it before reading (or route nothing: T = 0)
-            routed = attempt(lambda: _context(2).route(tensor), errors=DLPACK_ERRORS)
-            assert routed is REFUSED or math.prod(shape) == 0
-        del tensor
-    assert cap.deleted == 1  # consumed exactly once, whatever happened
-    return accepted
-
-
-test_dlpack_metadata, test_dlpack_metadata_long = _metadata_body
+test_dlpack_metadata, test_dlpack_metadata_long = fuzz(hostile_capsules(), "dlpack-metadata")(
+    contracts.check_metadata
+)

@@ -5,6 +5,7 @@ the test instead of hanging it), and the only exceptions allowed are documented 
 from __future__ import annotations
 
 import collections
+import os
 import sys
 import threading
 
@@ -211,3 +212,101 @@ def test_close_while_loading_and_prefetching(weights):
             pager.load(0, [0])
     for _, view, expected in kept:
         np.testing.assert_array_equal(view, expected)
+
+
+# -- close() racing the mapping of one expert: the window held open, so it always shows --------
+
+
+def _load_in_thread(pager, layer, expert, expected):
+    """``pager.load(layer, [expert])`` in a thread; ``result[0]``: "ok" when it returned the
+    expected bytes, the exception otherwise, ``AssertionError`` for wrong bytes."""
+    result: list = []
+
+    def run():
+        try:
+            with pager.load(layer, [expert]) as batch:
+                w = batch[expert]
+                for got, want in zip((w.gate, w.up, w.down), expected, strict=True):
+                    np.testing.assert_array_equal(got, want)
+            result.append("ok")
+        except BaseException as error:  # noqa: BLE001 - judged by the test
+            result.append(error)
+
+    thread = threading.Thread(target=run, name="load", daemon=True)
+    thread.start()
+    return thread, result
+
+
+def _documented(outcome) -> bool:
+    """A load that raced close(): the right bytes, or the documented ``ValueError``."""
+    return outcome == "ok" or isinstance(outcome, ValueError) and "closed" in str(outcome)
+
+
+def test_close_waits_for_an_madvise_in_progress(weights, monkeypatch):
+    """io="mmap": a load is inside ``madvise`` on the file's mapping when another thread
+    closes the Pager. close() must wait for the call (FileMap counts calls in progress) rather
+    than unmap under it; the load then returns the right bytes or raises ValueError."""
+    from _support.paging import hook_io
+
+    path, experts = weights
+    inside, release = threading.Event(), threading.Event()
+
+    def before(kind, *_):
+        if kind in ("willneed", "populate") and not inside.is_set():
+            inside.set()
+            assert release.wait(JOIN), "the test never released the load"
+
+    with Pager(path, budget_bytes=1 << 20, page_size_kb=4, io="mmap") as pager:
+        hook_io(monkeypatch, before)
+        loader, result = _load_in_thread(pager, 1, 5, experts[(1, 5)])
+        assert inside.wait(JOIN), "the load never reached madvise"
+        closer = threading.Thread(target=pager.close, name="close", daemon=True)
+        closer.start()
+        closer.join(0.5)
+        waited = closer.is_alive()  # before release: close() cannot have unmapped yet
+        release.set()
+        for thread in (loader, closer):
+            thread.join(JOIN)
+            assert not thread.is_alive(), f"deadlock: {thread.name} still running"
+    assert waited, "close() unmapped the file while a load was inside madvise on it"
+    assert result and _documented(result[0]), result
+
+
+def test_close_waits_for_a_mapping_being_made(weights, monkeypatch):
+    """io="view": a load is creating the mapping of an expert (its descriptor checked open)
+    when another thread closes the Pager, and something else opens a file at once, which may
+    get the descriptor number close() freed. The load must map the weight file, never the
+    other one, and never fail on a closed descriptor: close() waits for the mapping
+    (the backend's descriptor lock), then closes."""
+    import colibri.pager._pager as pager_module
+
+    path, experts = weights
+    inside, reused = threading.Event(), threading.Event()
+    real = pager_module.FileMap
+
+    class Held(real):
+        def __init__(self, *args):
+            if not inside.is_set():
+                inside.set()
+                reused.wait(JOIN)  # close() holds on the lock meanwhile, unless it is gone
+            super().__init__(*args)
+
+    decoy = os.path.join(os.path.dirname(path), "decoy.bin")
+    with open(decoy, "wb") as f:  # another file, other bytes, larger than the weights
+        f.write(b"\x5a" * (4 << 20))
+    with Pager(path, budget_bytes=1 << 20, page_size_kb=4, io="view") as pager:
+        monkeypatch.setattr(pager_module, "FileMap", Held)
+        loader, result = _load_in_thread(pager, 0, 3, experts[(0, 3)])
+        assert inside.wait(JOIN), "the load never reached the mapping"
+        closer = threading.Thread(target=pager.close, name="close", daemon=True)
+        closer.start()
+        closer.join(0.5)  # returns at once when nothing makes close() wait
+        fd = os.open(decoy, os.O_RDONLY)  # the lowest free number: close()'s, if it freed one
+        try:
+            reused.set()
+            for thread in (loader, closer):
+                thread.join(JOIN)
+                assert not thread.is_alive(), f"deadlock: {thread.name} still running"
+        finally:
+            os.close(fd)
+    assert result and _documented(result[0]), result
