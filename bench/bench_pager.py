@@ -122,72 +122,99 @@ def sticky_trace(num_experts, top_k, num_layers, tokens, *, seed, repeat=0.6, zi
     return Trace(steps)
 
 
-def policy_traces(tokens):
-    """``name -> (trace, earlier trace for hot's counts, experts in total)``."""
+# (name, generator, kwargs): E experts per layer, top-k, L layers; the trace is drawn with
+# ``seed``, the hot policy's counts with ``seed + 1``; ``tokens`` (default 1) multiplies
+# ``--tokens`` (for traces of few layers); the rest goes to the generator.
+TRACES = (
+    (
+        "generator noise=1.0 seq=256",
+        routing_trace,
+        dict(E=26, k=2, L=24, seed=1, noise=1.0, seq_len=256),
+    ),
+    (
+        "generator noise=0.5 seq=256",
+        routing_trace,
+        dict(E=26, k=2, L=24, seed=1, noise=0.5, seq_len=256),
+    ),
+    (
+        "generator noise=0.25 seq=256",
+        routing_trace,
+        dict(E=26, k=2, L=24, seed=1, noise=0.25, seq_len=256),
+    ),
+    (
+        "generator noise=1.0 seq=32",
+        routing_trace,
+        dict(E=26, k=2, L=24, seed=1, noise=1.0, seq_len=32),
+    ),
+    ("generator 64 experts top-8", routing_trace, dict(E=64, k=8, L=24, seed=1)),
+    ("iid uniform", iid_trace, dict(E=26, k=2, L=24, seed=1)),
+    ("iid zipf 1.0", iid_trace, dict(E=26, k=2, L=24, seed=1, zipf=1.0)),
+    ("colibri Workload 64 top-4", workload_trace, dict(E=64, k=4, L=8, seed=1)),
+    ("topic HMM 4 layers x 26, top-2", topic_trace, dict(E=26, k=2, L=4, seed=1, tokens=6)),
+    # Held out: added after adaptive's one-fill rule was fixed (last session).
+    (
+        "held out: generator noise=2.0 seq=64",
+        routing_trace,
+        dict(E=26, k=2, L=24, seed=3, noise=2.0, seq_len=64),
+    ),
+    (
+        "held out: generator 128 experts top-8 noise=0.5",
+        routing_trace,
+        dict(E=128, k=8, L=8, seed=3, noise=0.5),
+    ),
+    ("held out: iid uniform 64 top-8", iid_trace, dict(E=64, k=8, L=8, seed=3)),
+    ("held out: iid zipf 0.6", iid_trace, dict(E=26, k=2, L=24, seed=3, zipf=0.6)),
+    ("held out: sticky repeat=0.6", sticky_trace, dict(E=26, k=2, L=24, seed=3)),
+    (
+        "held out: topic HMM 8 layers x 64, top-8, stay 0.9",
+        topic_trace,
+        dict(E=64, k=8, L=8, seed=3, tokens=3, stay=0.9),
+    ),
+    # Held out 2: made after the stake and significance rules were fixed, never looked at
+    # before: new seeds, shapes and settings, and iid traffic.
+    (
+        "held out 2: generator 32 experts top-4 noise=1.5 seq=128",
+        routing_trace,
+        dict(E=32, k=4, L=16, seed=5, noise=1.5, seq_len=128),
+    ),
+    (
+        "held out 2: generator 60 experts top-4 noise=0.75 seq=512",
+        routing_trace,
+        dict(E=60, k=4, L=12, seed=5, noise=0.75, seq_len=512),
+    ),
+    ("held out 2: iid uniform 128 top-8", iid_trace, dict(E=128, k=8, L=4, seed=5, tokens=3)),
+    ("held out 2: iid zipf 1.2 64 top-4", iid_trace, dict(E=64, k=4, L=8, seed=5, zipf=1.2)),
+    ("held out 2: iid zipf 0.3 32 top-2", iid_trace, dict(E=32, k=2, L=16, seed=5, zipf=0.3)),
+    (
+        "held out 2: sticky repeat=0.85 zipf=1.2 64 top-4",
+        sticky_trace,
+        dict(E=64, k=4, L=8, seed=5, repeat=0.85, zipf=1.2),
+    ),
+    (
+        "held out 2: topic HMM 16 layers x 32, top-4, 12 topics, stay 0.99",
+        topic_trace,
+        dict(E=32, k=4, L=16, seed=5, topics=12, stay=0.99),
+    ),
+    (
+        "held out 2: colibri Workload 128 top-8",
+        workload_trace,
+        dict(E=128, k=8, L=4, seed=5, tokens=3),
+    ),
+)
+
+
+def policy_traces(tokens, rows=TRACES):
+    """``name -> (trace, earlier trace for hot's counts, experts in total)`` for ``rows``."""
     out = {}
-    for noise, seq in ((1.0, 256), (0.5, 256), (0.25, 256), (1.0, 32)):
-        args = (26, 2, 24, tokens)
-        out[f"generator noise={noise} seq={seq}"] = (
-            routing_trace(*args, seed=1, noise=noise, seq_len=seq),
-            routing_trace(*args, seed=2, noise=noise, seq_len=seq),
-            26 * 24,
+    for name, generator, kwargs in rows:
+        kw = dict(kwargs)
+        shape = kw.pop("E"), kw.pop("k"), kw.pop("L"), tokens * kw.pop("tokens", 1)
+        seed = kw.pop("seed")
+        out[name] = (
+            generator(*shape, seed=seed, **kw),
+            generator(*shape, seed=seed + 1, **kw),
+            shape[0] * shape[2],
         )
-    out["generator 64 experts top-8"] = (
-        routing_trace(64, 8, 24, tokens, seed=1),
-        routing_trace(64, 8, 24, tokens, seed=2),
-        64 * 24,
-    )
-    out["iid uniform"] = (
-        iid_trace(26, 2, 24, tokens, seed=1),
-        iid_trace(26, 2, 24, tokens, seed=2),
-        26 * 24,
-    )
-    out["iid zipf 1.0"] = (
-        iid_trace(26, 2, 24, tokens, seed=1, zipf=1.0),
-        iid_trace(26, 2, 24, tokens, seed=2, zipf=1.0),
-        26 * 24,
-    )
-    out["colibri Workload 64 top-4"] = (
-        workload_trace(64, 4, 8, tokens, seed=1),
-        workload_trace(64, 4, 8, tokens, seed=2),
-        64 * 8,
-    )
-    out["topic HMM 4 layers x 26, top-2"] = (
-        topic_trace(26, 2, 4, 6 * tokens, seed=1),
-        topic_trace(26, 2, 4, 6 * tokens, seed=2),
-        26 * 4,
-    )
-    # Held out: added after adaptive's rule was fixed, to check it on traffic it never saw.
-    out["held out: generator noise=2.0 seq=64"] = (
-        routing_trace(26, 2, 24, tokens, seed=3, noise=2.0, seq_len=64),
-        routing_trace(26, 2, 24, tokens, seed=4, noise=2.0, seq_len=64),
-        26 * 24,
-    )
-    out["held out: generator 128 experts top-8 noise=0.5"] = (
-        routing_trace(128, 8, 8, tokens, seed=3, noise=0.5),
-        routing_trace(128, 8, 8, tokens, seed=4, noise=0.5),
-        128 * 8,
-    )
-    out["held out: iid uniform 64 top-8"] = (
-        iid_trace(64, 8, 8, tokens, seed=3),
-        iid_trace(64, 8, 8, tokens, seed=4),
-        64 * 8,
-    )
-    out["held out: iid zipf 0.6"] = (
-        iid_trace(26, 2, 24, tokens, seed=3, zipf=0.6),
-        iid_trace(26, 2, 24, tokens, seed=4, zipf=0.6),
-        26 * 24,
-    )
-    out["held out: sticky repeat=0.6"] = (
-        sticky_trace(26, 2, 24, tokens, seed=3),
-        sticky_trace(26, 2, 24, tokens, seed=4),
-        26 * 24,
-    )
-    out["held out: topic HMM 8 layers x 64, top-8, stay 0.9"] = (
-        topic_trace(64, 8, 8, 3 * tokens, seed=3, stay=0.9),
-        topic_trace(64, 8, 8, 3 * tokens, seed=4, stay=0.9),
-        64 * 8,
-    )
     return out
 
 
@@ -211,49 +238,91 @@ def all_traces(tokens, saved=()):
     return traces
 
 
+def replay_cost(trace, capacity, rounds=3):
+    """Microseconds per expert access of each policy's replay of ``trace`` (best of
+    ``rounds``), hot's counts from the trace itself."""
+    cost = {}
+    for p in POLICIES:
+        opts = {"counts": trace.counts()} if p == "hot" else {}
+        best = np.inf
+        for _ in range(rounds):
+            start = time.perf_counter()
+            replay(trace, capacity, p, **opts)
+            best = min(best, time.perf_counter() - start)
+        cost[p] = 1e6 * best / trace.accesses
+    return cost
+
+
 def bench_policies(tokens, saved=()):
     budgets = (0.125, 0.25, 0.5)
     print("## Cache policies against Belady (offline replay, hit %)\n")
-    print("budget = share of all experts held; hot learns its counts from another draw.\n")
+    print(
+        "budget = share of all experts held; hot learns its counts from another draw. "
+        "Each cell: hit % (gap to Belady, vs LRU), points.\n"
+    )
     gaps = {p: [] for p in POLICIES}
     margins = {p: [] for p in POLICIES}
     per_trace = {}
-    for name, (trace, earlier, total) in all_traces(tokens, saved).items():
+    traces = all_traces(tokens, saved)
+    for name, (trace, earlier, total) in traces.items():
         print(f"### {name}\n")
-        print("| budget | slots | " + " | ".join(POLICIES) + " | Belady |")
-        print("|---|---|" + "---|" * (len(POLICIES) + 1))
+        print("| budget | slots | Belady | " + " | ".join(POLICIES) + " |")
+        print("|---|---|---|" + "---|" * len(POLICIES))
         counts = earlier.counts()
         rows = per_trace[name] = {p: [] for p in POLICIES}
         for frac in budgets:
             capacity = max(int(frac * total), max(len(ids) for _, ids in trace))
-            rates = {
-                p: replay(trace, capacity, p, **({"counts": counts} if p == "hot" else {})).hit_rate
+            hits = {
+                p: replay(trace, capacity, p, **({"counts": counts} if p == "hot" else {})).hits
                 for p in POLICIES
             }
-            optimum = belady(trace, capacity).hit_rate
+            optimum = belady(trace, capacity).hits
+            cells = []
             for p in POLICIES:
-                gaps[p].append(100 * (optimum - rates[p]))
-                margins[p].append(100 * (rates[p] - rates["lru"]))
-                rows[p].append((gaps[p][-1], margins[p][-1]))
-            cells = " | ".join(f"{100 * rates[p]:.1f}" for p in POLICIES)
-            print(f"| {100 * frac:.1f}% | {capacity} | {cells} | {100 * optimum:.1f} |")
+                gap = 100 * (optimum - hits[p]) / trace.accesses
+                vs = 100 * (hits[p] - hits["lru"]) / trace.accesses
+                gaps[p].append(gap)
+                margins[p].append(vs)
+                rows[p].append((gap, vs))
+                cells.append(f"{100 * hits[p] / trace.accesses:.1f} ({gap:.1f}, {vs:+.2f})")
+            print(
+                f"| {100 * frac:.1f}% | {capacity} | {100 * optimum / trace.accesses:.1f} | "
+                + " | ".join(cells)
+                + " |"
+            )
         print(flush=True)
     print("### Gap to Belady per trace (points, at budgets " + ", ".join(
         f"{100 * b:g}%" for b in budgets) + ")\n")  # fmt: skip
-    print("| trace | " + " | ".join(POLICIES) + " | adaptive - LRU, worst |")
+    print("| trace | " + " | ".join(POLICIES) + " | adaptive vs LRU, worst |")
     print("|---|" + "---|" * (len(POLICIES) + 1))
     for name, rows in per_trace.items():
         cells = " | ".join(" / ".join(f"{g:.1f}" for g, _ in rows[p]) for p in POLICIES)
         worst = min(m for _, m in rows["adaptive"])
         print(f"| {name} | {cells} | {worst:+.2f} |")
-    print("\n### Over all traces and budgets\n")
-    print("| policy | mean gap to Belady | worst gap | mean vs LRU | worst vs LRU |")
-    print("|---|---|---|---|---|")
+    probe = "recorded olmoe-shape-E64k8"
+    trace, _, total = traces.get(probe, next(iter(traces.values())))
+    cost = replay_cost(trace, max(int(0.25 * total), max(len(ids) for _, ids in trace)))
+    n = len(gaps["lru"])
+    print(f"\n### Over all {len(per_trace)} traces, {n} trace x budget rows\n")
+    print(f"Cost: replay time per expert access on {probe} at 25%, best of 3.\n")
+    print("| policy | mean gap to Belady | worst gap | mean vs LRU | worst vs LRU | rows < LRU "
+          "| cost us/access |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|")
     for p in POLICIES:
         g, m = np.array(gaps[p]), np.array(margins[p])
-        print(f"| {p} | {g.mean():.1f} | {g.max():.1f} | {m.mean():+.2f} | {m.min():+.2f} |")
+        print(
+            f"| {p} | {g.mean():.1f} | {g.max():.1f} | {m.mean():+.2f} | {m.min():+.2f} | "
+            f"{int((m < 0).sum())} | {cost[p]:.1f} |"
+        )
+    print(
+        "\nworst vs LRU: "
+        + ", ".join(f"{p} {min(margins[p]):+.2f}" for p in POLICIES)
+        + " (points; rows below LRU: "
+        + ", ".join(f"{p} {sum(m < 0 for m in margins[p])}" for p in POLICIES)
+        + ")"
+    )
     best = min(POLICIES, key=lambda p: np.mean(gaps[p]))
-    print(f"\nbest mean gap to Belady: **{best}**\n")
+    print(f"best mean gap to Belady: **{best}**\n")
 
 
 # -- weight files ---------------------------------------------------------------------------------

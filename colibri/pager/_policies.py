@@ -435,8 +435,8 @@ class AdaptivePolicy(CachePolicy):
         # Real residents the leader's shadow does not hold, in the order they left it.
         self._outside: OrderedDict[Key, None] = OrderedDict()
         self._out = [0] * n  # real residents outside each shadow: the most a switch costs
-        self.lead = np.zeros((n, n))  # lead[i, j]: i's hits minus j's, averaged
-        self.disagree = np.zeros((n, n))  # disagree[i, j]: accesses one of i, j hit
+        self._lead = [[0.0] * n for _ in range(n)]  # [i][j]: i's hits minus j's, averaged
+        self._disagree = [[0.0] * n for _ in range(n)]  # [i][j]: accesses one of i, j hit
         self.hits = self.lru_hits = 0  # the real cache's and LRU's shadow's, since the start
         self.leader = 0
         self.switches = 0
@@ -506,21 +506,22 @@ class AdaptivePolicy(CachePolicy):
             order = sorted(keys, key=lambda k: k not in shadow)
             for tick, key in enumerate(order, self._clock + 1):
                 self._access(key, tick, i)
-            hit.append(np.array([key in shadow for key in keys], bool))
+            hit.append({key for key in keys if key in shadow})
             for key in keys:
                 if key not in shadow and not self._shadow_load(i, key, step):
                     break
         self._clock += len(keys)
-        h = np.stack(hit) if keys else np.zeros((len(hit), 0), bool)
-        counts = h.sum(axis=1)
-        self.lead = self.lead * self.decay + (counts[:, None] - counts[None, :])
-        self.disagree = self.disagree * self.decay + (h[:, None, :] != h[None, :, :]).sum(-1)
-        self.hits, self.lru_hits = self.hits + real_hits, self.lru_hits + int(counts[0])
+        d = self.decay
+        for i, (lead, disagree) in enumerate(zip(self._lead, self._disagree, strict=True)):
+            for j in range(len(hit)):
+                lead[j] = lead[j] * d + (len(hit[i]) - len(hit[j]))
+                disagree[j] = disagree[j] * d + len(hit[i] ^ hit[j])
+        self.hits, self.lru_hits = self.hits + real_hits, self.lru_hits + len(hit[0])
         self._elect(margin - len(keys) >= -self.stake)
 
     def _ahead(self, i: int, j: int, cost: float = 0.0) -> bool:
         """Whether candidate ``i`` leads ``j`` by more than ``cost`` plus ``z`` deviations."""
-        return self.lead[i, j] - cost > self.z * math.sqrt(self.disagree[i, j])
+        return self._lead[i][j] - cost > self.z * math.sqrt(self._disagree[i][j])
 
     def _elect(self, may_risk: bool) -> None:
         """Change leader by the rules of the class docstring; ``may_risk``: the stake allows
@@ -535,7 +536,7 @@ class AdaptivePolicy(CachePolicy):
                 continue
             cost = self._out[j]
             if self._ahead(j, lead, cost) and (j == 0 or self._ahead(j, 0, cost)):
-                gain = self.lead[j, lead] - cost
+                gain = self._lead[j][lead] - cost
                 if gain > best_gain:
                     best, best_gain = j, gain
         if best != lead:
