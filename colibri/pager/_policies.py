@@ -378,7 +378,9 @@ class AdaptivePolicy(CachePolicy):
     most the step's width ``w``. So a non-LRU candidate leads a step only if
     ``D - out - w >= -stake``; otherwise LRU does. Then ``D >= out - stake >= -stake`` after
     every step, however many switches: adaptive is never more than ``stake`` hits behind
-    LRU, a loss of hit rate that vanishes with the trace's length. No online rule can promise
+    LRU, a loss of hit rate that vanishes with the trace's length. A switch to a non-LRU
+    candidate is also paid from the stake left (``D - out - w + stake >= its cost``), so
+    that adaptive does not flap at the stake's edge. No online rule can promise
     ``D >= 0``: the first time it evicts another key than LRU, a trace that asks for that
     key and ends loses one hit (only LRU itself never does). The stake buys the right to
     try; once ``D`` is positive, the winnings are risked too, never more.
@@ -517,24 +519,24 @@ class AdaptivePolicy(CachePolicy):
                 lead[j] = lead[j] * d + (len(hit[i]) - len(hit[j]))
                 disagree[j] = disagree[j] * d + len(hit[i] ^ hit[j])
         self.hits, self.lru_hits = self.hits + real_hits, self.lru_hits + len(hit[0])
-        self._elect(margin - len(keys) >= -self.stake)
+        self._elect(margin - len(keys) + self.stake)
 
     def _ahead(self, i: int, j: int, cost: float = 0.0) -> bool:
         """Whether candidate ``i`` leads ``j`` by more than ``cost`` plus ``z`` deviations."""
         return self._lead[i][j] - cost > self.z * math.sqrt(self._disagree[i][j])
 
-    def _elect(self, may_risk: bool) -> None:
-        """Change leader by the rules of the class docstring; ``may_risk``: the stake allows
-        a non-LRU leader for this step."""
+    def _elect(self, room: float) -> None:
+        """Change leader by the rules of the class docstring; ``room``: what is left of the
+        stake after the worst this step can do (a non-LRU leader needs ``room >= 0``)."""
         lead = self.leader
-        if lead and (not may_risk or self._ahead(0, lead)):
+        if lead and (room < 0 or self._ahead(0, lead)):
             self._follow(0)  # the stake is spent, or LRU leads significantly
             return
         best, best_gain = lead, 0.0
         for j in range(len(self.half_lives)):
-            if j == lead or (j and not may_risk):
-                continue
             cost = self._out[j]
+            if j == lead or (j and room < cost):  # the stake left must pay for the switch
+                continue
             if self._ahead(j, lead, cost) and (j == 0 or self._ahead(j, 0, cost)):
                 gain = self._lead[j][lead] - cost
                 if gain > best_gain:
