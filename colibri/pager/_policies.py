@@ -394,7 +394,9 @@ class AdaptivePolicy(CachePolicy):
     half_lives : sequence of float, optional
         The LRFU candidates besides LRU, in accesses (default ``capacity x (2, 8)``).
     memory : float, optional
-        Steps over which leads and disagreements are averaged (default ``4 x capacity``).
+        Steps over which leads and disagreements are averaged (default ``16 x capacity``:
+        a small cache's few steps would hold too few disagreements for any edge to reach
+        ``z`` deviations).
     z : float, optional
         Standard deviations a lead must exceed (default 3: one chance in 740 under the
         hypothesis of no difference).
@@ -418,7 +420,7 @@ class AdaptivePolicy(CachePolicy):
         if any(not h > 0 for h in extra):
             raise ValueError(f"half_lives must be positive (got {half_lives!r})")
         self.half_lives = (1e-3, *extra)  # 1e-3: each access outweighs all earlier ones
-        memory = float(memory) if memory else 4.0 * c
+        memory = float(memory) if memory else 16.0 * c
         if memory < 1:
             raise ValueError(f"memory must be >= 1 (got {memory!r})")
         if not z >= 0:

@@ -238,7 +238,7 @@ def test_adaptive_lru_shadow_is_an_lru_cache():
 
     rng = np.random.default_rng(5)
     capacity = 12
-    pol = make_policy("adaptive", capacity, z=0.0, stake=10**9)
+    pol = make_policy("adaptive", capacity, z=0.0, stake=10**9, memory=4 * capacity)
     real, lru = _Cache(pol, capacity), _Cache(make_policy("lru", capacity), capacity)
     for t in range(3000):
         perm = np.random.default_rng(t // 300).permutation(40)
