@@ -2,7 +2,8 @@
 cache, two processes sharing a mapping, and every cache policy against Belady's optimum.
 
 Run: ``python bench/bench_pager.py`` (a few minutes; ``--quick`` for a smoke run;
-``--section io|share|policies`` for one part). Measure under ``flock -x`` on a quiet machine.
+``--section io|share|policies|cost`` for one part). Measure under ``flock -x`` on a quiet
+machine.
 
 ``io``: for the demo's weight file (colibri raw, 26 experts x 4 layers, float16) and a real
 transformers checkpoint (Mixtral, ``save_pretrained`` safetensors: stacked experts, not
@@ -16,12 +17,14 @@ peak growth of the process's RSS (VmHWM, reset before each run) next to the budg
 (``/proc/self/smaps_rollup``) per backend: mapped pages are shared, the read pool is not.
 
 ``policies``: hit rate of every policy (offline replay, identical to the Pager) beside
-Belady's MIN on traces none of them was tuned on: the bench's own generator at several
-settings, iid traffic, Zipf-only traffic, colibri's ``Workload`` routed top-k, a topic
-trace from a separate hidden-Markov model, six held-out traces, and every trace recorded
-from a real checkpoint in ``bench/traces/`` (``bench/record_trace.py`` records one). Every
-policy's gap to Belady per trace and its margin over LRU; the last table is the mean over all
-of them, which chooses the default. ``--plot DIR`` writes ``pager_policies.png``.
+Belady's MIN on the traces of :data:`TRACES` (the bench's own generator at several settings,
+iid traffic, Zipf-only traffic, colibri's ``Workload`` routed top-k, a topic trace from a
+separate hidden-Markov model, and three sets held out while ``adaptive``'s rules were made)
+and every trace recorded from a real checkpoint in ``bench/traces/``
+(``bench/record_trace.py`` records one). Every row: each policy's hit rate, gap to Belady
+and margin over LRU (points); then the gaps per trace, and over all rows each policy's mean
+gap, worst margin over LRU ("worst vs LRU"), rows below LRU and replay cost per access (the
+``cost`` section alone: a few seconds). ``--plot DIR`` writes ``pager_policies.png``.
 """
 
 from __future__ import annotations
@@ -122,72 +125,138 @@ def sticky_trace(num_experts, top_k, num_layers, tokens, *, seed, repeat=0.6, zi
     return Trace(steps)
 
 
-def policy_traces(tokens):
-    """``name -> (trace, earlier trace for hot's counts, experts in total)``."""
+# (name, generator, kwargs): E experts per layer, top-k, L layers; the trace is drawn with
+# ``seed``, the hot policy's counts with ``seed + 1``; ``tokens`` (default 1) multiplies
+# ``--tokens`` (for traces of few layers); the rest goes to the generator.
+TRACES = (
+    (
+        "generator noise=1.0 seq=256",
+        routing_trace,
+        dict(E=26, k=2, L=24, seed=1, noise=1.0, seq_len=256),
+    ),
+    (
+        "generator noise=0.5 seq=256",
+        routing_trace,
+        dict(E=26, k=2, L=24, seed=1, noise=0.5, seq_len=256),
+    ),
+    (
+        "generator noise=0.25 seq=256",
+        routing_trace,
+        dict(E=26, k=2, L=24, seed=1, noise=0.25, seq_len=256),
+    ),
+    (
+        "generator noise=1.0 seq=32",
+        routing_trace,
+        dict(E=26, k=2, L=24, seed=1, noise=1.0, seq_len=32),
+    ),
+    ("generator 64 experts top-8", routing_trace, dict(E=64, k=8, L=24, seed=1)),
+    ("iid uniform", iid_trace, dict(E=26, k=2, L=24, seed=1)),
+    ("iid zipf 1.0", iid_trace, dict(E=26, k=2, L=24, seed=1, zipf=1.0)),
+    ("colibri Workload 64 top-4", workload_trace, dict(E=64, k=4, L=8, seed=1)),
+    ("topic HMM 4 layers x 26, top-2", topic_trace, dict(E=26, k=2, L=4, seed=1, tokens=6)),
+    # Held out: added after adaptive's one-fill rule was fixed (last session).
+    (
+        "held out: generator noise=2.0 seq=64",
+        routing_trace,
+        dict(E=26, k=2, L=24, seed=3, noise=2.0, seq_len=64),
+    ),
+    (
+        "held out: generator 128 experts top-8 noise=0.5",
+        routing_trace,
+        dict(E=128, k=8, L=8, seed=3, noise=0.5),
+    ),
+    ("held out: iid uniform 64 top-8", iid_trace, dict(E=64, k=8, L=8, seed=3)),
+    ("held out: iid zipf 0.6", iid_trace, dict(E=26, k=2, L=24, seed=3, zipf=0.6)),
+    ("held out: sticky repeat=0.6", sticky_trace, dict(E=26, k=2, L=24, seed=3)),
+    (
+        "held out: topic HMM 8 layers x 64, top-8, stay 0.9",
+        topic_trace,
+        dict(E=64, k=8, L=8, seed=3, tokens=3, stay=0.9),
+    ),
+    # Held out 2: made after the stake and significance rules were fixed, never looked at
+    # before: new seeds, shapes and settings, and iid traffic.
+    (
+        "held out 2: generator 32 experts top-4 noise=1.5 seq=128",
+        routing_trace,
+        dict(E=32, k=4, L=16, seed=5, noise=1.5, seq_len=128),
+    ),
+    (
+        "held out 2: generator 60 experts top-4 noise=0.75 seq=512",
+        routing_trace,
+        dict(E=60, k=4, L=12, seed=5, noise=0.75, seq_len=512),
+    ),
+    ("held out 2: iid uniform 128 top-8", iid_trace, dict(E=128, k=8, L=4, seed=5, tokens=3)),
+    ("held out 2: iid zipf 1.2 64 top-4", iid_trace, dict(E=64, k=4, L=8, seed=5, zipf=1.2)),
+    ("held out 2: iid zipf 0.3 32 top-2", iid_trace, dict(E=32, k=2, L=16, seed=5, zipf=0.3)),
+    (
+        "held out 2: sticky repeat=0.85 zipf=1.2 64 top-4",
+        sticky_trace,
+        dict(E=64, k=4, L=8, seed=5, repeat=0.85, zipf=1.2),
+    ),
+    (
+        "held out 2: topic HMM 16 layers x 32, top-4, 12 topics, stay 0.99",
+        topic_trace,
+        dict(E=32, k=4, L=16, seed=5, topics=12, stay=0.99),
+    ),
+    (
+        "held out 2: colibri Workload 128 top-8",
+        workload_trace,
+        dict(E=128, k=8, L=4, seed=5, tokens=3),
+    ),
+    # Held out 3: made after the rule that a switch must be paid from the stake left (added
+    # on seeing adaptive flap at the stake's edge on a held-out row), never looked at before.
+    (
+        "held out 3: generator 48 experts top-6 noise=1.25 seq=192",
+        routing_trace,
+        dict(E=48, k=6, L=10, seed=7, noise=1.25, seq_len=192),
+    ),
+    ("held out 3: iid uniform 16 top-2", iid_trace, dict(E=16, k=2, L=32, seed=7)),
+    ("held out 3: iid zipf 0.9 96 top-6", iid_trace, dict(E=96, k=6, L=6, seed=7, zipf=0.9)),
+    (
+        "held out 3: topic HMM 12 layers x 40, top-3, 8 topics, stay 0.95",
+        topic_trace,
+        dict(E=40, k=3, L=12, seed=7, topics=8, stay=0.95),
+    ),
+    (
+        "held out 3: sticky repeat=0.4 zipf=0.5 40 top-2",
+        sticky_trace,
+        dict(E=40, k=2, L=20, seed=7, repeat=0.4, zipf=0.5),
+    ),
+    ("held out 3: colibri Workload 32 top-2", workload_trace, dict(E=32, k=2, L=16, seed=7)),
+    # Held out 4: made after the default memory became 16 x capacity (for a unit test's
+    # small cache, tests/pager/test_pager.py), never looked at before.
+    (
+        "held out 4: generator 40 experts top-2 noise=0.75 seq=96",
+        routing_trace,
+        dict(E=40, k=2, L=20, seed=9, noise=0.75, seq_len=96),
+    ),
+    ("held out 4: iid uniform 48 top-4", iid_trace, dict(E=48, k=4, L=12, seed=9)),
+    ("held out 4: iid zipf 0.8 20 top-2", iid_trace, dict(E=20, k=2, L=24, seed=9, zipf=0.8)),
+    (
+        "held out 4: topic HMM 6 layers x 48, top-4, 4 topics, stay 0.98",
+        topic_trace,
+        dict(E=48, k=4, L=6, seed=9, tokens=2, topics=4, stay=0.98),
+    ),
+    (
+        "held out 4: sticky repeat=0.7 zipf=1.0 24 top-2",
+        sticky_trace,
+        dict(E=24, k=2, L=16, seed=9, repeat=0.7, zipf=1.0),
+    ),
+)
+
+
+def policy_traces(tokens, rows=TRACES):
+    """``name -> (trace, earlier trace for hot's counts, experts in total)`` for ``rows``."""
     out = {}
-    for noise, seq in ((1.0, 256), (0.5, 256), (0.25, 256), (1.0, 32)):
-        args = (26, 2, 24, tokens)
-        out[f"generator noise={noise} seq={seq}"] = (
-            routing_trace(*args, seed=1, noise=noise, seq_len=seq),
-            routing_trace(*args, seed=2, noise=noise, seq_len=seq),
-            26 * 24,
+    for name, generator, kwargs in rows:
+        kw = dict(kwargs)
+        shape = kw.pop("E"), kw.pop("k"), kw.pop("L"), tokens * kw.pop("tokens", 1)
+        seed = kw.pop("seed")
+        out[name] = (
+            generator(*shape, seed=seed, **kw),
+            generator(*shape, seed=seed + 1, **kw),
+            shape[0] * shape[2],
         )
-    out["generator 64 experts top-8"] = (
-        routing_trace(64, 8, 24, tokens, seed=1),
-        routing_trace(64, 8, 24, tokens, seed=2),
-        64 * 24,
-    )
-    out["iid uniform"] = (
-        iid_trace(26, 2, 24, tokens, seed=1),
-        iid_trace(26, 2, 24, tokens, seed=2),
-        26 * 24,
-    )
-    out["iid zipf 1.0"] = (
-        iid_trace(26, 2, 24, tokens, seed=1, zipf=1.0),
-        iid_trace(26, 2, 24, tokens, seed=2, zipf=1.0),
-        26 * 24,
-    )
-    out["colibri Workload 64 top-4"] = (
-        workload_trace(64, 4, 8, tokens, seed=1),
-        workload_trace(64, 4, 8, tokens, seed=2),
-        64 * 8,
-    )
-    out["topic HMM 4 layers x 26, top-2"] = (
-        topic_trace(26, 2, 4, 6 * tokens, seed=1),
-        topic_trace(26, 2, 4, 6 * tokens, seed=2),
-        26 * 4,
-    )
-    # Held out: added after adaptive's rule was fixed, to check it on traffic it never saw.
-    out["held out: generator noise=2.0 seq=64"] = (
-        routing_trace(26, 2, 24, tokens, seed=3, noise=2.0, seq_len=64),
-        routing_trace(26, 2, 24, tokens, seed=4, noise=2.0, seq_len=64),
-        26 * 24,
-    )
-    out["held out: generator 128 experts top-8 noise=0.5"] = (
-        routing_trace(128, 8, 8, tokens, seed=3, noise=0.5),
-        routing_trace(128, 8, 8, tokens, seed=4, noise=0.5),
-        128 * 8,
-    )
-    out["held out: iid uniform 64 top-8"] = (
-        iid_trace(64, 8, 8, tokens, seed=3),
-        iid_trace(64, 8, 8, tokens, seed=4),
-        64 * 8,
-    )
-    out["held out: iid zipf 0.6"] = (
-        iid_trace(26, 2, 24, tokens, seed=3, zipf=0.6),
-        iid_trace(26, 2, 24, tokens, seed=4, zipf=0.6),
-        26 * 24,
-    )
-    out["held out: sticky repeat=0.6"] = (
-        sticky_trace(26, 2, 24, tokens, seed=3),
-        sticky_trace(26, 2, 24, tokens, seed=4),
-        26 * 24,
-    )
-    out["held out: topic HMM 8 layers x 64, top-8, stay 0.9"] = (
-        topic_trace(64, 8, 8, 3 * tokens, seed=3, stay=0.9),
-        topic_trace(64, 8, 8, 3 * tokens, seed=4, stay=0.9),
-        64 * 8,
-    )
     return out
 
 
@@ -198,10 +267,10 @@ RECORDED = sorted(
 )  # traces recorded from real checkpoints (bench/README.md says how)
 
 
-def all_traces(tokens, saved=()):
-    """The synthetic traces plus every recorded one and ``saved`` (hot learns from its first
-    half): ``name -> (trace, earlier trace, experts in total)``."""
-    traces = policy_traces(tokens)
+def recorded_traces(saved=()):
+    """Every trace of ``bench/traces/`` and ``saved`` (hot learns from its first half):
+    ``name -> (trace, earlier trace, experts in total)``."""
+    traces = {}
     for path in (*RECORDED, *saved):
         trace = Trace.load(path)
         half = len(trace.steps) // 2
@@ -211,49 +280,111 @@ def all_traces(tokens, saved=()):
     return traces
 
 
+def all_traces(tokens, saved=()):
+    """The synthetic traces, then the recorded ones (:func:`recorded_traces`)."""
+    return {**policy_traces(tokens), **recorded_traces(saved)}
+
+
+def replay_cost(trace, capacity, rounds=3):
+    """Microseconds per expert access of each policy's replay of ``trace`` (best of
+    ``rounds``), hot's counts from the trace itself."""
+    cost = {}
+    for p in POLICIES:
+        opts = {"counts": trace.counts()} if p == "hot" else {}
+        best = np.inf
+        for _ in range(rounds):
+            start = time.perf_counter()
+            replay(trace, capacity, p, **opts)
+            best = min(best, time.perf_counter() - start)
+        cost[p] = 1e6 * best / trace.accesses
+    return cost
+
+
+COST_TRACE = "recorded olmoe-shape-E64k8"
+
+
+def bench_cost(traces=None, quiet=False):
+    """Each policy's replay cost per access on :data:`COST_TRACE` at a 25% budget (the
+    ``cost`` section: seconds, so that it can run alone under an exclusive lock)."""
+    traces = traces or recorded_traces()
+    trace, _, total = traces.get(COST_TRACE, next(iter(traces.values())))
+    cost = replay_cost(trace, max(int(0.25 * total), max(len(ids) for _, ids in trace)))
+    if not quiet:
+        print(f"## Replay cost per expert access, {COST_TRACE} at 25%, best of 3\n")
+        print("| " + " | ".join(POLICIES) + " |")
+        print("|" + "---|" * len(POLICIES))
+        print("| " + " | ".join(f"{cost[p]:.1f} us" for p in POLICIES) + " |\n")
+    return cost
+
+
 def bench_policies(tokens, saved=()):
     budgets = (0.125, 0.25, 0.5)
     print("## Cache policies against Belady (offline replay, hit %)\n")
-    print("budget = share of all experts held; hot learns its counts from another draw.\n")
+    print(
+        "budget = share of all experts held; hot learns its counts from another draw. "
+        "Each cell: hit % (gap to Belady, vs LRU), points.\n"
+    )
     gaps = {p: [] for p in POLICIES}
     margins = {p: [] for p in POLICIES}
     per_trace = {}
-    for name, (trace, earlier, total) in all_traces(tokens, saved).items():
+    traces = all_traces(tokens, saved)
+    for name, (trace, earlier, total) in traces.items():
         print(f"### {name}\n")
-        print("| budget | slots | " + " | ".join(POLICIES) + " | Belady |")
-        print("|---|---|" + "---|" * (len(POLICIES) + 1))
+        print("| budget | slots | Belady | " + " | ".join(POLICIES) + " |")
+        print("|---|---|---|" + "---|" * len(POLICIES))
         counts = earlier.counts()
         rows = per_trace[name] = {p: [] for p in POLICIES}
         for frac in budgets:
             capacity = max(int(frac * total), max(len(ids) for _, ids in trace))
-            rates = {
-                p: replay(trace, capacity, p, **({"counts": counts} if p == "hot" else {})).hit_rate
+            hits = {
+                p: replay(trace, capacity, p, **({"counts": counts} if p == "hot" else {})).hits
                 for p in POLICIES
             }
-            optimum = belady(trace, capacity).hit_rate
+            optimum = belady(trace, capacity).hits
+            cells = []
             for p in POLICIES:
-                gaps[p].append(100 * (optimum - rates[p]))
-                margins[p].append(100 * (rates[p] - rates["lru"]))
-                rows[p].append((gaps[p][-1], margins[p][-1]))
-            cells = " | ".join(f"{100 * rates[p]:.1f}" for p in POLICIES)
-            print(f"| {100 * frac:.1f}% | {capacity} | {cells} | {100 * optimum:.1f} |")
+                gap = 100 * (optimum - hits[p]) / trace.accesses
+                vs = 100 * (hits[p] - hits["lru"]) / trace.accesses
+                gaps[p].append(gap)
+                margins[p].append(vs)
+                rows[p].append((gap, vs))
+                cells.append(f"{100 * hits[p] / trace.accesses:.1f} ({gap:.1f}, {vs:+.2f})")
+            print(
+                f"| {100 * frac:.1f}% | {capacity} | {100 * optimum / trace.accesses:.1f} | "
+                + " | ".join(cells)
+                + " |"
+            )
         print(flush=True)
     print("### Gap to Belady per trace (points, at budgets " + ", ".join(
         f"{100 * b:g}%" for b in budgets) + ")\n")  # fmt: skip
-    print("| trace | " + " | ".join(POLICIES) + " | adaptive - LRU, worst |")
+    print("| trace | " + " | ".join(POLICIES) + " | adaptive vs LRU, worst |")
     print("|---|" + "---|" * (len(POLICIES) + 1))
     for name, rows in per_trace.items():
         cells = " | ".join(" / ".join(f"{g:.1f}" for g, _ in rows[p]) for p in POLICIES)
         worst = min(m for _, m in rows["adaptive"])
         print(f"| {name} | {cells} | {worst:+.2f} |")
-    print("\n### Over all traces and budgets\n")
-    print("| policy | mean gap to Belady | worst gap | mean vs LRU | worst vs LRU |")
-    print("|---|---|---|---|---|")
+    cost = bench_cost(traces, quiet=True)
+    n = len(gaps["lru"])
+    print(f"\n### Over all {len(per_trace)} traces, {n} trace x budget rows\n")
+    print(f"Cost: replay time per expert access on {COST_TRACE} at 25%, best of 3.\n")
+    print("| policy | mean gap to Belady | worst gap | mean vs LRU | worst vs LRU | rows < LRU "
+          "| cost us/access |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|")
     for p in POLICIES:
         g, m = np.array(gaps[p]), np.array(margins[p])
-        print(f"| {p} | {g.mean():.1f} | {g.max():.1f} | {m.mean():+.2f} | {m.min():+.2f} |")
+        print(
+            f"| {p} | {g.mean():.1f} | {g.max():.1f} | {m.mean():+.2f} | {m.min():+.2f} | "
+            f"{int((m < 0).sum())} | {cost[p]:.1f} |"
+        )
+    print(
+        "\nworst vs LRU: "
+        + ", ".join(f"{p} {min(margins[p]):+.2f}" for p in POLICIES)
+        + " (points; rows below LRU: "
+        + ", ".join(f"{p} {sum(m < 0 for m in margins[p])}" for p in POLICIES)
+        + ")"
+    )
     best = min(POLICIES, key=lambda p: np.mean(gaps[p]))
-    print(f"\nbest mean gap to Belady: **{best}**\n")
+    print(f"best mean gap to Belady: **{best}**\n")
 
 
 # -- weight files ---------------------------------------------------------------------------------
@@ -525,7 +656,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, default=1000, help="tokens in the replay traces")
     ap.add_argument("--quick", action="store_true", help="tiny run for smoke testing")
-    ap.add_argument("--section", choices=("io", "share", "policies"), action="append")
+    ap.add_argument("--section", choices=("io", "share", "policies", "cost"), action="append")
     ap.add_argument("--dir", default=None, help="where to write the weight files (kept)")
     ap.add_argument(
         "--trace",
@@ -555,6 +686,8 @@ def main():
         bench_io(folder, args.quick, args.checkpoint, args.io_files.split(","))
     if "share" in sections:
         bench_share(folder, args.quick)
+    if "cost" in sections and "policies" not in sections:
+        bench_cost()
     if "policies" in sections:
         bench_policies(args.tokens, args.trace)
     if args.plot:

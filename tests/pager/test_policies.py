@@ -110,7 +110,7 @@ def test_adaptive_converges_to_its_leader_and_trails_it_by_at_most_one_fill():
 
     rng = np.random.default_rng(0)
     capacity, experts = 12, 40
-    pol = make_policy("adaptive", capacity)
+    pol = make_policy("adaptive", capacity, z=0.0, stake=10**9)  # switch on any lead
     resident: set = set()
     lead = outside = lead_real = lead_shadow = None
     for t in range(3000):
@@ -146,3 +146,105 @@ def test_adaptive_converges_to_its_leader_and_trails_it_by_at_most_one_fill():
             lead_real, lead_shadow = lead_real + hits, lead_shadow + step_shadow_hits
             assert lead_real >= lead_shadow - capacity, f"step {t}: trails its leader by more"
     assert pol.switches >= 5  # the property was exercised across several leads
+
+
+class _Cache:
+    """One policy serving steps as replay() does, its hits counted step by step."""
+
+    def __init__(self, policy, capacity):
+        self.pol, self.capacity, self.resident, self.hits = policy, capacity, set(), 0
+
+    def step(self, keys, then=None):
+        self.pol.begin_step(0, keys)
+        if then is not None:
+            then()  # after the policy saw the step, before the cache serves it
+        for key in keys:
+            if key in self.resident:
+                self.hits += 1
+                self.pol.touch(key)
+        for key in keys:
+            if key not in self.resident:
+                if len(self.resident) >= self.capacity:
+                    victim = self.pol.victim(lambda k, keys=keys: k not in keys)
+                    self.pol.remove(victim)
+                    self.resident.remove(victim)
+                self.resident.add(key)
+                self.pol.insert(key)
+
+
+def popular_then_turns(seed, first=1000, then=3000, experts=40, length=60):
+    """Zipf popularity (frequency wins), then three hot sets of 7 new experts that take
+    turns every ``length`` steps (recency wins, old frequency misleads): a challenger that
+    led on the first part goes on leading into losses, and the stake has to stop it."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    p = 1.0 / np.arange(1, experts + 1)
+    for _ in range(first):
+        yield [(0, int(e)) for e in sorted(rng.choice(experts, 2, replace=False, p=p / p.sum()))]
+    for t in range(then):
+        base = experts + 7 * ((t // length) % 3)
+        yield [(0, int(e)) for e in sorted(base + rng.choice(7, 2, replace=False))]
+
+
+@pytest.mark.parametrize(("stake", "seed"), [(4, 0), (4, 1), (8, 2), (6, 3), (0, 0), (None, 0)])
+def test_adaptive_never_trails_lru_by_more_than_its_stake(stake, seed):
+    # The stake rule: D = adaptive's hits - LRU's, out = adaptive's residents that LRU lacks.
+    # D - out never falls while LRU leads and falls by at most a step's width otherwise, so
+    # letting a non-LRU leader serve a step only when D - out - width >= -stake keeps
+    # D - out >= -stake after every step. Checked against a separate LRU cache run in
+    # lockstep (not adaptive's own shadow). z = 0 and a memory that never forgets keep the
+    # challenger leading long after it went wrong, so that only the stake stops it (without
+    # the rule D - out reaches -13 here); stake 0 is LRU hit for hit; None is the default.
+    capacity = 12
+    options = {} if stake is None else dict(z=0.0, memory=1e6, stake=stake)
+    pol = make_policy("adaptive", capacity, **options)
+    stake = capacity if stake is None else stake
+    real, lru = _Cache(pol, capacity), _Cache(make_policy("lru", capacity), capacity)
+    closest, led = 0, 0
+    for t, keys in enumerate(popular_then_turns(seed)):
+        before = real.hits - lru.hits - len(real.resident - lru.resident)
+        leader = pol.leader
+
+        def paid(keys=keys, before=before, leader=leader, t=t):
+            # a switch to a non-LRU candidate is paid from the stake left: its cost (the real
+            # residents outside its shadow) within what the step may still lose
+            if pol.leader not in (0, leader):
+                cost = len(real.resident - set(pol._shadow[pol.leader]))
+                assert before - len(keys) + stake >= cost, f"step {t}: unpaid switch"
+
+        real.step(keys, paid)
+        lru.step(keys)
+        margin = real.hits - lru.hits - len(real.resident - lru.resident)
+        assert margin >= -stake, f"step {t}: D - out = {margin} < -{stake}"
+        assert real.hits >= lru.hits - stake, f"step {t}: {real.hits} hits, LRU {lru.hits}"
+        if pol.leader == 0:
+            assert margin >= before, f"step {t}: D - out fell while LRU led"
+        led += pol.leader != 0
+        closest = min(closest, margin)
+    if stake == 0:
+        assert led == 0 and real.hits == lru.hits
+    elif options:
+        # exercised: challengers led for many steps, and the stake was spent to within less
+        # than a step's width (2 experts here): the rule stopped the leader, not the stop-loss
+        assert led > 1000 and pol.switches >= 3 and closest < -stake + 2, (led, closest)
+
+
+def test_adaptive_lru_shadow_is_an_lru_cache():
+    # The stake rule compares the real cache with LRU's shadow, so the shadow must be LRU
+    # exactly, step for step, although the real cache (following another leader) has other
+    # hits: within a step the shadow orders accesses by its own hits, not the real cache's.
+    import numpy as np
+
+    rng = np.random.default_rng(5)
+    capacity = 12
+    pol = make_policy("adaptive", capacity, z=0.0, stake=10**9, memory=4 * capacity)
+    real, lru = _Cache(pol, capacity), _Cache(make_policy("lru", capacity), capacity)
+    for t in range(3000):
+        perm = np.random.default_rng(t // 300).permutation(40)
+        keys = [(0, e) for e in sorted(set(perm[rng.zipf(1.3, 4) % 40].tolist()))]
+        real.step(keys)
+        lru.step(keys)
+        assert set(pol._shadow[0]) == lru.resident, f"step {t}"
+        assert pol.lru_hits == lru.hits
+    assert pol.switches >= 3 and real.hits != lru.hits  # the real cache went its own way
