@@ -464,13 +464,16 @@ def main(argv=None) -> int:
 
         shape = DemoShape(**SHAPES[args.shape])
         args.model = str(ensure_checkpoint(args.cache_dir, shape))
-        expert_bytes = shape.expert_bytes
-    else:
-        from colibri.formats import open_weights
+    from colibri.formats import open_weights
 
-        index = os.path.join(args.model, "model.safetensors.index.json")
-        single = os.path.join(args.model, "model.safetensors")
-        expert_bytes = open_weights(index if os.path.exists(index) else single).total_expert_nbytes
+    index = os.path.join(args.model, "model.safetensors.index.json")
+    source = open_weights(
+        index if os.path.exists(index) else os.path.join(args.model, "model.safetensors")
+    )
+    expert_bytes = source.total_expert_nbytes
+    # a slot is a whole number of pages, and an expert that starts inside a page touches one
+    # more: what the pager charges for the experts, so that 100% holds them all
+    slack = len(source.experts) * 2 * args.page_size_kb * 1024
     peers = [p for p in args.peers.split(",") if p]
     gguf = _gguf(args.model, args.cache_dir) if "llama" in peers else None
     base = dict(model=args.model, threads=args.threads, tokens=args.tokens, warmup=args.warmup,
@@ -486,7 +489,7 @@ def main(argv=None) -> int:
     for fraction in [float(x) for x in args.budgets.split(",") if x]:
         for cache in args.cache.split(","):
             for prefetch in args.prefetch.split(","):
-                spec = dict(base, engine="colibri", budget=int(expert_bytes * fraction) + (1 << 20),
+                spec = dict(base, engine="colibri", budget=int((expert_bytes + slack) * fraction),
                             fraction=fraction, cache=cache, prefetch=prefetch)  # fmt: skip
                 rows.append(_show(_repeat(spec, args), args))
     if args.tune:  # the knobs one at a time, from the defaults, at a 25% budget
@@ -496,7 +499,7 @@ def main(argv=None) -> int:
                              ("threads", (1,)), ("policy", ("fifo", "lru"))):  # fmt: skip
             for value in values:
                 for cache in ("warm", "emptied") if knob == "page_size_kb" else ("warm",):
-                    spec = dict(base, engine="colibri", budget=int(expert_bytes / 4) + (1 << 20),
+                    spec = dict(base, engine="colibri", budget=int((expert_bytes + slack) / 4),
                                 fraction=0.25, cache=cache, prefetch=args.prefetch.split(",")[0],
                                 **dict(default, **{knob: value}))  # fmt: skip
                     rows.append(_show(_repeat(spec, args), args))

@@ -277,11 +277,8 @@ class Paging:
     _last: dict[int, np.ndarray] = field(default_factory=dict, repr=False)
     _guess: dict[tuple[str, int], np.ndarray] = field(default_factory=dict, repr=False)
     _chunk: int = 0
+    _all: bool | None = None
     threads: int = 0
-    # layers whose every expert was loaded while the budget holds all experts: nothing
-    # evicts them, so predicting their experts would only cost time
-    _settled: set[int] = field(default_factory=set, repr=False)
-    _seen: dict[int, set[int]] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         self.prediction = {"gate": PredictionStats(), "previous": PredictionStats()}
@@ -320,8 +317,11 @@ class Paging:
             )
         return self.pager
 
-    def _total_experts(self) -> int:
-        return sum(layer.num_experts for layer in self.layers)
+    def _holds_all(self) -> bool:
+        """Whether the budget holds every expert (then nothing is ever evicted)."""
+        if self._all is None:
+            self._all = self.pager.capacity >= sum(layer.num_experts for layer in self.layers)
+        return self._all
 
     def _observe(self, layer: int, used: np.ndarray) -> None:
         """Score the predictions made for ``layer`` against the experts it used."""
@@ -409,11 +409,6 @@ class PagedExperts(nn.Module):
             warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
             out = self._run(paging, hidden_states, ids_np, weights, used)
         paging._last[self.layer] = used
-        if self.layer not in paging._settled and paging._chunk >= paging._total_experts():
-            seen = paging._seen.setdefault(self.layer, set())
-            seen.update(used.tolist())
-            if len(seen) == self.num_experts:
-                paging._settled.add(self.layer)
         return out
 
     def _run(self, paging, hidden_states, ids_np, weights, used) -> torch.Tensor:
@@ -496,7 +491,7 @@ class PagedExperts(nn.Module):
         if nxt is None:
             return
         layer, router, block = nxt
-        if layer in paging._settled:  # all resident for good: nothing to fetch
+        if paging._holds_all():  # each expert is read once and stays: a guess saves nothing
             return
         guesses = {}
         last = paging._last.get(layer)
@@ -718,8 +713,8 @@ def from_pretrained(
         ``"gate"`` (default): while layer l runs, have the OS read ahead the experts that
         layer l+1's router picks for layer l's input (:meth:`colibri.Pager.advise`: into the
         page cache, not into the budget); ``"previous"``: those layer l+1 used at the
-        previous step; ``"off"``. Layers all of whose experts stay resident (a budget that
-        holds every expert) are no longer predicted.
+        previous step; ``"off"``. A budget that holds every expert predicts nothing (each
+        expert is read once and stays; a guess would cost more than it hides).
     num_threads : int, optional
         Threads of colibri's routing and expert kernels (default: OpenMP's; torch's own:
         ``torch.set_num_threads``).
