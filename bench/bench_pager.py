@@ -391,7 +391,7 @@ def bench_policies(tokens, saved=()):
 
 
 def demo_file(folder, file_size):
-    from colibri.cli import demo
+    from colibri.cli import _synthetic_demo as demo
 
     inter = demo.demo_shape(file_size, 4, demo.HIDDEN)
     return str(demo.ensure_weight_file(folder, 4, demo.HIDDEN, inter, seed=0, progress=False))
