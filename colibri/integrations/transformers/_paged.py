@@ -57,18 +57,27 @@ _KERNEL_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
 _SILU = _ffn.ACTIVATIONS["silu"]
 
 
+def _kernel_weights(w: Any, dtype: torch.dtype) -> tuple[np.ndarray, ...] | None:
+    """An expert's (gate, up, down) as uint16 bits for the fused kernel, None unless all three
+    are stored in ``dtype`` (float16 or bfloat16)."""
+    bits = [_half_bits(m) for m in (w.gate, w.up, w.down)]
+    if any(b is None or b[1] != _KERNEL_DTYPES.get(dtype) for b in bits):
+        return None
+    return tuple(b[0] for b in bits)
+
+
 def _fused_expert(
     x32: np.ndarray, w: Any, dtype: torch.dtype, threads: int = 0
 ) -> torch.Tensor | None:
     """``down @ (silu(gate @ x) * (up @ x))`` for float32 rows ``x32 [n, H]`` through
     colibri's fused kernel, straight on the pager's arrays, as a ``dtype`` tensor ``[n, H]``;
     None unless the weights are stored in ``dtype`` (float16 or bfloat16)."""
-    bits = [_half_bits(m) for m in (w.gate, w.up, w.down)]
-    if any(b is None or b[1] != _KERNEL_DTYPES.get(dtype) for b in bits):
+    bits = _kernel_weights(w, dtype)
+    if bits is None:
         return None
-    y = np.empty((x32.shape[0], bits[2][0].shape[0]), np.float32)
-    (g, name), (u, _), (d, _) = bits
-    _ffn.ffn(x32, g, u, d, 1 if name == "float16" else 2, _SILU, y, threads)
+    g, u, d = bits
+    y = np.empty((x32.shape[0], d.shape[0]), np.float32)
+    _ffn.ffn(x32, g, u, d, _ffn.WEIGHT_KINDS[_KERNEL_DTYPES[dtype]], _SILU, y, threads)
     return torch.from_numpy(y).to(dtype)  # nearest even, as torch rounds its own products
 
 
@@ -277,7 +286,7 @@ class Paging:
     _last: dict[int, np.ndarray] = field(default_factory=dict, repr=False)
     _guess: dict[tuple[str, int], np.ndarray] = field(default_factory=dict, repr=False)
     _chunk: int = 0
-    _all: bool | None = None
+    _holds_all: bool = False  # the budget holds every expert: nothing is ever evicted
     threads: int = 0
 
     def __post_init__(self) -> None:
@@ -287,6 +296,7 @@ class Paging:
             slot = -(-self.pager.source.max_expert_nbytes // self.pager.page_size)
             capacity = self.pager.budget_bytes // (slot * self.pager.page_size)
         self._chunk = max(1, int(capacity))
+        self._holds_all = capacity >= sum(layer.num_experts for layer in self.layers)
 
     @property
     def stats(self):
@@ -316,12 +326,6 @@ class Paging:
                 "load the checkpoint again with from_pretrained()"
             )
         return self.pager
-
-    def _holds_all(self) -> bool:
-        """Whether the budget holds every expert (then nothing is ever evicted)."""
-        if self._all is None:
-            self._all = self.pager.capacity >= sum(layer.num_experts for layer in self.layers)
-        return self._all
 
     def _observe(self, layer: int, used: np.ndarray) -> None:
         """Score the predictions made for ``layer`` against the experts it used."""
@@ -446,23 +450,24 @@ class PagedExperts(nn.Module):
         sums into ``rows32.sums``); False, having done nothing, otherwise."""
         flat = ids_np.reshape(-1)
         order = np.argsort(flat, kind="stable")
-        lo = np.searchsorted(flat[order], part, "left")
-        hi = np.searchsorted(flat[order], part, "right")
+        ranked = flat[order]
+        lo = np.searchsorted(ranked, part, "left")
+        hi = np.searchsorted(ranked, part, "right")
         if (hi - lo).max() > _KERNEL_ROWS:
             return False
-        want, experts = _KERNEL_DTYPES[rows32.dtype], []
+        experts = []
         for e in part:
-            w = batch[int(e)]
-            bits = [_half_bits(m) for m in (w.gate, w.up, w.down)]
-            if any(b is None or b[1] != want for b in bits):
+            bits = _kernel_weights(batch[int(e)], rows32.dtype)
+            if bits is None:
                 return False
-            experts.append(tuple(b[0] for b in bits))
+            experts.append(bits)
         pick = np.concatenate([order[a:b] for a, b in zip(lo, hi)])  # noqa: B905
         scale = weights.reshape(-1).detach().float().numpy()[pick]
         if rows32.sums is None:
             rows32.sums = np.zeros_like(rows32.x)
         bounds = np.concatenate([[0], np.cumsum(hi - lo)]).astype(np.int64)
-        _ffn.ffn_sum(rows32.x, experts, 1 if want == "float16" else 2, _SILU, bounds,
+        kind = _ffn.WEIGHT_KINDS[_KERNEL_DTYPES[rows32.dtype]]
+        _ffn.ffn_sum(rows32.x, experts, kind, _SILU, bounds,
                      (pick // ids_np.shape[1]).astype(np.int64), scale, rows32.sums,
                      rows32.threads)  # fmt: skip
         return True
@@ -491,7 +496,7 @@ class PagedExperts(nn.Module):
         if nxt is None:
             return
         layer, router, block = nxt
-        if paging._holds_all():  # each expert is read once and stays: a guess saves nothing
+        if paging._holds_all:  # each expert is read once and stays: a guess saves nothing
             return
         guesses = {}
         last = paging._last.get(layer)

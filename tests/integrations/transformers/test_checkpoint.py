@@ -340,7 +340,7 @@ def test_expert_kernel_switch(tmp_path, monkeypatch):
     calls, seen, real = [], [], _paged._ffn
 
     class Spy:
-        ACTIVATIONS = real.ACTIVATIONS
+        ACTIVATIONS, WEIGHT_KINDS = real.ACTIVATIONS, real.WEIGHT_KINDS
 
         @staticmethod
         def ffn(x, g, u, d, *args):
