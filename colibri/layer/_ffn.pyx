@@ -112,6 +112,21 @@ cdef const uint16_t *_rows(const uint16_t[:, :] w, int64_t *ld, str what) except
     return &w[0, 0]
 
 
+cdef int _weights(colibri_ffn_t *f, const uint16_t[:, :] gate, const uint16_t[:, :] up,
+                  const uint16_t[:, :] down, int kind, int act, int path) except -1:
+    """One expert's weights, kind, activation and path into ``f`` (f.I already set and
+    checked); x, y and the scratch are the caller's."""
+    f.kind = kind
+    f.act = act
+    f.path = path
+    f.gate = _rows(gate, &f.ldg, "gate")
+    f.up = _rows(up, &f.ldu, "up")
+    f.down = _rows(down, &f.ldd, "down")
+    f.xs = NULL
+    f.h = NULL
+    return 0
+
+
 def ffn(const float[:, :] x, const uint16_t[:, :] gate, const uint16_t[:, :] up,
         const uint16_t[:, :] down, int kind, int act, float[:, :] y, int threads, path=None):
     """y = down @ (act(gate @ x.T) * (up @ x.T)), transposed: the fused kernel.
@@ -132,17 +147,11 @@ def ffn(const float[:, :] x, const uint16_t[:, :] gate, const uint16_t[:, :] up,
         raise ValueError(f"ffn(): empty weights (H={f.H}, I={f.I})")
     if (x.strides[1] != 4 and f.H > 1) or (y.strides[1] != 4 and f.H > 1):
         raise ValueError("ffn(): x and y rows must be contiguous float32")
-    f.kind = kind
-    f.act = act
-    f.path = path_index(path)
+    _weights(&f, gate, up, down, kind, act, path_index(path))
     f.x = &x[0, 0]
     f.ldx = x.strides[0] // 4
-    f.gate = _rows(gate, &f.ldg, "gate")
-    f.up = _rows(up, &f.ldu, "up")
-    f.down = _rows(down, &f.ldd, "down")
     f.y = &y[0, 0]
     f.ldy = y.strides[0] // 4
-    f.xs = NULL
     split = colibri_ffn_split_bytes(&f)
     h = <float *>malloc(<size_t>f.n * f.I * sizeof(float) + split + 64)
     if h == NULL:
@@ -213,18 +222,11 @@ def ffn_sum(const float[:, :] x, list experts, int kind, int act,
             fs[j].n = <int32_t>n
             fs[j].H = <int32_t>H
             fs[j].I = <int32_t>g.shape[0]
-            fs[j].kind = kind
-            fs[j].act = act
-            fs[j].path = p
+            _weights(&fs[j], g, u, d, kind, act, p)
             fs[j].x = xg + bounds[j] * H
             fs[j].ldx = H
-            fs[j].gate = _rows(g, &fs[j].ldg, "gate")
-            fs[j].up = _rows(u, &fs[j].ldu, "up")
-            fs[j].down = _rows(d, &fs[j].ldd, "down")
             fs[j].y = yg + bounds[j] * H
             fs[j].ldy = H
-            fs[j].xs = NULL
-            fs[j].h = NULL
             hbytes += <size_t>n * fs[j].I * sizeof(float)
             sbytes += colibri_ffn_split_bytes(&fs[j])
         hs = <float *>malloc(hbytes + sbytes + 64)
