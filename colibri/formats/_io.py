@@ -164,6 +164,20 @@ class FileReader:
         f.seek(offset)
         return f.readinto(view) or 0
 
+    @contextlib.contextmanager
+    def _open(self):
+        """Counted as in progress (``close()`` waits for it); ValueError once closed."""
+        with self._lock:
+            if self._closed:
+                raise ValueError("read from a closed weight file reader")
+            self._active += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._active -= 1
+                self._lock.notify_all()
+
     def readinto(self, path: str, offset: int, buffer: memoryview) -> None:
         """Fill ``buffer`` with the bytes of ``path`` at ``offset``.
 
@@ -174,11 +188,7 @@ class FileReader:
         OSError
             The read failed (``EIO`` from the disk, ...): the message names file and range.
         """
-        with self._lock:
-            if self._closed:
-                raise ValueError("read from a closed weight file reader")
-            self._active += 1
-        try:
+        with self._open():
             done, total = 0, len(buffer)
             while done < total:
                 try:
@@ -197,10 +207,6 @@ class FileReader:
                         f"{total} bytes at {offset}; the file was truncated after it was opened"
                     )
                 done += n
-        finally:
-            with self._lock:
-                self._active -= 1
-                self._lock.notify_all()
 
     def advise(self, path: str, offset: int, length: int) -> bool:
         """Ask the OS to start reading ``length`` bytes of ``path`` at ``offset`` into its page
@@ -208,19 +214,12 @@ class FileReader:
         closed. Errors are the OS's to report at the read, not here."""
         if not (_HAS_PREAD and hasattr(os, "posix_fadvise")):
             return False
-        with self._lock:
-            if self._closed:
-                return False
-            self._active += 1
         try:
-            os.posix_fadvise(self._fds[path], offset, length, os.POSIX_FADV_WILLNEED)
+            with self._open():
+                os.posix_fadvise(self._fds[path], offset, length, os.POSIX_FADV_WILLNEED)
             return True
-        except OSError:
+        except (OSError, ValueError):  # ValueError: closed
             return False
-        finally:
-            with self._lock:
-                self._active -= 1
-                self._lock.notify_all()
 
     def close(self) -> None:
         """Wait for reads in progress, then close every descriptor and handle."""
