@@ -110,16 +110,23 @@ def _llama_generate(llm, ids, spec, files, times, storage_at, np) -> None:
         storage_at.append(_storage_reads())
         _EVICTED.append(_EVICTED[-1])
         if spec["cache"] == "emptied":
-            start = time.perf_counter()
-            _unmap(files)  # what the kernel does to a mapped file under memory pressure
-            _evict(files)
-            _EVICTED[-1] += time.perf_counter() - start
+            _empty(files, unmap=True)  # unmap: what the kernel does under memory pressure
         llm.eval([token])
 
 
 #: Seconds spent emptying the page cache, as of each token (the kernel does it in the
 #: background under memory pressure: not part of a token's time).
 _EVICTED: list[float] = [0.0]
+
+
+def _empty(files: list[str], unmap: bool = False) -> None:
+    """Empty the page cache of ``files`` (their mappings in this process first, if
+    ``unmap``), the time it takes added to ``_EVICTED[-1]``."""
+    start = time.perf_counter()
+    if unmap:
+        _unmap(files)
+    _evict(files)
+    _EVICTED[-1] += time.perf_counter() - start
 
 
 def _unmap(files: list[str]) -> None:
@@ -195,9 +202,7 @@ def worker(spec: dict) -> dict:
             storage_at.append(_storage_reads())
             _EVICTED.append(_EVICTED[-1])
             if spec["cache"] == "emptied":
-                start = time.perf_counter()
-                _evict(files)
-                _EVICTED[-1] += time.perf_counter() - start
+                _empty(files)
 
         def end(self):
             pass
