@@ -4,7 +4,9 @@ Anything that speaks DLPack (``__dlpack__`` / ``__dlpack_device__``: torch, jax,
 ...) or a raw ``"dltensor"`` / ``"dltensor_versioned"`` capsule becomes a :class:`HostTensor`:
 a pointer, shape, strides in elements and a dtype that colibri decodes itself (bfloat16
 included, which numpy cannot import). NumPy arrays take the buffer protocol, which reads the
-same memory with less overhead. Results go back through :func:`to_caller`, zero-copy.
+same memory with less overhead, and arrays of numpy's own numeric dtypes are read straight
+from numpy's C struct (no buffer export: a one-token route imports three of them). Results go
+back through :func:`to_caller`, zero-copy.
 """
 
 from cpython.buffer cimport (PyBUF_FORMAT, PyBUF_RECORDS, PyBUF_RECORDS_RO,
@@ -14,6 +16,7 @@ from cpython.pycapsule cimport (PyCapsule_CheckExact, PyCapsule_GetPointer, PyCa
 from cpython.exc cimport PyErr_Clear, PyErr_SetString
 from cpython.long cimport PyLong_AsVoidPtr
 from cpython.ref cimport Py_DECREF
+cimport numpy as cnp
 from libc.stdint cimport (INT64_MAX, INT64_MIN, PTRDIFF_MAX, UINTPTR_MAX, int64_t, uint64_t,
                           uintptr_t)
 
@@ -36,6 +39,7 @@ _NUMPY_STORAGE = {FLOAT32: np.float32, FLOAT64: np.float64, FLOAT16: np.float16,
 _DL_CODE_NAMES = {0: "int", 1: "uint", 2: "float", 3: "opaque handle", 4: "bfloat",
                   5: "complex", 6: "bool"}
 _ndarray = np.ndarray
+cnp.import_array()
 
 
 cdef int _dl_dtype(DLDataType t, str what) except -1:
@@ -301,6 +305,43 @@ cdef int _take_buffer(HostTensor t, object obj, bint writable, str what) except 
     return 0
 
 
+cdef bint _take_ndarray(HostTensor t, cnp.ndarray a, bint writable, str what) except -1:
+    """Read a native-order array of a numpy numeric dtype from numpy's struct; False for any
+    other array (the buffer protocol then decodes it, errors included)."""
+    cdef Py_ssize_t itemsize = cnp.PyArray_ITEMSIZE(a)
+    cdef int i, nd = cnp.PyArray_NDIM(a)
+    cdef DType dtype
+    if nd > MAX_NDIM or not cnp.PyArray_ISNOTSWAPPED(a):
+        return False
+    if cnp.PyArray_ISFLOAT(a) and itemsize in (2, 4, 8):
+        dtype = FLOAT16 if itemsize == 2 else FLOAT32 if itemsize == 4 else FLOAT64
+    elif cnp.PyArray_ISSIGNED(a) and itemsize in (1, 2, 4, 8):
+        dtype = (INT8 if itemsize == 1 else INT16 if itemsize == 2 else INT32 if itemsize == 4
+                 else INT64)
+    elif cnp.PyArray_ISUNSIGNED(a) and itemsize in (1, 2):
+        dtype = UINT8 if itemsize == 1 else UINT16
+    elif cnp.PyArray_ISBOOL(a):
+        dtype = BOOL
+    else:
+        return False
+    if writable and not cnp.PyArray_ISWRITEABLE(a):
+        raise ValueError(f"{what}: the array is read-only; pass a writable array")
+    cdef cnp.npy_intp *dims = cnp.PyArray_DIMS(a)
+    cdef cnp.npy_intp *strides = cnp.PyArray_STRIDES(a)
+    for i in range(nd):
+        if strides[i] % itemsize:
+            raise ValueError(f"{what}: byte strides {(<object>a).strides} are not multiples "
+                             "of the item size; pass an aligned array (np.ascontiguousarray)")
+        t.dims[i] = dims[i]
+        t.steps[i] = strides[i] // itemsize
+    t.ndim = nd
+    t.dtype = dtype
+    t.itemsize = <int>itemsize
+    t.data = <char *>cnp.PyArray_DATA(a)
+    t.readonly = not cnp.PyArray_ISWRITEABLE(a)
+    return True  # t.source holds the array: its memory lives as long as t
+
+
 def _export(obj, what, bint writable):
     """Ask a producer for a host capsule: negotiate the version, copy inputs from devices.
 
@@ -439,8 +480,12 @@ cdef tuple new_result(object like, tuple shape, DType dtype):
         Py_DECREF(result)  # <object> took a reference; the call's own one is ours to drop
         t.source = result
         return result, t, True
-    arr = np.empty(shape, _NUMPY_STORAGE[dtype])
-    _take_buffer(t, arr, True, "route(result)")
+    cdef cnp.npy_intp npy_dims[MAX_NDIM]
+    for i in range(len(shape)):
+        npy_dims[i] = shape[i]
+    arr = cnp.PyArray_EMPTY(len(shape), npy_dims, cnp.NPY_FLOAT32 if dtype == FLOAT32 else
+                            cnp.NPY_INT64 if dtype == INT64 else cnp.NPY_INT32, 0)
+    _take_ndarray(t, <cnp.ndarray>arr, True, "route(result)")
     t.source = arr
     return arr, t, False
 
@@ -454,7 +499,8 @@ cdef HostTensor import_tensor(object obj, bint writable, str what):
     cdef HostTensor t = HostTensor.__new__(HostTensor)
     t.source = obj
     if type(obj) is _ndarray:
-        _take_buffer(t, obj, writable, what)
+        if not _take_ndarray(t, <cnp.ndarray>obj, writable, what):
+            _take_buffer(t, obj, writable, what)
         return t
     if not PyCapsule_CheckExact(obj):
         ex = _exchange_for(type(obj))

@@ -366,3 +366,63 @@ def test_out_buffers_on_a_device_or_copied_are_refused(logits):
     with pytest.raises(BufferError, match="IS_COPIED"):
         ctx.route(logits, out=(ids, copied.capsule))
     assert_route(ctx.route(logits, out=(ids, w)), logits)
+
+
+def _numpy_cases():
+    base = np.arange(2 * 3 * 4, dtype=np.float64).reshape(2, 3, 4)
+    for dtype in (
+        np.float16,
+        np.float32,
+        np.float64,
+        np.int8,
+        np.int16,
+        np.int32,
+        np.int64,
+        np.intc,
+        np.longlong,
+        np.uint8,
+        np.uint16,
+        np.bool_,
+    ):
+        x = base.astype(dtype)
+        yield x
+        yield x[:, ::-2, 1:]  # negative and skipping strides
+        yield x.transpose(2, 0, 1)
+        yield np.broadcast_to(x[:1], (5, 3, 4))  # zero strides, read-only
+        yield x[:0]
+        yield np.asarray(x[0, 0, 0])  # 0-d
+    ro = base.astype(np.float32)
+    ro.flags.writeable = False
+    yield ro
+
+
+@pytest.mark.parametrize("x", list(_numpy_cases()), ids=lambda x: f"{x.dtype}{x.strides}")
+def test_numpy_intake_matches_the_buffer_protocol(x):
+    """numpy arrays are read from numpy's struct: the same view the buffer protocol gives."""
+    t = host_tensor(x)
+    m = memoryview(x)
+    assert t.shape == m.shape and t.readonly == m.readonly
+    assert t.strides == tuple(s // x.itemsize for s in m.strides)
+    assert t.address == x.__array_interface__["data"][0]
+    assert t.dtype == x.dtype.name
+    np.testing.assert_array_equal(t.numpy().view(x.dtype), x)
+    if not m.readonly:
+        host_tensor(x, writable=True)
+    else:
+        with pytest.raises(ValueError, match="read-only"):
+            host_tensor(x, writable=True)
+
+
+@pytest.mark.parametrize(
+    "x",
+    [
+        np.zeros(4, ">f4"),
+        np.zeros(4, np.complex64),
+        np.zeros(4, np.float128) if hasattr(np, "float128") else np.zeros(4, np.uint32),
+        np.zeros(4, "U2"),
+    ],
+    ids=lambda x: x.dtype.str,
+)
+def test_numpy_arrays_colibri_cannot_read_are_refused(x):
+    with pytest.raises(TypeError):
+        colibri.init(4, 2).route(x)
