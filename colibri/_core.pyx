@@ -18,8 +18,9 @@ from colibri._route cimport (COLIBRI_BF16, COLIBRI_F16, COLIBRI_F32, COLIBRI_F64
                              COLIBRI_ROW_ALL_NEG_INF, COLIBRI_ROW_NAN, COLIBRI_ROW_SHORT,
                              COLIBRI_SIGMOID, COLIBRI_SOFTMAX, COLIBRI_SQRTSOFTPLUS,
                              colibri_cpu_has_avx2, colibri_cpu_has_avx512, colibri_load_row,
-                             colibri_prefetch, colibri_route_row, colibri_route_rows8,
-                             colibri_router_t, colibri_rows8_eligible, colibri_scratch_bytes)
+                             colibri_block_rows, colibri_prefetch, colibri_route_block,
+                             colibri_route_row, colibri_router_t, colibri_rows8_eligible,
+                             colibri_scratch_bytes)
 
 import threading
 
@@ -107,9 +108,9 @@ def build_info():
 
     simd = COLIBRI_SIMD.decode()
     if colibri_cpu_has_avx2():
-        simd += ", avx2 (score passes, top two, top-k bound)"
+        simd += ", avx2 (score passes, top two, top-k bound, 8-row blocks)"
     if colibri_cpu_has_avx512():
-        simd += ", avx512f (sigmoid pass, top two)"
+        simd += ", avx512f (sigmoid pass, top two, 16-row blocks)"
     return {"compiler": COLIBRI_COMPILER.decode(), "simd": simd,
             "path": _ffn.simd_path(), "detected": _ffn.detected_path(),
             "ffn_path": _ffn.ffn_path()}
@@ -133,7 +134,8 @@ ctypedef struct RowJob:
     int64_t w_s0, w_s1
     Py_ssize_t k, E
     size_t scratch_bytes
-    bint rows8                  # route 8 rows at a time (colibri_route_rows8)
+    bint rows8                  # route blocks of rows (colibri_route_block)
+    Py_ssize_t block            # rows per block: colibri_block_rows
 
 
 cdef inline void _count_row(const int32_t *ids, Py_ssize_t k, Py_ssize_t E, int64_t *counts,
@@ -192,35 +194,36 @@ cdef void _route_span(const RowJob *job, Py_ssize_t start, Py_ssize_t stop, char
     rows before it are routed and counted."""
     cdef Py_ssize_t t = start, i, k = job.k
     cdef int32_t *row_ids = <int32_t *>(scratch + job.scratch_bytes)
-    cdef float *row_w = <float *>(scratch + job.scratch_bytes + 8 * k * 4)
+    cdef float *row_w = <float *>(scratch + job.scratch_bytes + 16 * k * 4)
     cdef const float *row
     cdef int status
     # rows whose elements are contiguous are fetched about 2 KiB ahead (E=64, k=8: 15%
-    # faster, E=256: 20%); the 8-row path gains only on long rows
+    # faster, E=256: 20%); the block path gains only on long rows
     cdef size_t row_bytes = job.E * job.x_itemsize if job.xs1 == 1 else 0
     cdef Py_ssize_t ahead = max(8, 2048 // max(row_bytes, 1))
     cdef bint direct = (not job.ids64 and job.ids_s1 == 1 and job.ids_s0 == k
                         and job.w_s1 == 1 and job.w_s0 == k)
     cdef int32_t *ids8 = row_ids
     cdef float *w8 = row_w
+    cdef Py_ssize_t block = job.block
     if job.rows8:
-        while t + 8 <= stop:
+        while t + block <= stop:
             if row_bytes >= 512:
-                for i in range(ahead, ahead + 8):
+                for i in range(ahead, ahead + block):
                     if t + i < stop:
                         colibri_prefetch(job.x + (t + i) * job.xs0 * 4, row_bytes)
             if direct:  # C-contiguous int32 / float32 results: written in place
                 ids8 = <int32_t *>job.ids + t * k
                 w8 = job.w + t * k
-            if colibri_route_rows8(job.router, <const float *>(job.x + t * job.xs0 * 4),
+            if colibri_route_block(job.router, <const float *>(job.x + t * job.xs0 * 4),
                                    job.xs0, scratch, ids8, w8) != COLIBRI_OK:
                 break  # the rows one by one below name the failing one
-            for i in range(8):
+            for i in range(block):
                 if not direct:
                     _store_row(job, t + i, ids8 + i * k, w8 + i * k)
                 if counts != NULL:
                     _count_row(ids8 + i * k, k, job.E, counts, pairs, 1)
-            t += 8
+            t += block
     ahead = max(1, 2048 // max(row_bytes, 1))
     for t in range(t, stop):
         if row_bytes and t + ahead < stop:
@@ -491,8 +494,9 @@ cdef class Router:
         job.scratch_bytes = self._scratch_bytes
         job.rows8 = (colibri_rows8_eligible(&self.r) and x.dtype == FLOAT32 and xs1 == 1
                      and (<uintptr_t>x.data) % 4 == 0)
-        # scratch, then 8 rows of ids and weights (the 8-row path)
-        cdef size_t slot = (self._scratch_bytes + <size_t>self.top_k * 64 + 63) & ~(<size_t>63)
+        job.block = colibri_block_rows(job.router)
+        # scratch, then 16 rows of ids and weights (the block path)
+        cdef size_t slot = (self._scratch_bytes + <size_t>self.top_k * 128 + 63) & ~(<size_t>63)
         cdef Py_ssize_t chunks = 1, c, bad = T
         cdef int status = COLIBRI_OK
         cdef char stack_scratch[8192]

@@ -52,3 +52,6 @@ cdef extern from "colibri/route.h" nogil:
     int colibri_rows8_eligible(const colibri_router_t *r) noexcept
     int colibri_route_rows8(const colibri_router_t *r, const float *x, int64_t stride,
                             void *scratch, int32_t *ids, float *weights) noexcept
+    int32_t colibri_block_rows(const colibri_router_t *r) noexcept
+    int colibri_route_block(const colibri_router_t *r, const float *x, int64_t stride,
+                            void *scratch, int32_t *ids, float *weights) noexcept

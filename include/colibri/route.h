@@ -10,7 +10,8 @@
  *
  * How a row is routed:
  *   k <= 2, keys = logits: the best two by value (each SIMD lane keeps its two, merged),
- *       then their ids from equality masks; 8 rows at a time batch the softmax weights.
+ *       then their ids from equality masks; 8 rows at a time batch the softmax weights, and
+ *       for softmax k = 2, blocks of 16 (AVX-512F) or 8 (AVX2) rows share the lane folds.
  *   otherwise: scores and keys (sigmoid fused with the bias), group scores from each group's
  *       best two, then top-k among the candidates at or above a bound that at least k keys
  *       reach (each lane's best two, or the kept groups' runners-up): ranks are counted,
@@ -837,6 +838,17 @@ static inline int colibri_cpu_has_avx2(void)
 #endif
 }
 
+#ifdef COLIBRI_AVX2
+/* merged top two of lane pairs (lo, hi) picked from two rows' registers by a shuffle */
+#define COLIBRI_FOLD(max, min, shuffle, a1, b1, a2, b2, ilo, ihi, oa, ob)        \
+    do {                                                                         \
+        __typeof__(a1) lo_ = shuffle(a1, a2, ilo), hi_ = shuffle(a1, a2, ihi);   \
+        __typeof__(a1) blo_ = shuffle(b1, b2, ilo), bhi_ = shuffle(b1, b2, ihi); \
+        ob = max(min(lo_, hi_), max(blo_, bhi_));                                \
+        oa = max(lo_, hi_);                                                      \
+    } while (0)
+#endif
+
 #ifdef COLIBRI_AVX512
 /* colibri_exp4 and colibri_sigmoid4 on 16 lanes: the same IEEE operations in the same order,
  * so the results are identical bit for bit. */
@@ -933,6 +945,33 @@ COLIBRI_AVX512_FN static inline void colibri_top2_ids16(const float *x, int32_t 
     }
     ids[0] = i1;
     ids[1] = i2;
+}
+
+/* The top two of 16 sets of 16 lanes (a[i], b[i]: each lane's best and second in set i),
+ * folded pairwise: each shuffle step merges two sets' registers into one, so the cross-lane
+ * work is shared, not done per set. m1, m2: lane i holds set i's best and second. */
+COLIBRI_AVX512_FN static inline void colibri_fold16(__m512 *a, __m512 *b, __m512 *m1, __m512 *m2)
+{
+    int32_t i;
+    /* 16 rows x 16 lanes -> 8 registers of 2 rows x 8 lanes -> ... -> 1 of 16 rows x 1 */
+    for (i = 0; i < 8; i++)
+        COLIBRI_FOLD(_mm512_max_ps, _mm512_min_ps, _mm512_shuffle_f32x4, a[2 * i], b[2 * i],
+                     a[2 * i + 1], b[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0), _MM_SHUFFLE(3, 2, 3, 2),
+                     a[i], b[i]);
+    for (i = 0; i < 4; i++)
+        COLIBRI_FOLD(_mm512_max_ps, _mm512_min_ps, _mm512_shuffle_f32x4, a[2 * i], b[2 * i],
+                     a[2 * i + 1], b[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0), _MM_SHUFFLE(3, 1, 3, 1),
+                     a[i], b[i]);
+    for (i = 0; i < 2; i++)
+        COLIBRI_FOLD(_mm512_max_ps, _mm512_min_ps, _mm512_shuffle_ps, a[2 * i], b[2 * i],
+                     a[2 * i + 1], b[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0), _MM_SHUFFLE(3, 2, 3, 2),
+                     a[i], b[i]);
+    COLIBRI_FOLD(_mm512_max_ps, _mm512_min_ps, _mm512_shuffle_ps, a[0], b[0], a[1], b[1],
+                 _MM_SHUFFLE(2, 0, 2, 0), _MM_SHUFFLE(3, 1, 3, 1), a[0], b[0]);
+    /* lane j holds row (0 4 8 12 1 5 9 13 2 6 10 14 3 7 11 15)[j]: back to row order */
+    const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+    *m1 = _mm512_permutexvar_ps(order, a[0]);
+    *m2 = _mm512_permutexvar_ps(order, b[0]);
 }
 
 /* colibri_sigmoid_keys, 16 logits at a time (2x at E=256: the score pass dominates
@@ -1610,6 +1649,209 @@ static inline int colibri_route_rows8(const colibri_router_t *r, const float *x,
             return status;
     }
     return COLIBRI_OK;
+}
+
+/* The block path: the 8-row path's commonest case (k = 2, softmax renormalised over the two
+ * with p = 1, no bias, no groups) on 16 rows (AVX-512F) or 8 rows (AVX2) at once. Each row's
+ * best two per lane, then the rows' lanes folded pairwise: every shuffle step merges two
+ * rows' registers into one, so the cross-lane work is shared instead of done per row, and
+ * lane j ends holding one row's top two. Ids from equality masks, then one exponential for
+ * all the block's weights: colibri_route_rows8's operations in its order, the same bits. */
+static inline int colibri_block_eligible(const colibri_router_t *r)
+{
+    return colibri_rows8_eligible(r) && r->top_k == 2 && r->scoring == COLIBRI_SOFTMAX
+           && r->normalize && r->norm_p == 1.0f;
+}
+
+#ifdef COLIBRI_AVX512
+/* 16 rows. Returns COLIBRI_OK, COLIBRI_ROW_NAN (route the rows one by one to name it), or -1
+ * when a row's best logit is infinite (colibri_route_rows8 takes such blocks). */
+COLIBRI_AVX512_FN static inline int colibri_route_rows16(const colibri_router_t *r, const float *x,
+                                                         int64_t stride, int32_t *ids,
+                                                         float *weights)
+{
+    const int32_t E = r->num_experts;
+    const __m512 none = _mm512_set1_ps(-INFINITY);
+    const __m512i magnitude = _mm512_set1_epi32(0x7fffffff);
+    __m512 a[16], b[16];
+    __m512i worst = _mm512_setzero_si512(); /* the largest |bits|: above inf's means a NaN */
+    float first[16], second[16];
+    int32_t i, e;
+    for (i = 0; i < 16; i++) {
+        const float *row = x + i * stride;
+        __m512 ai = none, bi = none, v;
+        for (e = 0; e + 16 <= E; e += 16) {
+            v = _mm512_loadu_ps(row + e);
+            worst = _mm512_max_epu32(worst, _mm512_and_epi32(_mm512_castps_si512(v), magnitude));
+            bi = _mm512_max_ps(_mm512_min_ps(v, ai), bi);
+            ai = _mm512_max_ps(v, ai);
+        }
+        if (e < E) {
+            v = _mm512_mask_loadu_ps(none, colibri_tail16(E - e), row + e);
+            worst = _mm512_max_epu32(worst, _mm512_and_epi32(_mm512_castps_si512(v), magnitude));
+            bi = _mm512_max_ps(_mm512_min_ps(v, ai), bi);
+            ai = _mm512_max_ps(v, ai);
+        }
+        a[i] = ai;
+        b[i] = bi;
+    }
+    if (_mm512_cmpgt_epu32_mask(worst, _mm512_set1_epi32(0x7f800000)))
+        return COLIBRI_ROW_NAN;
+    __m512 m1, m2;
+    colibri_fold16(a, b, &m1, &m2);
+    if ((_mm512_cmp_ps_mask(m1, none, _CMP_GT_OQ)
+         & _mm512_cmp_ps_mask(m1, _mm512_set1_ps(INFINITY), _CMP_LT_OQ))
+        != 0xffff)
+        return -1;
+    _mm512_storeu_ps(first, m1);
+    _mm512_storeu_ps(second, m2);
+    if (E <= 64) {
+        for (i = 0; i < 16; i++) { /* one span: both values are there, no claim loop */
+            const float *row = x + i * stride;
+            const __m512 v1 = _mm512_set1_ps(first[i]), v2 = _mm512_set1_ps(second[i]);
+            uint64_t k1 = 0, k2 = 0;
+            for (e = 0; e < E; e += 16) {
+                __mmask16 m = colibri_tail16(E - e);
+                __m512 v = _mm512_maskz_loadu_ps(m, row + e);
+                k1 |= (uint64_t)_mm512_mask_cmp_ps_mask(m, v, v1, _CMP_EQ_OQ) << e;
+                k2 |= (uint64_t)_mm512_mask_cmp_ps_mask(m, v, v2, _CMP_EQ_OQ) << e;
+            }
+            ids[2 * i] = colibri_ctz64(k1);
+            ids[2 * i + 1] = colibri_ctz64(k2 & ~((uint64_t)1 << ids[2 * i]));
+        }
+    } else {
+        for (i = 0; i < 16; i++)
+            colibri_top2_ids16(x + i * stride, E, first[i], second[i], ids + 2 * i);
+    }
+    const __m512 one = _mm512_set1_ps(1.0f);
+    __m512 ex = colibri_exp16(_mm512_sub_ps(m2, m1));
+    __m512 sum = _mm512_add_ps(_mm512_add_ps(one, ex), _mm512_set1_ps(r->norm_eps));
+    __m512 w0 = _mm512_div_ps(one, sum), w1 = _mm512_div_ps(ex, sum);
+    if (r->expert_scale != NULL) {
+        __m512i i0 = _mm512_loadu_si512(ids), i1 = _mm512_loadu_si512(ids + 16);
+        __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+        __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
+        w0 = _mm512_mul_ps(
+            w0, _mm512_i32gather_ps(_mm512_permutex2var_epi32(i0, even, i1), r->expert_scale, 4));
+        w1 = _mm512_mul_ps(
+            w1, _mm512_i32gather_ps(_mm512_permutex2var_epi32(i0, odd, i1), r->expert_scale, 4));
+    }
+    w0 = _mm512_mul_ps(w0, _mm512_set1_ps(r->scale));
+    w1 = _mm512_mul_ps(w1, _mm512_set1_ps(r->scale));
+    const __m512i lo = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+    _mm512_storeu_ps(weights, _mm512_permutex2var_ps(w0, lo, w1));
+    _mm512_storeu_ps(weights + 16,
+                     _mm512_permutex2var_ps(w0, _mm512_add_epi32(lo, _mm512_set1_epi32(8)), w1));
+    return COLIBRI_OK;
+}
+#endif
+
+#ifdef COLIBRI_AVX2
+/* 8 rows; returns as colibri_route_rows16. */
+COLIBRI_AVX2_FN static inline int colibri_route_rows8x8(const colibri_router_t *r, const float *x,
+                                                        int64_t stride, int32_t *ids,
+                                                        float *weights)
+{
+    const int32_t E = r->num_experts;
+    const __m256 none = _mm256_set1_ps(-INFINITY);
+    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    const __m256i tail = _mm256_cmpgt_epi32(_mm256_set1_epi32(E % 8), lane);
+    __m256 a[8], b[8], unordered = _mm256_setzero_ps();
+    float first[8], second[8];
+    int32_t i, e;
+    for (i = 0; i < 8; i++) {
+        const float *row = x + i * stride;
+        __m256 ai = none, bi = none, v;
+        for (e = 0; e + 8 <= E; e += 8) {
+            v = _mm256_loadu_ps(row + e);
+            unordered = _mm256_or_ps(unordered, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+            bi = _mm256_max_ps(_mm256_min_ps(v, ai), bi);
+            ai = _mm256_max_ps(v, ai);
+        }
+        if (e < E) { /* the last E mod 8, the other lanes -inf */
+            v = _mm256_blendv_ps(none, _mm256_maskload_ps(row + e, tail),
+                                 _mm256_castsi256_ps(tail));
+            unordered = _mm256_or_ps(unordered, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+            bi = _mm256_max_ps(_mm256_min_ps(v, ai), bi);
+            ai = _mm256_max_ps(v, ai);
+        }
+        a[i] = ai;
+        b[i] = bi;
+    }
+    if (_mm256_movemask_ps(unordered))
+        return COLIBRI_ROW_NAN;
+    for (i = 0; i < 4; i++)
+        COLIBRI_FOLD(_mm256_max_ps, _mm256_min_ps, _mm256_permute2f128_ps, a[2 * i], b[2 * i],
+                     a[2 * i + 1], b[2 * i + 1], 0x20, 0x31, a[i], b[i]);
+    for (i = 0; i < 2; i++)
+        COLIBRI_FOLD(_mm256_max_ps, _mm256_min_ps, _mm256_shuffle_ps, a[2 * i], b[2 * i],
+                     a[2 * i + 1], b[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0), _MM_SHUFFLE(3, 2, 3, 2),
+                     a[i], b[i]);
+    COLIBRI_FOLD(_mm256_max_ps, _mm256_min_ps, _mm256_shuffle_ps, a[0], b[0], a[1], b[1],
+                 _MM_SHUFFLE(2, 0, 2, 0), _MM_SHUFFLE(3, 1, 3, 1), a[0], b[0]);
+    /* lane j holds row (0 2 4 6 1 3 5 7)[j] */
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    __m256 m1 = _mm256_permutevar8x32_ps(a[0], order), m2 = _mm256_permutevar8x32_ps(b[0], order);
+    if (_mm256_movemask_ps(_mm256_and_ps(_mm256_cmp_ps(m1, none, _CMP_GT_OQ),
+                                         _mm256_cmp_ps(m1, _mm256_set1_ps(INFINITY), _CMP_LT_OQ)))
+        != 0xff)
+        return -1;
+    _mm256_storeu_ps(first, m1);
+    _mm256_storeu_ps(second, m2);
+    for (i = 0; i < 8; i++)
+        colibri_top2_ids8(x + i * stride, E, first[i], second[i], ids + 2 * i);
+    const __m256 one = _mm256_set1_ps(1.0f);
+    __m256 ex = colibri_exp8(_mm256_sub_ps(m2, m1));
+    __m256 sum = _mm256_add_ps(_mm256_add_ps(one, ex), _mm256_set1_ps(r->norm_eps));
+    __m256 w0 = _mm256_div_ps(one, sum), w1 = _mm256_div_ps(ex, sum);
+    __m256 lo = _mm256_unpacklo_ps(w0, w1), hi = _mm256_unpackhi_ps(w0, w1);
+    _mm256_storeu_ps(weights, _mm256_permute2f128_ps(lo, hi, 0x20));
+    _mm256_storeu_ps(weights + 8, _mm256_permute2f128_ps(lo, hi, 0x31));
+    for (i = 0; i < 16; i++) { /* as colibri_route_rows8: a *= expert_scale[id], a *= scale */
+        if (r->expert_scale != NULL)
+            weights[i] *= r->expert_scale[ids[i]];
+        weights[i] *= r->scale;
+    }
+    return COLIBRI_OK;
+}
+#endif
+
+/* Rows in one colibri_route_block call: 16 (AVX-512F), 8 (AVX2 or the 8-row path). */
+static inline int32_t colibri_block_rows(const colibri_router_t *r)
+{
+#ifdef COLIBRI_AVX512
+    if (r->use_avx512 && colibri_block_eligible(r))
+        return 16;
+#endif
+    (void)r;
+    return 8;
+}
+
+/* Route colibri_block_rows(r) rows as colibri_route_rows8 does (same arguments, same
+ * results; scratch is not needed on the block kernels). */
+static inline int colibri_route_block(const colibri_router_t *r, const float *x, int64_t stride,
+                                      void *scratch, int32_t *ids, float *weights)
+{
+    int status = -1;
+#ifdef COLIBRI_AVX512
+    if (r->use_avx512 && colibri_block_eligible(r)) {
+        status = colibri_route_rows16(r, x, stride, ids, weights);
+        if (status < 0) { /* an infinite logit: the scalar weights' rules */
+            status = colibri_route_rows8(r, x, stride, scratch, ids, weights);
+            if (status == COLIBRI_OK)
+                status =
+                    colibri_route_rows8(r, x + 8 * stride, stride, scratch, ids + 16, weights + 16);
+        }
+        return status;
+    }
+#endif
+#ifdef COLIBRI_AVX2
+    if (r->use_avx2 && colibri_block_eligible(r))
+        status = colibri_route_rows8x8(r, x, stride, ids, weights);
+#endif
+    if (status < 0)
+        status = colibri_route_rows8(r, x, stride, scratch, ids, weights);
+    return status;
 }
 
 #endif /* COLIBRI_ROUTE_H */

@@ -481,3 +481,37 @@ def test_colibri_simd_caps_the_routing_kernels():
     assert r.stdout.split() == ["False", "False"], r.stderr
     r = run("import colibri; colibri.init(8, 2, use_avx2=True)")
     assert r.returncode != 0 and "use_avx2=True, but" in r.stderr
+
+
+@pytest.mark.parametrize("E", [2, 3, 5, 8, 12, 16, 26, 37, 64, 100, 256])
+@pytest.mark.parametrize("scaled", [False, True])
+def test_block_path_equals_one_row_at_a_time(E, scaled):
+    """Batches of k = 2 softmax rows go 16 (AVX-512F) or 8 (AVX2) rows per kernel call, the
+    rows' lanes merged across rows; every path gives the bits of routing each row alone."""
+    rng = np.random.default_rng(E)
+    wide = np.zeros((133, E + 3), np.float32)  # rows 4 floats apart: a stride other than E
+    x = wide[:, 1 : E + 1]
+    x[:] = rng.standard_normal((133, E)) * rng.choice([0.1, 1.0, 30.0], size=(133, 1))
+    x[::5] = rng.choice([-1.0, 0.5, 0.5, 2.0, 0.0, -0.0], (27, E))  # ties, signed zeros
+    x[40:56] = rng.choice([-np.inf, -2.0, 1.0], (16, E))  # one block with -inf logits
+    x[60, 1] = np.inf  # and one whose best logit is +inf
+    x[:, 0] = np.where(np.isfinite(x[:, 0]), x[:, 0], 0.0)  # keep softmax defined
+    kw = {}
+    if scaled:
+        kw = {"expert_scale": rng.uniform(0.5, 2.0, E).astype(np.float32), "scale": 2.5}
+    lone = colibri.init(E, 2, **kw)
+    want = np.stack([lone.route(row)[0] for row in x]), np.stack([lone.route(row)[1] for row in x])
+    paths = [{"use_avx512": False, "use_avx2": False}]
+    if HAS_AVX2:
+        paths.append({"use_avx512": False, "use_avx2": True})
+    if colibri.init(8, 2).use_avx512:
+        paths.append({"use_avx512": True})
+    for path in paths:
+        ctx = colibri.init(E, 2, routing_threads=1, **path, **kw)
+        got = ctx.route(x)
+        np.testing.assert_array_equal(got[0], want[0], err_msg=str(path))
+        np.testing.assert_array_equal(got[1], want[1], err_msg=str(path))
+        bad = x[:40].copy()
+        bad[29, E - 1] = np.nan  # the second block, in the masked tail when E % 16
+        with pytest.raises(ValueError, match="row 29 contains NaN"):
+            ctx.route(bad)
