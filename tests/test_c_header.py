@@ -79,8 +79,10 @@ int main(int argc, char **argv)
 }
 """
 
-# the wider x86 kernels this CPU runs (each checked against the same router answers)
-WIDE = [w for w in ("avx2", "avx512") if w in colibri.layer._ffn.runnable_paths()]
+# the wider x86 kernels routing runs here (COLIBRI_SIMD caps them), each checked against the
+# same router answers
+_ROUTER = colibri.init(8, 2)
+WIDE = [w for w, on in (("avx2", _ROUTER.use_avx2), ("avx512", _ROUTER.use_avx512)) if on]
 
 CASES = [
     dict(E=64, k=2),

@@ -415,7 +415,7 @@ def test_avx512_top2_equals_sse2(E, k):
         ctx.route(bad)
 
 
-HAS_AVX2 = "avx2" in colibri.layer._ffn.runnable_paths()
+HAS_AVX2 = colibri.init(8, 2).use_avx2  # the path routing runs here (COLIBRI_SIMD caps it)
 
 
 @pytest.mark.skipif(not HAS_AVX2, reason="this CPU (or build) has no AVX2")
