@@ -326,6 +326,7 @@ def bench_policies(tokens, saved=()):
     )
     gaps = {p: [] for p in POLICIES}
     margins = {p: [] for p in POLICIES}
+    stakes = []  # adaptive's bound per row: one cache fill of hits, in points
     per_trace = {}
     traces = all_traces(tokens, saved)
     for name, (trace, earlier, total) in traces.items():
@@ -341,6 +342,7 @@ def bench_policies(tokens, saved=()):
                 for p in POLICIES
             }
             optimum = belady(trace, capacity).hits
+            stakes.append(100 * capacity / trace.accesses)
             cells = []
             for p in POLICIES:
                 gap = 100 * (optimum - hits[p]) / trace.accesses
@@ -385,6 +387,14 @@ def bench_policies(tokens, saved=()):
     )
     best = min(POLICIES, key=lambda p: np.mean(gaps[p]))
     print(f"best mean gap to Belady: **{best}**\n")
+    # adaptive's theorem: never more than its stake (one cache fill) of hits behind LRU
+    m, bound = np.array(margins["adaptive"]), np.array(stakes)
+    used = np.where(m < 0, -m / bound, 0.0)
+    print(
+        f"adaptive against its bound (at most one cache fill of hits behind LRU, "
+        f"{bound.min():.2f}-{bound.max():.2f} points on these rows): rows beyond it: "
+        f"{int((m < -bound).sum())}; the most of it any row used: {100 * used.max():.0f}%\n"
+    )
 
 
 # -- weight files ---------------------------------------------------------------------------------

@@ -1,6 +1,6 @@
 """Routing speed: colibri against torch, numpy and the memory-read floor, in one run.
 
-    python bench/bench_routing.py            # the full grid (about two minutes on 2 cores)
+    python bench/bench_routing.py            # the full grid (about three minutes on 2 cores)
     python bench/bench_routing.py --quick    # a few shapes
 
 Every figure is the best of several timed rounds (microseconds per call); ratios are
@@ -19,7 +19,7 @@ import torch
 import colibri
 
 
-def best_us(fn, min_time=0.15, rounds=5):
+def best_us(fn, min_time=0.3, rounds=7):
     fn()
     n, elapsed = 1, 0.0
     while True:  # calls per round so that a round lasts about min_time / rounds
