@@ -923,19 +923,28 @@ COLIBRI_AVX512_FN static inline int colibri_top2_values16(const float *x, int32_
     return unordered != 0;
 }
 
+/* Masks of the elements of x[0..n), n <= 64, equal to v1 (*k1) and to v2 (*k2). */
+COLIBRI_AVX512_FN static inline void colibri_span_masks16(const float *x, int32_t n, __m512 v1,
+                                                          __m512 v2, uint64_t *k1, uint64_t *k2)
+{
+    int32_t e;
+    *k1 = *k2 = 0;
+    for (e = 0; e < n; e += 16) {
+        __mmask16 m = colibri_tail16(n - e);
+        __m512 v = _mm512_maskz_loadu_ps(m, x + e);
+        *k1 |= (uint64_t)_mm512_mask_cmp_ps_mask(m, v, v1, _CMP_EQ_OQ) << e;
+        *k2 |= (uint64_t)_mm512_mask_cmp_ps_mask(m, v, v2, _CMP_EQ_OQ) << e;
+    }
+}
+
 COLIBRI_AVX512_FN static inline void colibri_top2_ids16(const float *x, int32_t E, float m1,
                                                         float m2, int32_t *ids)
 {
     const __m512 v1 = _mm512_set1_ps(m1), v2 = _mm512_set1_ps(m2);
-    int32_t base, e, i1 = -1, i2 = -1;
+    int32_t base, i1 = -1, i2 = -1;
     for (base = 0; base < E; base += 64) {
-        uint64_t k1 = 0, k2 = 0;
-        for (e = 0; e < 64 && base + e < E; e += 16) {
-            __mmask16 m = colibri_tail16(E - base - e);
-            __m512 v = _mm512_maskz_loadu_ps(m, x + base + e);
-            k1 |= (uint64_t)_mm512_mask_cmp_ps_mask(m, v, v1, _CMP_EQ_OQ) << e;
-            k2 |= (uint64_t)_mm512_mask_cmp_ps_mask(m, v, v2, _CMP_EQ_OQ) << e;
-        }
+        uint64_t k1, k2;
+        colibri_span_masks16(x + base, E - base < 64 ? E - base : 64, v1, v2, &k1, &k2);
         if (colibri_top2_claim(k1, k2, base, &i1, &i2))
             break;
     }
@@ -1701,17 +1710,11 @@ COLIBRI_AVX512_FN static inline int colibri_route_rows16(const colibri_router_t 
         return -1;
     _mm512_storeu_ps(first, m1);
     _mm512_storeu_ps(second, m2);
-    if (E <= 64) {
-        for (i = 0; i < 16; i++) { /* one span: both values are there, no claim loop */
-            const float *row = x + i * stride;
-            const __m512 v1 = _mm512_set1_ps(first[i]), v2 = _mm512_set1_ps(second[i]);
-            uint64_t k1 = 0, k2 = 0;
-            for (e = 0; e < E; e += 16) {
-                __mmask16 m = colibri_tail16(E - e);
-                __m512 v = _mm512_maskz_loadu_ps(m, row + e);
-                k1 |= (uint64_t)_mm512_mask_cmp_ps_mask(m, v, v1, _CMP_EQ_OQ) << e;
-                k2 |= (uint64_t)_mm512_mask_cmp_ps_mask(m, v, v2, _CMP_EQ_OQ) << e;
-            }
+    if (E <= 64) { /* one span holds both values: no claim loop (1.1x a row) */
+        for (i = 0; i < 16; i++) {
+            uint64_t k1, k2;
+            colibri_span_masks16(x + i * stride, E, _mm512_set1_ps(first[i]),
+                                 _mm512_set1_ps(second[i]), &k1, &k2);
             ids[2 * i] = colibri_ctz64(k1);
             ids[2 * i + 1] = colibri_ctz64(k2 & ~((uint64_t)1 << ids[2 * i]));
         }
