@@ -281,9 +281,22 @@ cdef int _take_capsule(HostTensor t, object capsule, str what) except -1:
     return 0
 
 
+cdef int _set_shape(HostTensor t, int ndim, const Py_ssize_t *shape, const Py_ssize_t *strides,
+                    object obj, str what) except -1:
+    """t's dims and element steps from a shape and byte strides (t.itemsize set)."""
+    cdef int i
+    t.ndim = ndim
+    for i in range(ndim):
+        if strides[i] % t.itemsize:
+            raise ValueError(f"{what}: byte strides {obj.strides} are not multiples of the item "
+                             "size; pass an aligned array (np.ascontiguousarray)")
+        t.dims[i] = shape[i]
+        t.steps[i] = strides[i] // t.itemsize
+    return 0
+
+
 cdef int _take_buffer(HostTensor t, object obj, bint writable, str what) except -1:
     cdef int flags = (PyBUF_RECORDS if writable else PyBUF_RECORDS_RO) | PyBUF_FORMAT
-    cdef int i
     try:
         PyObject_GetBuffer(obj, &t.view, flags)
     except BufferError as exc:
@@ -293,13 +306,7 @@ cdef int _take_buffer(HostTensor t, object obj, bint writable, str what) except 
         raise ValueError(f"{what}: ndim={t.view.ndim} is out of range (at most {MAX_NDIM})")
     t.dtype = <DType>_buffer_dtype(t.view.format, t.view.itemsize, what)
     t.itemsize = <int>t.view.itemsize
-    t.ndim = t.view.ndim
-    for i in range(t.ndim):
-        t.dims[i] = t.view.shape[i]
-        if t.view.strides[i] % t.itemsize:
-            raise ValueError(f"{what}: byte strides {obj.strides} are not multiples of the item "
-                             "size; pass an aligned array (np.ascontiguousarray)")
-        t.steps[i] = t.view.strides[i] // t.itemsize
+    _set_shape(t, t.view.ndim, t.view.shape, t.view.strides, obj, what)
     t.data = <char *>t.view.buf
     t.readonly = t.view.readonly
     return 0
@@ -309,7 +316,7 @@ cdef bint _take_ndarray(HostTensor t, cnp.ndarray a, bint writable, str what) ex
     """Read a native-order array of a numpy numeric dtype from numpy's struct; False for any
     other array (the buffer protocol then decodes it, errors included)."""
     cdef Py_ssize_t itemsize = cnp.PyArray_ITEMSIZE(a)
-    cdef int i, nd = cnp.PyArray_NDIM(a)
+    cdef int nd = cnp.PyArray_NDIM(a)
     cdef DType dtype
     if nd > MAX_NDIM or not cnp.PyArray_ISNOTSWAPPED(a):
         return False
@@ -324,21 +331,14 @@ cdef bint _take_ndarray(HostTensor t, cnp.ndarray a, bint writable, str what) ex
         dtype = BOOL
     else:
         return False
-    if writable and not cnp.PyArray_ISWRITEABLE(a):
+    t.readonly = not cnp.PyArray_ISWRITEABLE(a)
+    if writable and t.readonly:
         raise ValueError(f"{what}: the array is read-only; pass a writable array")
-    cdef cnp.npy_intp *dims = cnp.PyArray_DIMS(a)
-    cdef cnp.npy_intp *strides = cnp.PyArray_STRIDES(a)
-    for i in range(nd):
-        if strides[i] % itemsize:
-            raise ValueError(f"{what}: byte strides {(<object>a).strides} are not multiples "
-                             "of the item size; pass an aligned array (np.ascontiguousarray)")
-        t.dims[i] = dims[i]
-        t.steps[i] = strides[i] // itemsize
-    t.ndim = nd
     t.dtype = dtype
     t.itemsize = <int>itemsize
+    _set_shape(t, nd, <Py_ssize_t *>cnp.PyArray_DIMS(a), <Py_ssize_t *>cnp.PyArray_STRIDES(a),
+               a, what)
     t.data = <char *>cnp.PyArray_DATA(a)
-    t.readonly = not cnp.PyArray_ISWRITEABLE(a)
     return True  # t.source holds the array: its memory lives as long as t
 
 
