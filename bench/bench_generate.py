@@ -36,6 +36,8 @@ import sys
 import tempfile
 import time
 
+from colibri._units import process_memory
+
 SHAPES = {
     "demo": dict(),
     "olmoe": dict(layers=12, hidden=1024, expert_intermediate=512, num_experts=64, top_k=8),
@@ -49,13 +51,8 @@ TARGETS = {
 
 
 def _status() -> dict:
-    found = {}
-    with open("/proc/self/status") as f:
-        for line in f:
-            key, _, value = line.partition(":")
-            if key in ("VmHWM", "VmRSS", "RssAnon", "RssFile"):
-                found[key] = int(value.split()[0]) * 1024
-    return found
+    mem = process_memory()
+    return {"VmHWM": mem.peak, "VmRSS": mem.rss, "RssAnon": mem.anon, "RssFile": mem.file}
 
 
 def _storage_reads() -> int:
@@ -170,7 +167,7 @@ def worker(spec: dict) -> dict:
     elif spec["engine"] == "colibri":
         from colibri.integrations.transformers import from_pretrained
 
-        model = from_pretrained(folder, budget=spec["budget"], prefetch=spec["prefetch"],
+        model = from_pretrained(folder, budget=spec["budget"], read_ahead=spec["prefetch"],
                                 policy=spec["policy"], page_size_kb=spec["page_size_kb"],
                                 num_threads=spec["threads"], record_trace=True)  # fmt: skip
         paging = model.colibri
@@ -271,10 +268,11 @@ def _warm_up(spec: dict, folder: str, model, paging) -> None:
 
 
 def _time_experts(spent: list[float]) -> None:
-    """Add the wall time of every paged-experts call (paging and kernels) to ``spent[0]``."""
-    from colibri.integrations.transformers import PagedExperts
+    """Add the wall time of every paged-experts call (paging and kernels) to ``spent[0]``:
+    colibri's experts implementation, wrapped where transformers looks it up."""
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS, ExpertsInterface
 
-    forward = PagedExperts.forward
+    forward = ALL_EXPERTS_FUNCTIONS["colibri"]
 
     def timed(self, *args):
         start = time.perf_counter()
@@ -283,7 +281,7 @@ def _time_experts(spent: list[float]) -> None:
         finally:
             spent[0] += time.perf_counter() - start
 
-    PagedExperts.forward = timed
+    ExpertsInterface.register("colibri", timed)
 
 
 def _run(spec: dict, lock: str | None) -> dict:

@@ -37,7 +37,8 @@ import time
 import numpy as np
 
 import colibri
-from colibri.layer import _ffn, _moe, combine, dispatch, gather
+from colibri._dlpack import float32_to_bf16
+from colibri.layer import _expert, _ffn, combine, dispatch, gather
 
 AVX2_MACHINE = {"COLIBRI_SIMD": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"}
 SHAPES = {"demo": (2048, 1680), "qwen3-30b-a3b": (2048, 768), "mixtral": (4096, 14336)}
@@ -64,7 +65,7 @@ def make_pool(H, I, dtype_name, pool_bytes, rng):
     if dtype_name == "float16":
         base = base.astype(np.float16).view(np.uint16)
     else:
-        base = _moe._float32_to_bf16(base)
+        base = float32_to_bf16(base)
     experts = []
     for e in range(count):
         flat = np.resize(np.roll(base, 977 * e), 3 * H * I)  # a copy: memory of its own
@@ -115,14 +116,14 @@ def run_shape(name, H, I, dtype_name, batches, args, rng, torch):
                 )
                 / count
             )
-        act = _moe.activation_function("silu")
-        ex = [_moe.ExpertFFN(g, u, d) for g, u, d, _ in experts]
+        act = _expert.activation_function("silu")
+        ex = [colibri.ExpertWeights(g, u, d, dtype_name) for g, u, d, _ in experts]
 
         def blas(x=x, ex=ex, act=act):
             for e in ex:
-                h = act(_moe.linear(x, e.gate, np.float32, dtype_name))
-                h *= _moe.linear(x, e.up, np.float32, dtype_name)
-                _moe.linear(h, e.down, np.float32, dtype_name)
+                h = act(_expert.linear(x, e.gate, dtype_name))
+                h *= _expert.linear(x, e.up, dtype_name)
+                _expert.linear(h, e.down, dtype_name)
 
         cells["blas"] = best_ms(blas, rounds) / count
         if torch is not None:

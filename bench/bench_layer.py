@@ -22,13 +22,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import subprocess
 import sys
 import tempfile
 import time
 
 import numpy as np
+
+from colibri._units import process_memory
 
 IMPLS = ("colibri-paged", "colibri-resident", "transformers")
 
@@ -67,19 +68,7 @@ def write_file(args, path: str) -> None:
 def router(args):
     import colibri
 
-    if hasattr(colibri, "init"):
-        return colibri.init(args.experts, args.top_k)
-    print(
-        "note: colibri.init missing (routing core not merged): numpy top-k router", file=sys.stderr
-    )
-
-    def route(logits):
-        p = np.exp(logits - logits.max(1, keepdims=True))
-        ids = np.argsort(-p, axis=1, kind="stable")[:, : args.top_k]
-        w = np.take_along_axis(p, ids, 1)
-        return ids.astype(np.int32), (w / w.sum(1, keepdims=True)).astype(np.float32)
-
-    return route
+    return colibri.init(args.experts, args.top_k)
 
 
 def build(args, impl: str, path: str):
@@ -172,15 +161,7 @@ def worker(args) -> None:
 def peak_rss() -> int:
     """This process's peak RSS in bytes: VmHWM on Linux (ru_maxrss would include the parent's
     peak: it survives fork and exec)."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    scale = 1 if sys.platform == "darwin" else 1024
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale
+    return process_memory().peak
 
 
 def bench_dispatch(args) -> None:

@@ -39,6 +39,7 @@ import time
 
 import numpy as np
 
+from colibri._units import process_memory
 from colibri.formats import open_weights
 from colibri.pager import IO_BACKENDS, Pager, Trace, belady, replay
 
@@ -400,11 +401,26 @@ def bench_policies(tokens, saved=()):
 # -- weight files ---------------------------------------------------------------------------------
 
 
-def demo_file(folder, file_size):
-    from colibri.cli import _synthetic_demo as demo
+def demo_file(folder, file_size, layers=4, experts=26, hidden=2048):
+    """A float16 colibri raw file of about ``file_size`` bytes: ``layers`` x ``experts`` random
+    experts of hidden size ``hidden`` (written once, one expert at a time)."""
+    from colibri.formats.raw import manifest_path, write_experts
 
-    inter = demo.demo_shape(file_size, 4, demo.HIDDEN)
-    return str(demo.ensure_weight_file(folder, 4, demo.HIDDEN, inter, seed=0, progress=False))
+    inter = int(file_size / (layers * experts) // (3 * hidden * 2)) // 16 * 16
+    if inter < 16:
+        raise ValueError(f"a file of {file_size} bytes is too small for this shape")
+    path = os.path.join(folder, f"demo-L{layers}-E{experts}-H{hidden}-I{inter}-f16.colibri")
+    if os.path.exists(manifest_path(path)):  # the commit point of write_experts
+        return path
+
+    def weights():
+        rng = np.random.default_rng(0)
+        for key in ((layer, e) for layer in range(layers) for e in range(experts)):
+            shapes = ((inter, hidden), (inter, hidden), (hidden, inter))
+            yield key, tuple(rng.standard_normal(s, np.float32).astype(np.float16) for s in shapes)
+
+    write_experts(path, weights(), overwrite=True)
+    return path
 
 
 def transformers_checkpoint(folder, hidden, inter, layers, experts):
@@ -429,19 +445,14 @@ def transformers_checkpoint(folder, hidden, inter, layers, experts):
 # -- backends -------------------------------------------------------------------------------------
 
 
-def _status(field):
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field))
-
-
 def reset_peak_rss():
     """Restart VmHWM at the current RSS (Linux); returns the current RSS or None."""
     try:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")
-        return _status("VmRSS:")
     except OSError:
         return None
+    return process_memory().rss
 
 
 def drop_cache(paths):
@@ -481,7 +492,7 @@ def serve(path, tokens, budget, io, page_kb, cold):
         "fetched MiB": s.bytes_read / 2**20,
         "pages": s.pages_loaded,
         "faults": f"{s.minor_faults}/{s.major_faults}",
-        "peak RSS": (_status("VmHWM:") - base) / 2**20 if base is not None else float("nan"),
+        "peak RSS": (process_memory().peak - base) / 2**20 if base is not None else float("nan"),
         "hit": s.hit_rate,
     }
 

@@ -2,7 +2,7 @@
 
 The checkpoint is the demo's generator (``colibri.demo.ensure_checkpoint``: random bf16
 weights, a trained tokenizer) at a chosen shape, loaded through ``from_pretrained(...,
-record_trace=True, prefetch="off")``; two random prompts of 16 tokens, greedy decoding.
+record_trace=True, read_ahead="off")``; two random prompts of 16 tokens, greedy decoding.
 
     python bench/record_trace.py --shape olmoe --out bench/traces/olmoe-shape-E64k8.json
 """
@@ -37,7 +37,7 @@ def main() -> None:
     shape = DemoShape(**SHAPES[args.shape])
     folder = ensure_checkpoint(args.cache_dir, shape)
     model = from_pretrained(
-        str(folder), budget=shape.expert_bytes // 4, prefetch="off", record_trace=True
+        str(folder), budget=shape.expert_bytes // 4, read_ahead="off", record_trace=True
     )
     gen = torch.Generator().manual_seed(0)
     with torch.no_grad():

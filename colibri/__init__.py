@@ -25,10 +25,10 @@ except ImportError as _exc:  # pragma: no cover - what a user of the unbuilt tre
         "development, `pip install --no-build-isolation -e .` builds it in place "
         "(README, Develop)."
     ) from _exc
-from colibri._errors import ColibriError, FormatError
+from colibri._errors import BudgetError, ColibriError, FormatError
 from colibri.layer import (
     DispatchPlan,
-    ExpertFFN,
+    ExpertWeights,
     InMemoryExperts,
     MoELayer,
     combine,
@@ -37,7 +37,7 @@ from colibri.layer import (
     gather,
     simd_path,
 )
-from colibri.pager import BudgetError, FileChangedError, Pager
+from colibri.pager import FileChangedError, Pager
 from colibri.partition import Partition
 from colibri.routing import Config, Context, UsageStats, init, route, route_from_dlpack
 
@@ -65,7 +65,7 @@ __all__ = [
     "Config",
     "Context",
     "DispatchPlan",
-    "ExpertFFN",
+    "ExpertWeights",
     "FileChangedError",
     "FormatError",
     "InMemoryExperts",

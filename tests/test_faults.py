@@ -203,17 +203,6 @@ def test_enospc_keeps_the_previous_file(tmp_path, monkeypatch, writer, budget):
     assert _listing(folder) == before
 
 
-def test_enospc_on_the_demos_first_write(tmp_path, monkeypatch):
-    from colibri.cli._synthetic_demo import ensure_weight_file
-
-    with disk_full(monkeypatch, 5000), pytest.raises(OSError) as info:
-        ensure_weight_file(tmp_path, 1, 16, 8, 0, progress=False)
-    assert info.value.errno == errno.ENOSPC
-    assert _listing(tmp_path) == []  # no half weight file that a later run would trust
-    path = ensure_weight_file(tmp_path, 1, 16, 8, 0, progress=False)
-    assert open_weights(path).num_experts(0) > 0
-
-
 @pytest.fixture
 def tiny_tmpfs(tmp_path):
     """A 64 KiB tmpfs: a real ENOSPC from the kernel (needs mount rights, else skipped)."""
@@ -227,6 +216,19 @@ def tiny_tmpfs(tmp_path):
         yield str(mount)
     finally:
         subprocess.run(["umount", str(mount)], check=False)
+
+
+def test_real_enospc_on_the_demos_first_write(tiny_tmpfs):
+    """The demo checkpoint does not fit the 64 KiB file system: the write fails with ENOSPC
+    and leaves nothing a later run would take for a checkpoint."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("tokenizers")
+    from colibri.cli import demo
+
+    shape = demo.DemoShape(layers=2, hidden=64, expert_intermediate=64, vocab=600)
+    with pytest.raises(Exception, match="No space left on device"):  # safetensors' own error
+        demo.ensure_checkpoint(tiny_tmpfs, shape, progress=False)
+    assert _listing(tiny_tmpfs) == []
 
 
 @pytest.mark.parametrize("writer", sorted(WRITERS))
@@ -381,23 +383,29 @@ def test_sigkill_at_every_step_of_an_overwrite(tmp_path, writer, overwrites):
     assert steps is not None and steps >= 4  # every step of the write was a kill point
 
 
-def test_sigkill_during_the_demos_first_write(tmp_path):
+@pytest.mark.parametrize("delay", [0.1, 1.5])
+def test_sigkill_during_the_demos_first_write(tmp_path, delay):
+    """A demo killed while it writes its checkpoint leaves no directory a later run would
+    trust; the next run writes it whole and removes the dead run's temporary."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("tokenizers")
+    shape = "dict(layers=2, hidden=64, expert_intermediate=64, vocab=600)"
     code = textwrap.dedent(
         f"""
-        from colibri.cli._synthetic_demo import ensure_weight_file
+        from colibri.cli import demo
         print("ready", flush=True)
-        ensure_weight_file({str(tmp_path)!r}, 4, 512, 256, 0, progress=False)
+        demo.ensure_checkpoint({str(tmp_path)!r}, demo.DemoShape(**{shape}), progress=False)
         """
     )
     child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE)
     with child.stdout:
         assert child.stdout.readline() == b"ready\n"
-        time.sleep(0.1)
+        time.sleep(delay)
         child.send_signal(signal.SIGKILL)
         child.wait(timeout=30)
     assert [n for n in _listing(tmp_path) if not n.startswith(".")] == []  # nothing to trust
-    from colibri.cli._synthetic_demo import ensure_weight_file
+    from colibri.cli import demo
 
-    path = ensure_weight_file(tmp_path, 4, 512, 256, 0, progress=False)
-    assert open_weights(path).num_experts(0) > 0
+    folder = demo.ensure_checkpoint(tmp_path, demo.DemoShape(**eval(shape)), progress=False)
+    assert open_weights(folder / "model.safetensors.index.json").num_experts(0) == 26
     assert [n for n in _listing(tmp_path) if n.startswith(".")] == []  # the temporary is gone

@@ -14,5 +14,15 @@ from colibri._dlpack._capsule import (
     import_host,
     to_caller,
 )
+from colibri._dlpack._half import bf16_to_float32, float32_to_bf16
 
-__all__ = ["DTYPE_NAMES", "HostTensor", "dtype_name", "host_tensor", "import_host", "to_caller"]
+__all__ = [
+    "DTYPE_NAMES",
+    "HostTensor",
+    "bf16_to_float32",
+    "dtype_name",
+    "float32_to_bf16",
+    "host_tensor",
+    "import_host",
+    "to_caller",
+]

@@ -7,8 +7,7 @@ query / 4 key-value heads, norms, embeddings, random bfloat16 weights, sharded s
 ``tokenizers`` library (nothing is downloaded). Then it generates with the routed experts paged
 from those files under a budget of 1/8 of their size (``colibri generate``'s figures: prefill
 and decode tokens/s, hit rate, bytes read per token, prediction recall, peak RSS).
-``--partition`` adds Static Expert Partitioning (groups learned from a warm-up run);
-``--synthetic`` runs the older demo (a stack of FFN layers, no attention, numpy only).
+``--partition`` adds Static Expert Partitioning (groups learned from a warm-up run).
 """
 
 from __future__ import annotations
@@ -17,14 +16,15 @@ import argparse
 import json
 import os
 import shutil
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from colibri.cli._synthetic_demo import parse_size
-from colibri.cli.generate import _policy_names
+from colibri._units import format_bytes
+from colibri.cli.generate import budget, policy_names
 
-__all__ = ["DemoShape", "add_arguments", "ensure_checkpoint", "parse_size", "run"]
+__all__ = ["DemoShape", "add_arguments", "ensure_checkpoint", "run"]
 
 NUM_EXPERTS = 26
 TOP_K = 2
@@ -65,16 +65,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--cache-dir", default=default_cache, help="where the checkpoint is kept (%(default)s)"
     )
     parser.add_argument(
-        "--synthetic",
-        action="store_true",
-        help="the older demo: synthetic FFN layers without attention (needs numpy only)",
-    )
-    parser.add_argument(
-        "--budget", type=parse_size, default=None, help="expert memory (default: 1/8 of them)"
+        "--budget", type=budget, default=None, help="expert memory (default: 1/8 of them)"
     )
     parser.add_argument("--page-size-kb", type=int, default=64, help="pager page size (KiB)")
     parser.add_argument(
-        "--policy", default="adaptive", choices=_policy_names(),
+        "--policy", default="adaptive", choices=policy_names(),
         help="pager cache policy (default: adaptive)",
     )  # fmt: skip
     parser.add_argument(
@@ -90,25 +85,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     parser.add_argument("--seed", type=int, default=0, help="seed of the weights")
     parser.add_argument("--no-progress", action="store_true", help="hide progress bars")
-    parser.add_argument("--layers", type=int, default=None, help="layers (15; synthetic: 4)")
+    parser.add_argument("--layers", type=int, default=15, help="layers (15)")
+    parser.add_argument("--hidden", type=int, default=1024, help="hidden size (1024)")
+    parser.add_argument("--prompt", default="The colibri is a small bird that", help="text")
+    parser.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate (64)")
     parser.add_argument(
-        "--hidden", type=int, default=None, help="hidden size (1024; synthetic: 2048)"
-    )
-    real = parser.add_argument_group("the real model")
-    real.add_argument("--prompt", default="The colibri is a small bird that", help="text")
-    real.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate (64)")
-    real.add_argument(
-        "--prefetch", default="gate", choices=("gate", "previous", "off"),
-        help="next-layer prefetch (default gate: layer l+1's router on layer l's input)",
+        "--read-ahead", default="gate", choices=("gate", "previous", "off"),
+        help="read the next layer's experts ahead (default gate: layer l+1's router on layer "
+        "l's input)",
     )  # fmt: skip
-    real.add_argument("--no-prefetch", dest="prefetch", action="store_const", const="off")
-    real.add_argument("--expert-intermediate", type=int, default=1280, help="expert size I")
-    real.add_argument("--vocab", type=int, default=8192, help="tokenizer vocabulary")
-    real.add_argument("--sample", action="store_true", help="sample instead of greedy")
-    real.add_argument("--no-stream", dest="stream", action="store_false", help="print at the end")
-    synthetic = parser.add_argument_group("--synthetic")
-    synthetic.add_argument("--file-size", type=parse_size, default=parse_size("2GiB"))
-    synthetic.add_argument("--tokens", type=int, default=256, help="tokens to stream")
+    parser.add_argument(
+        "--no-read-ahead", dest="read_ahead", action="store_const", const="off",
+        help="= --read-ahead off",
+    )  # fmt: skip
+    parser.add_argument("--expert-intermediate", type=int, default=1280, help="expert size I")
+    parser.add_argument("--vocab", type=int, default=8192, help="tokenizer vocabulary")
+    parser.add_argument("--sample", action="store_true", help="sample instead of greedy")
+    parser.add_argument("--no-stream", dest="stream", action="store_false", help="print at the end")
 
 
 # --------------------------------------------------------------------------------------
@@ -188,6 +181,9 @@ def ensure_checkpoint(
     if (folder / "model.safetensors.index.json").exists():
         return folder
     folder.parent.mkdir(parents=True, exist_ok=True)
+    for stale in folder.parent.glob(f".{folder.name}.partial-*"):  # left by a killed run
+        if not _alive(stale.name.rpartition("-")[2]):
+            shutil.rmtree(stale, ignore_errors=True)
     partial = folder.parent / f".{folder.name}.partial-{os.getpid()}"
     shutil.rmtree(partial, ignore_errors=True)
     partial.mkdir()
@@ -205,8 +201,7 @@ def ensure_checkpoint(
                 size = 0
             shards[-1].append(item)
             size += nbytes
-        bar = _progress(total, f"writing the demo checkpoint ({total / (1 << 30):.2f} GiB)",
-                        progress)  # fmt: skip
+        bar = _progress(total, f"writing the demo checkpoint ({format_bytes(total)})", progress)
         gen = torch.Generator().manual_seed(seed)
         weight_map = {}
         for i, items in enumerate(shards):
@@ -229,6 +224,17 @@ def ensure_checkpoint(
     finally:
         shutil.rmtree(partial, ignore_errors=True)
     return folder
+
+
+def _alive(pid: str) -> bool:
+    """Whether the process ``pid`` (a decimal string) still runs; False for a bad name."""
+    try:
+        os.kill(int(pid), 0)
+    except (ValueError, ProcessLookupError):
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
 
 
 def _numel(shape) -> int:
@@ -306,15 +312,17 @@ def _learn_partitions(model, tokenizer, groups: int) -> dict:
     import torch
 
     import colibri
-    from colibri.integrations.transformers import PagedExperts
 
     ids: dict[int, list] = {}
 
-    def record(module, args):
-        ids.setdefault(module.layer, []).append(args[1].detach().reshape(-1, args[1].shape[-1]))
+    def recorder(layer: int):
+        def record(module, args):
+            ids.setdefault(layer, []).append(args[1].detach().reshape(-1, args[1].shape[-1]))
 
-    hooks = [m.register_forward_pre_hook(record) for m in model.modules()
-             if isinstance(m, PagedExperts)]  # fmt: skip
+        return record
+
+    hooks = [m.register_forward_pre_hook(recorder(layer))
+             for layer, m in model.colibri.modules.items()]  # fmt: skip
     text = " ".join(_corpus(1, words=1200))
     with torch.no_grad():
         model(**tokenizer(text, return_tensors="pt", truncation=True, max_length=512))
@@ -323,9 +331,7 @@ def _learn_partitions(model, tokenizer, groups: int) -> dict:
     model.colibri.reset_stats()
     return {
         layer: colibri.Partition.from_usage(
-            colibri.UsageStats.from_ids(
-                torch.cat(seen).numpy(), model.colibri.layers[0].num_experts
-            ),
+            colibri.UsageStats.from_ids(torch.cat(seen).numpy(), model.colibri.layers[layer]),
             groups,
         )
         for layer, seen in ids.items()
@@ -334,18 +340,16 @@ def _learn_partitions(model, tokenizer, groups: int) -> dict:
 
 def run(args: argparse.Namespace) -> int:
     """Run the demo; returns the process exit status."""
-    if args.synthetic:
-        return _run_synthetic(args)
     try:
         import torch  # noqa: F401
         import transformers  # noqa: F401
     except ImportError as exc:
         print(
-            f"colibri demo: the real model needs torch and transformers ({exc}); running the "
-            "synthetic demo instead (pip install 'colibri-moe[cli,transformers]' torch)",
-            flush=True,
+            f"colibri demo: needs torch and transformers ({exc}): "
+            "pip install 'colibri-moe[cli]' torch",
+            file=sys.stderr,
         )
-        return _run_synthetic(args)
+        return 2
     from colibri.cli import generate
 
     for name in ("layers", "hidden", "expert_intermediate", "vocab", "max_new_tokens",
@@ -354,8 +358,8 @@ def run(args: argparse.Namespace) -> int:
         if value is not None and value < 1:
             raise SystemExit(f"colibri demo: --{name.replace('_', '-')} must be >= 1 (got {value})")
     shape = DemoShape(
-        layers=args.layers or 15,
-        hidden=args.hidden or 1024,
+        layers=args.layers,
+        hidden=args.hidden,
         expert_intermediate=args.expert_intermediate,
         vocab=args.vocab,
     )
@@ -389,23 +393,9 @@ def _with_partitions(model, tokenizer, groups: int, args, budget: int):
     model.colibri.close()
     return from_pretrained(
         args.model_dir, budget=budget, policy=args.policy, page_size_kb=args.page_size_kb,
-        prefetch=args.prefetch, num_threads=args.threads, partition=partitions, topk_groups=1,
+        read_ahead=args.read_ahead, num_threads=args.threads, partition=partitions,
+        topk_groups=1,
     )  # fmt: skip
-
-
-def _run_synthetic(args: argparse.Namespace) -> int:
-    from colibri.cli import _synthetic_demo
-
-    parser = argparse.ArgumentParser()
-    _synthetic_demo.add_arguments(parser)
-    synthetic = parser.parse_args([])
-    for name in vars(synthetic):
-        value = getattr(args, name, None)
-        if value is not None:
-            setattr(synthetic, name, value)
-    synthetic.layers = args.layers or 4
-    synthetic.hidden = args.hidden or _synthetic_demo.HIDDEN
-    return _synthetic_demo.run(synthetic)
 
 
 def main(argv: list[str] | None = None) -> int:

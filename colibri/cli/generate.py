@@ -13,19 +13,20 @@ import os
 import sys
 import time
 
-__all__ = ["add_arguments", "memory", "run", "generate"]
+from colibri._units import format_bytes, parse_size, process_memory
+
+__all__ = ["add_arguments", "budget", "generate", "load", "policy_names", "run"]
 
 
-def _size(text: str) -> int:
-    from colibri.integrations.transformers._paged import parse_size
-
+def budget(text: str) -> int:
+    """``--budget``: bytes from ``805306368``, ``768MiB``, ``3GiB``, ``3GB`` (10**9)."""
     try:
-        return parse_size(text)
+        return parse_size(text, "budget")
     except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc).replace("from_pretrained(): ", "")) from None
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-def _policy_names() -> tuple[str, ...]:
+def policy_names() -> tuple[str, ...]:
     """The cache policies a run can start with ("hot" needs saved usage counts)."""
     from colibri.pager import POLICIES
 
@@ -48,9 +49,10 @@ def add_arguments(parser: argparse.ArgumentParser, *, model: bool = True) -> Non
         parser.add_argument("model_dir", metavar="MODEL_DIR", help="checkpoint directory")
         parser.add_argument(
             "--budget",
-            type=_size,
+            type=budget,
             required=True,
-            help="memory for expert weights: bytes or with a unit (805306368, 768MiB, 3GiB)",
+            help="memory for expert weights: bytes or with a unit (805306368, 768MiB, 3GiB = "
+            "3*2**30, 3GB = 3*10**9)",
         )
     parser.add_argument("--prompt", default="The quick brown fox", help="text to continue")
     parser.add_argument(
@@ -59,7 +61,7 @@ def add_arguments(parser: argparse.ArgumentParser, *, model: bool = True) -> Non
     parser.add_argument(
         "--policy",
         default="adaptive",
-        choices=_policy_names(),
+        choices=policy_names(),
         help="pager cache policy (default: adaptive)",
     )
     parser.add_argument("--page-size-kb", type=int, default=64, help="pager page size (KiB)")
@@ -68,14 +70,18 @@ def add_arguments(parser: argparse.ArgumentParser, *, model: bool = True) -> Non
         "--batch-size", type=_positive, default=1, help="copies of the prompt generated together"
     )
     parser.add_argument(
-        "--prefetch",
+        "--read-ahead",
         default="gate",
         choices=("gate", "previous", "off"),
         help="read the next layer's experts ahead: its router on this layer's input (gate, "
         "default), the previous token's choices (previous), or not (off)",
     )
     parser.add_argument(
-        "--no-prefetch", dest="prefetch", action="store_const", const="off", help="= --prefetch off"
+        "--no-read-ahead",
+        dest="read_ahead",
+        action="store_const",
+        const="off",
+        help="= --read-ahead off",
     )
     parser.add_argument(
         "--partition", default=None, help="a colibri Partition JSON: static expert partitioning"
@@ -90,36 +96,6 @@ def add_arguments(parser: argparse.ArgumentParser, *, model: bool = True) -> Non
     parser.add_argument(
         "--no-stream", dest="stream", action="store_false", help="print the text at the end only"
     )
-
-
-def memory() -> dict[str, int]:
-    """This process's memory in bytes: ``peak`` (VmHWM, resident set high-water mark) and,
-    on Linux, ``anon`` (RssAnon) and ``file`` (RssFile: mapped file pages)."""
-    found: dict[str, int] = {}
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                name = {"VmHWM": "peak", "RssAnon": "anon", "RssFile": "file", "VmRSS": "rss"}
-                if key in name:
-                    found[name[key]] = int(value.split()[0]) * 1024
-    except OSError:
-        pass
-    if "peak" not in found:
-        try:
-            import resource
-
-            scale = 1 if sys.platform == "darwin" else 1024
-            found["peak"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale
-        except ImportError:  # Windows
-            import psutil
-
-            found["peak"] = psutil.Process().memory_info().peak_wset
-    return found
-
-
-def _mib(n: float) -> str:
-    return f"{n / (1 << 30):.2f} GiB" if n >= 1 << 30 else f"{n / (1 << 20):.1f} MiB"
 
 
 class _Streamer:
@@ -185,8 +161,8 @@ def generate(model, tokenizer, args, *, out=print) -> dict:
     decode_tokens = max(new - 1, 0) * args.batch_size
     decode_s = end - first
     decode_bytes = stats.bytes_read - streamer.bytes_at_first
-    recall = paging.prediction[paging.prefetch] if paging.prefetch != "off" else None
-    mem = memory()
+    recall = paging.prediction[paging.read_ahead] if paging.read_ahead != "off" else None
+    mem = process_memory()
     figures = {
         "prompt_tokens": prompt_len * args.batch_size,
         "new_tokens": new * args.batch_size,
@@ -195,28 +171,31 @@ def generate(model, tokenizer, args, *, out=print) -> dict:
         "hit_rate": stats.hit_rate,
         "bytes_per_token": decode_bytes / decode_tokens if decode_tokens else 0.0,
         "recall": recall.recall if recall is not None else None,
-        "peak_rss": mem["peak"],
+        "peak_rss": mem.peak,
         "budget": paging.pager.budget_bytes,
         "resident_bytes": paging.resident_bytes,
-        **{k: v for k, v in mem.items() if k != "peak"},
+        "rss": mem.rss,
+        "anon": mem.anon,
+        "file": mem.file,
     }
     out(
         f"prefill {figures['prompt_tokens']} tokens in {prefill_s:.2f} s "
         f"({figures['prefill_tok_s']:.1f} tok/s); decode {decode_tokens} tokens in "
         f"{decode_s:.2f} s ({figures['decode_tok_s']:.1f} tok/s)"
     )
-    shown = f"{recall.recall:.1%}" if recall is not None else "n/a (prefetch off)"
+    shown = f"{recall.recall:.1%}" if recall is not None else "n/a (read-ahead off)"
     out(
-        f"pager: hit rate {stats.hit_rate:.1%}, {_mib(figures['bytes_per_token'])} read per "
-        f"decoded token, next-layer prediction ({paging.prefetch}) recall {shown}, "
+        f"pager: hit rate {stats.hit_rate:.1%}, {format_bytes(figures['bytes_per_token'])} read "
+        f"per decoded token, next-layer prediction ({paging.read_ahead}) recall {shown}, "
         f"{stats.advised} experts read ahead"
     )
     extra = ""
-    if "anon" in mem:
-        extra = f" (RssAnon {_mib(mem['anon'])}, RssFile {_mib(mem['file'])} now)"
+    if mem.anon is not None:
+        extra = f" (RssAnon {format_bytes(mem.anon)}, RssFile {format_bytes(mem.file)} now)"
+    peak = format_bytes(mem.peak) if mem.peak is not None else "unknown"
     out(
-        f"peak RSS {_mib(mem['peak'])} against a budget of {_mib(figures['budget'])} for "
-        f"experts + {_mib(paging.resident_bytes)} of resident weights{extra}"
+        f"peak RSS {peak} against a budget of {format_bytes(figures['budget'])} for "
+        f"experts + {format_bytes(paging.resident_bytes)} of resident weights{extra}"
     )
     return figures
 
@@ -234,7 +213,7 @@ def load(args, budget: int):
         budget=budget,
         policy=args.policy,
         page_size_kb=args.page_size_kb,
-        prefetch=args.prefetch,
+        read_ahead=args.read_ahead,
         num_threads=args.threads,
         partition=args.partition,
         topk_groups=args.topk_groups,
@@ -255,20 +234,21 @@ def load(args, budget: int):
 def describe(model) -> str:
     paging = model.colibri
     cfg = model.config
-    layers = len(paging.layers)
-    experts = paging.layers[0].num_experts
+    counts = sorted(set(paging.layers.values()))
+    experts = counts[0] if len(counts) == 1 else f"{counts[0]}-{counts[-1]}"
     return (
-        f"{paging.checkpoint.path} ({cfg.model_type}): {layers} MoE layers x {experts} experts, "
-        f"{_mib(paging.expert_bytes)} of experts paged under a {_mib(paging.pager.budget_bytes)} "
-        f"budget ({paging.pager.policy}, {paging.pager.page_size // 1024} KiB pages), "
-        f"{_mib(paging.resident_bytes)} resident"
+        f"{paging.checkpoint.path} ({cfg.model_type}): {len(paging.layers)} MoE layers x "
+        f"{experts} experts, {format_bytes(paging.expert_bytes)} of experts paged under a "
+        f"{format_bytes(paging.pager.budget_bytes)} budget ({paging.pager.policy}, "
+        f"{paging.pager.page_size // 1024} KiB pages), {format_bytes(paging.resident_bytes)} "
+        "resident"
     )
 
 
 def run(args: argparse.Namespace) -> int:
     """Entry point of ``colibri generate``."""
+    from colibri import BudgetError
     from colibri.integrations.transformers import CheckpointError
-    from colibri.pager import BudgetError
 
     if not os.path.isdir(args.model_dir):
         print(f"colibri generate: {args.model_dir!r} is not a directory", file=sys.stderr)

@@ -11,17 +11,23 @@ import os
 
 from colibri.formats._base import (
     ExpertLayout,
+    ExpertWeights,
     FormatError,
+    TensorInfo,
     TensorRef,
     WeightSource,
+    expert_tensor,
     file_size,
 )
 
 __all__ = [
     "ExpertLayout",
+    "ExpertWeights",
     "FormatError",
+    "TensorInfo",
     "TensorRef",
     "WeightSource",
+    "expert_tensor",
     "open_weights",
     "repack",
 ]

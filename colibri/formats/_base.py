@@ -14,6 +14,7 @@ import os
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -22,11 +23,13 @@ from colibri._json import INT32_MAX, MAX_BYTES
 
 __all__ = [
     "ExpertLayout",
+    "ExpertWeights",
     "FormatError",
     "TensorInfo",
     "TensorRef",
     "WeightSource",
     "assemble_experts",
+    "expert_tensor",
     "check_extents",
     "numpy_dtype",
     "DTYPE_SIZES",
@@ -67,6 +70,73 @@ def numpy_dtype(name: str) -> np.dtype:
         attr = {"BF16": "bfloat16", "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2"}[name]
         return np.dtype(getattr(ml_dtypes, attr))
     return np.dtype(np.uint8)
+
+
+#: The compute name (numpy's spelling) of each stored float dtype an expert may have.
+STORED_NAMES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16"}
+
+
+@dataclass(frozen=True, slots=True)
+class ExpertWeights:
+    """One gated-FFN expert's matrices: ``y = down @ (act(gate @ x) * (up @ x))``.
+
+    Attributes
+    ----------
+    gate, up : [I, H]
+    down : [H, I]
+        Arrays of one dtype (numpy, or any host DLPack tensor), in ``nn.Linear``'s ``[out,
+        in]`` convention; from a :class:`colibri.Pager` they are read-only zero-copy views.
+    dtype : str
+        What the matrices store: ``"float32"``, ``"float64"``, ``"float16"`` or
+        ``"bfloat16"`` (bfloat16 may arrive as raw ``uint16`` bits). Read from ``gate`` when
+        not given.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from colibri import ExpertWeights
+    >>> w = ExpertWeights(np.zeros((8, 4), np.float16), np.zeros((8, 4), np.float16),
+    ...                   np.zeros((4, 8), np.float16))
+    >>> w.dtype, w.nbytes
+    ('float16', 192)
+    """
+
+    gate: Any
+    up: Any
+    down: Any
+    dtype: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.dtype:
+            object.__setattr__(self, "dtype", _dtype_name(self.gate))
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the three matrices."""
+        return sum(_nbytes(m) for m in (self.gate, self.up, self.down))
+
+    def __iter__(self):
+        """``gate, up, down = expert``."""
+        return iter((self.gate, self.up, self.down))
+
+
+def _dtype_name(m: Any) -> str:
+    """numpy's name for the dtype of ``m`` (numpy, torch or any DLPack tensor)."""
+    if isinstance(m, np.ndarray):
+        return m.dtype.name  # "bfloat16" for ml_dtypes' type
+    dtype = getattr(m, "dtype", None)
+    if dtype is not None and type(dtype).__module__ == "torch":
+        return str(dtype).removeprefix("torch.")
+    from colibri._dlpack import import_host
+
+    return import_host(m)[1]
+
+
+def _nbytes(m: Any) -> int:
+    nbytes = getattr(m, "nbytes", None)
+    if nbytes is None:  # torch
+        nbytes = m.numel() * m.element_size()
+    return int(nbytes)
 
 
 @dataclass(frozen=True)
@@ -251,18 +321,52 @@ _PROJ = {
     "gate_up": "gate_up", "input_linear": "gate_up", "output_linear": "down",
 }  # fmt: skip
 _PER_EXPERT = re.compile(
-    r"^(?:.*\.)?layers\.(\d+)\.(?:.*\.)?experts\.(\d+)\.(w1|w2|w3|gate_proj|up_proj|down_proj)"
-    r"\.weight$"
+    r"^(?P<prefix>(?:.*\.)?layers\.(?P<layer>\d+)\.(?:.*\.)?experts\.)(?P<expert>\d+)"
+    r"(?P<suffix>\.(?P<proj>w1|w2|w3|gate_proj|up_proj|down_proj)\.weight)$"
 )
-_STACKED_HF = re.compile(
-    r"^(?:.*\.)?layers\.(\d+)\.(?:.*\.)?experts\.(gate_up_proj|gate_proj|up_proj|down_proj)"
-    r"(?:\.weight)?$"
+_STACKED = (
+    re.compile(  # transformers v5: experts.{gate_up_proj [E, 2I, H], gate_proj, up_proj, down_proj}
+        r"^(?:.*\.)?layers\.(?P<layer>\d+)\.(?:.*\.)?experts\."
+        r"(?P<proj>gate_up_proj|gate_proj|up_proj|down_proj)(?:\.weight)?$"
+    ),
+    re.compile(  # GraniteMoE: input_linear [E, 2I, H] (gate|up), output_linear [E, H, I]
+        r"^(?:.*\.)?layers\.(?P<layer>\d+)\.block_sparse_moe\.(?P<proj>input_linear|output_linear)"
+        r"\.weight$"
+    ),
+    re.compile(r"^blk\.(?P<layer>\d+)\.ffn_(?P<proj>gate_up|gate|up|down)_exps(?:\.weight)?$"),
 )
-# GraniteMoE: block_sparse_moe.input_linear [E, 2I, H] (gate|up), output_linear [E, H, I].
-_STACKED_GRANITE = re.compile(
-    r"^(?:.*\.)?layers\.(\d+)\.block_sparse_moe\.(input_linear|output_linear)\.weight$"
-)
-_STACKED_GGUF = re.compile(r"^blk\.(\d+)\.ffn_(gate_up|gate|up|down)_exps(?:\.weight)?$")
+
+
+class ExpertTensorName(NamedTuple):
+    """What a tensor name says about a routed expert's matrix (see :func:`expert_tensor`)."""
+
+    layer: str
+    expert: str | None  # None: stacked, every expert of the layer ([E, ...])
+    proj: str  # "gate", "up", "down" or "gate_up" (gate and up stacked, in that order)
+    prefix: str  # per expert: the name before the expert index, else ""
+    suffix: str  # per expert: the name after the expert index, else ""
+
+
+def expert_tensor(name: str) -> ExpertTensorName | None:
+    """Which routed expert's matrix the tensor ``name`` holds, or None.
+
+    Recognised: per-expert ``...layers.N....experts.M.{w1,w2,w3,gate_proj,up_proj,down_proj}
+    .weight`` (Mixtral, Qwen, DeepSeek); stacked ``...layers.N....experts.{gate_up_proj,
+    gate_proj, up_proj, down_proj}`` (transformers v5), GraniteMoE's
+    ``block_sparse_moe.{input,output}_linear.weight``, GGUF's ``blk.N.ffn_{gate,up,gate_up,
+    down}_exps``. Shared experts (``shared_expert(s)``, ``_shexp``) are not routed experts.
+    The one home of these patterns: the pager's formats and the checkpoint loader both ask
+    here.
+    """
+    m = _PER_EXPERT.match(name)
+    if m:
+        return ExpertTensorName(m["layer"], m["expert"], _PROJ[m["proj"]], m["prefix"],
+                                m["suffix"])  # fmt: skip
+    for pattern in _STACKED:
+        m = pattern.match(name)
+        if m:
+            return ExpertTensorName(m["layer"], None, _PROJ[m["proj"]], "", "")
+    return None
 
 
 def _index(path: str, name: str, value: int | str) -> int:
@@ -282,15 +386,8 @@ def _ref(t: TensorInfo, name: str, offset: int, nbytes: int, shape) -> TensorRef
 def assemble_experts(
     path: str, tensors: Mapping[str, TensorInfo]
 ) -> dict[tuple[int, int], ExpertLayout]:
-    """Find the routed experts among ``tensors`` and split stacked ``[E, ...]`` tensors.
-
-    Recognised names: per-expert ``...layers.N....experts.M.{w1,w2,w3,gate_proj,up_proj,
-    down_proj}.weight`` (Mixtral, Qwen, DeepSeek); stacked ``...layers.N....experts.
-    {gate_up_proj [E, 2I, H], gate_proj, up_proj [E, I, H], down_proj [E, H, I]}``
-    (transformers v5), GraniteMoE's ``block_sparse_moe.{input,output}_linear.weight``; GGUF
-    ``blk.N.ffn_{gate,up,gate_up,down}_exps``. Shared experts
-    (``shared_expert(s)``, ``_shexp``) are not routed experts and are ignored.
-    """
+    """Find the routed experts among ``tensors`` (names as :func:`expert_tensor` reads them)
+    and split stacked ``[E, ...]`` tensors into per-expert ranges."""
     parts: dict[tuple[int, int], dict[str, TensorRef]] = {}
 
     def put(layer: int | str, expert: int | str, proj: str, ref: TensorRef) -> None:
@@ -304,16 +401,15 @@ def assemble_experts(
         slot[proj] = ref
 
     for name, t in tensors.items():
-        m = _PER_EXPERT.match(name)
-        if m:
+        found = expert_tensor(name)
+        if found is None:
+            continue
+        if found.expert is not None:
             if len(t.shape) != 2 or 0 in t.shape:
                 raise FormatError(
                     f"{path}: expert tensor {name!r} must be 2-D and not empty (got {t.shape})"
                 )
-            put(m[1], m[2], _PROJ[m[3]], _ref(t, name, t.offset, t.nbytes, t.shape))
-            continue
-        m = _STACKED_HF.match(name) or _STACKED_GRANITE.match(name) or _STACKED_GGUF.match(name)
-        if not m:
+            put(found.layer, found.expert, found.proj, _ref(t, name, t.offset, t.nbytes, t.shape))
             continue
         if len(t.shape) != 3 or 0 in t.shape:
             raise FormatError(
@@ -322,7 +418,7 @@ def assemble_experts(
             )
         num, rows, _ = t.shape
         stride = t.row_bytes() * rows
-        proj = _PROJ[m[2]]
+        proj = found.proj
         if proj == "gate_up" and rows % 2:
             raise FormatError(f"{path}: fused tensor {name!r} has an odd row count {rows}")
         for e in range(num):
@@ -330,10 +426,10 @@ def assemble_experts(
             if proj == "gate_up":
                 half = stride // 2
                 shape = (rows // 2, t.shape[2])
-                put(m[1], e, "gate", _ref(t, f"{name}[{e}][:I]", base, half, shape))
-                put(m[1], e, "up", _ref(t, f"{name}[{e}][I:]", base + half, half, shape))
+                put(found.layer, e, "gate", _ref(t, f"{name}[{e}][:I]", base, half, shape))
+                put(found.layer, e, "up", _ref(t, f"{name}[{e}][I:]", base + half, half, shape))
             else:
-                put(m[1], e, proj, _ref(t, f"{name}[{e}]", base, stride, t.shape[1:]))
+                put(found.layer, e, proj, _ref(t, f"{name}[{e}]", base, stride, t.shape[1:]))
 
     experts = {}
     for (layer, expert), slot in sorted(parts.items()):

@@ -1,31 +1,30 @@
-"""The MoE layer: dispatch and combine, the expert FFN kernel, and the layer that joins them.
+"""The expert engine and the MoE layer over it.
 
 ::
 
-    hidden [T, H] -> route -> dispatch -> per expert: down @ (act(gate @ x) * (up @ x))
-                                        -> combine(weights) -> out [T, H]
+    hidden [T, H] -> route -> run_experts: plan -> load chunks from an ExpertStore
+                    -> fused kernel (decode-size experts) or fallback GEMMs -> combine
 
-:class:`MoELayer` runs the whole step over any :class:`ExpertStore` (a
-:class:`colibri.Pager`, or :class:`InMemoryExperts`); :func:`expert_ffn` is the fused
-half-precision expert kernel on its own; :func:`dispatch`, :func:`gather` and
-:func:`combine` are the token-reordering steps, usable with any expert implementation.
+:func:`run_experts` is the one expert engine: :class:`MoELayer` (numpy and any DLPack
+framework) and the transformers integration both run their experts through it, over any
+:class:`ExpertStore` (a :class:`colibri.Pager`, or :class:`InMemoryExperts`).
+:func:`expert_ffn` is the fused half-precision expert kernel on its own; :func:`dispatch`,
+:func:`gather` and :func:`combine` are vLLM-style token-reordering steps, usable with any
+expert implementation.
 """
 
+from colibri.formats import ExpertWeights
 from colibri.layer._dispatch import DispatchPlan, combine, dispatch, gather
+from colibri.layer._engine import KERNEL_MAX_ROWS, ExpertStore, run_experts
+from colibri.layer._expert import activation_function, expert_ffn
 from colibri.layer._ffn import simd_path
-from colibri.layer._moe import (
-    ExpertFFN,
-    ExpertStore,
-    InMemoryExperts,
-    MoELayer,
-    activation_function,
-    expert_ffn,
-)
+from colibri.layer._moe import InMemoryExperts, MoELayer
 
 __all__ = [
+    "KERNEL_MAX_ROWS",
     "DispatchPlan",
-    "ExpertFFN",
     "ExpertStore",
+    "ExpertWeights",
     "InMemoryExperts",
     "MoELayer",
     "activation_function",
@@ -33,5 +32,6 @@ __all__ = [
     "dispatch",
     "expert_ffn",
     "gather",
+    "run_experts",
     "simd_path",
 ]

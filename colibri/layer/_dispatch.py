@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from colibri._dlpack import import_host, to_caller
+from colibri._dlpack import bf16_to_float32, import_host, to_caller
 from colibri._validate import check_int
 from colibri.layer import _rows
 
@@ -269,7 +269,7 @@ def _kernel_view(arr: np.ndarray) -> np.ndarray:
 
 def _to_float32(arr: np.ndarray, name: str) -> np.ndarray:
     if name == "bfloat16":
-        return (arr.astype(np.uint32) << 16).view(np.float32)
+        return bf16_to_float32(arr)
     return np.ascontiguousarray(arr, dtype=np.float32)
 
 

@@ -62,10 +62,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from colibri._errors import ColibriError
+from colibri._errors import BudgetError
 from colibri._validate import check_page_size_kb
 from colibri.formats import WeightSource, open_weights
-from colibri.formats._base import ExpertLayout
+from colibri.formats._base import STORED_NAMES, ExpertLayout
 from colibri.formats._io import (
     _OPEN_FLAGS,
     HAS_MADVISE,
@@ -114,10 +114,6 @@ def _pmd_bytes() -> int:
 _MAP_WINDOW = _pmd_bytes()
 #: Where ``io="view"`` mappings may start (64 KiB on Windows; tests set it to emulate that).
 _VIEW_GRANULARITY = mmap.ALLOCATIONGRANULARITY
-
-
-class BudgetError(ColibriError, MemoryError):
-    """The budget cannot hold what a call needs (too small, or every slot pinned by views)."""
 
 
 @dataclass
@@ -280,6 +276,15 @@ class ExpertWeights:
     @property
     def nbytes(self) -> int:
         return self.layout.nbytes
+
+    @property
+    def dtype(self) -> str:
+        """The stored dtype in numpy's spelling (``"bfloat16"``, ...)."""
+        stored = self.layout.gate.dtype
+        return STORED_NAMES.get(stored, stored.lower())
+
+    def __iter__(self):
+        return iter((self.gate, self.up, self.down))
 
     def __repr__(self) -> str:
         return (

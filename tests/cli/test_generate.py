@@ -70,13 +70,13 @@ def test_generate_options(checkpoint, capsys):
     if not partition.exists():
         Partition.contiguous(8, 2).save(partition)
     code = main(["generate", str(folder), "--budget", "65536", "--prompt", PROMPT,
-                 "--max-new-tokens", "4", "--batch-size", "3", "--no-prefetch",
+                 "--max-new-tokens", "4", "--batch-size", "3", "--no-read-ahead",
                  "--policy", "fifo", "--threads", "1", "--page-size-kb", "4", "--no-stream",
                  "--partition", str(partition), "--topk-groups", "1"])  # fmt: skip
     out = capsys.readouterr().out
     assert code == 0
     assert "decode 9 tokens" in out  # 3 sequences x 3 tokens after the first
-    assert "recall n/a (prefetch off)" in out and "0 experts read ahead" in out
+    assert "recall n/a (read-ahead off)" in out and "0 experts read ahead" in out
     assert "(fifo, 4 KiB pages)" in out
 
 

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import colibri
-from colibri.layer import _ffn, _moe
+from colibri.layer import _ffn
 
 ml_dtypes = pytest.importorskip("ml_dtypes")
 
@@ -312,12 +312,8 @@ def test_moelayer_runs_the_kernel(monkeypatch):
     experts = [_weights(rng, H, I, "bfloat16") for _ in range(E)]
     store = colibri.InMemoryExperts(*(np.stack([e[j] for e in experts]) for j in range(3)))
     x = rng.standard_normal((5, H)).astype(np.float32)
-    calls = []
-    real = _ffn.ffn
-    monkeypatch.setattr(_ffn, "ffn", lambda *a: calls.append(1) or real(*a))
     moe = colibri.MoELayer(gate_w, store, k)
     y = moe(x)
-    assert calls, "the fused kernel did not run"
     ids, w = moe.route(x)
     want, tol = np.zeros((5, H)), np.zeros((5, H))
     for t in range(5):
@@ -326,9 +322,13 @@ def test_moelayer_runs_the_kernel(monkeypatch):
             want[t] += w[t, j] * ref[0]
             tol[t] += w[t, j] * bound[0] + 1e-6 * np.abs(w[t, j] * ref[0])  # + combine
     assert np.all(np.abs(y - want) <= tol)
-    monkeypatch.setattr(_moe, "KERNEL_MAX_ROWS", 0)
-    calls.clear()
-    assert np.all(np.abs(moe(x) - want) <= tol) and not calls
+    monkeypatch.setenv("COLIBRI_EXPERT_KERNEL", "0")  # every expert through BLAS
+    gemm = moe(x)
+    assert np.all(np.abs(gemm - want) <= tol)
+    assert not np.array_equal(gemm, y), "the kernel and BLAS sum in different orders"
+    monkeypatch.setenv("COLIBRI_EXPERT_KERNEL", "off")
+    with pytest.raises(ValueError, match="COLIBRI_EXPERT_KERNEL must be"):
+        moe(x)
 
 
 def _python(code: str, **env) -> subprocess.CompletedProcess:

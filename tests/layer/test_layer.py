@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import colibri
-from colibri.layer import ExpertFFN, InMemoryExperts, MoELayer
+from colibri.layer import ExpertWeights, InMemoryExperts, MoELayer
 
 E, H, I, K = 8, 32, 24, 2
 
@@ -81,7 +81,7 @@ def make_layer(w, act="silu", shared=False, shared_gate=False, normalize=True, *
         K,
         activation=act,
         router=numpy_router(K, normalize),
-        shared_expert=ExpertFFN(w["s_gate"].numpy(), w["s_up"].numpy(), w["s_down"].numpy())
+        shared_expert=ExpertWeights(w["s_gate"].numpy(), w["s_up"].numpy(), w["s_down"].numpy())
         if shared
         else None,
         shared_expert_gate=w["s_g"] if shared_gate else None,
@@ -149,18 +149,26 @@ def test_expert_fn_in_torch_matches_numpy():
 class RecordingProvider:
     """A provider in the Pager's shape: float16 weights, records what is loaded."""
 
-    def __init__(self, w):
+    def __init__(self, w, capacity=E, short=None):
         self.w = {k: v.numpy().astype(np.float16) for k, v in w.items()}
-        self.requests = []
+        self.capacity, self.slot_bytes = capacity, 3 * I * H * 2
+        self.short = short  # refuse loads of more experts than this (views held elsewhere)
+        self.requests, self.advised = [], []
         self.open = 0
+
+    def advise(self, layer, expert_ids):
+        self.advised.append((layer, [int(e) for e in expert_ids]))
+        return len(expert_ids)
 
     @contextlib.contextmanager
     def load(self, layer, expert_ids):
         self.requests.append((layer, list(expert_ids)))
+        if self.short is not None and len(expert_ids) > self.short:
+            raise colibri.BudgetError(f"{len(expert_ids)} experts > {self.short} free slots")
         self.open += 1
         try:
             yield {
-                e: ExpertFFN(self.w["gate"][e], self.w["up"][e], self.w["down"][e])
+                e: ExpertWeights(self.w["gate"][e], self.w["up"][e], self.w["down"][e])
                 for e in expert_ids
             }
         finally:
@@ -184,46 +192,49 @@ def test_provider_protocol_loads_only_active_experts():
     )
 
 
-def test_provider_capacity_loads_in_chunks():
-    """A provider holding few experts at once (Pager.capacity) gets the step in chunks."""
+def _fp16_reference(provider, w, x):
+    w16 = {k: torch.from_numpy(v.astype(np.float32)) for k, v in provider.w.items()}
+    w16["router"] = w["router"]  # only the expert weights are float16
+    return reference(torch.from_numpy(x), w16).numpy()
+
+
+def test_provider_capacity_loads_in_chunks_and_reads_the_rest_ahead():
+    """A store holding few experts at once (Pager.capacity) gets the step in chunks, and the
+    experts of the later chunks are handed to its read-ahead before the first one loads."""
     w = make_weights(10)
-    provider = RecordingProvider(w)
-    provider.capacity = 3
+    provider = RecordingProvider(w, capacity=3)
     x = torch.randn(40, H, generator=torch.Generator().manual_seed(2)).numpy()
-    out = MoELayer(w["router"], provider, K, router=numpy_router(K))(x)
-    assert [len(ids) for _, ids in provider.requests] == [3, 3, 2]  # all 8 experts active
-    assert sorted(e for _, ids in provider.requests for e in ids) == list(range(E))
-    w16 = {k: torch.from_numpy(v.astype(np.float32)) for k, v in provider.w.items()}
-    w16["router"] = w["router"]
-    np.testing.assert_allclose(
-        out, reference(torch.from_numpy(x), w16).numpy(), rtol=1e-4, atol=1e-4
-    )
-
-
-def test_provider_prefetch_overlaps_reads():
-    """A provider that reads ahead (Pager.prefetch) is told the step's other experts first,
-    then asked for one expert at a time."""
-    w = make_weights(15)
-    provider = RecordingProvider(w)
-    provider.capacity = 5
-    provider.prefetched = []
-    provider.prefetch = lambda layer, ids: provider.prefetched.append((layer, list(ids)))
-    x = torch.randn(40, H, generator=torch.Generator().manual_seed(3)).numpy()
     out = MoELayer(w["router"], provider, K, layer=2, router=numpy_router(K))(x)
-    assert provider.prefetched == [(2, [1, 2, 3, 4])]  # within capacity
-    assert provider.requests == [(2, [e]) for e in range(E)]
-    provider.requests, provider.slot_bytes = [], 1 << 16  # small experts: no read-ahead
-    MoELayer(w["router"], provider, K, layer=2, router=numpy_router(K))(x)
-    assert provider.requests == [(2, [0, 1, 2, 3, 4]), (2, [5, 6, 7])]
-    assert len(provider.prefetched) == 1
-    provider.requests = []
-    MoELayer(w["router"], provider, K, layer=2, router=numpy_router(K), read_ahead=True)(x)
-    assert len(provider.requests) == E and len(provider.prefetched) == 2
-    w16 = {k: torch.from_numpy(v.astype(np.float32)) for k, v in provider.w.items()}
-    w16["router"] = w["router"]
-    np.testing.assert_allclose(
-        out, reference(torch.from_numpy(x), w16).numpy(), rtol=1e-4, atol=1e-4
-    )
+    assert provider.requests == [(2, [0, 1, 2]), (2, [3, 4, 5]), (2, [6, 7])]  # all 8 active
+    assert provider.advised == [(2, [3, 4, 5, 6, 7])]
+    np.testing.assert_allclose(out, _fp16_reference(provider, w, x), rtol=1e-4, atol=1e-4)
+    provider.requests, provider.advised = [], []
+    again = MoELayer(w["router"], provider, K, layer=2, router=numpy_router(K), read_ahead=False)
+    np.testing.assert_array_equal(again(x), out)  # chunking and read-ahead change no bit
+    assert len(provider.requests) == 3 and provider.advised == []
+
+
+def test_a_store_short_of_slots_is_asked_for_fewer_experts():
+    """When views kept elsewhere leave fewer slots than the capacity (BudgetError), the
+    engine halves its chunks until the store can serve them; the result is the same."""
+    w = make_weights(11)
+    x = torch.randn(40, H, generator=torch.Generator().manual_seed(4)).numpy()
+    full = MoELayer(w["router"], RecordingProvider(w), K, router=numpy_router(K))(x)
+    provider = RecordingProvider(w, capacity=8, short=2)
+    out = MoELayer(w["router"], provider, K, router=numpy_router(K))(x)
+    np.testing.assert_array_equal(out, full)
+    assert [len(ids) for _, ids in provider.requests] == [8, 4, 2, 2, 2, 2]
+    with pytest.raises(colibri.BudgetError, match="free slots"):
+        MoELayer(w["router"], RecordingProvider(w, short=0), K, router=numpy_router(K))(x)
+
+
+def test_a_store_must_declare_what_the_engine_uses():
+    class LoadOnly:
+        def load(self, layer, expert_ids):
+            raise AssertionError("never called")
+
+    with pytest.raises(TypeError, match="LoadOnly lacks capacity, slot_bytes, advise"):
+        MoELayer(make_weights(1)["router"], LoadOnly(), K)
 
 
 def test_multi_layer_in_memory_store_and_empty_batch():
@@ -323,7 +334,7 @@ def test_matches_transformers_qwen2_moe_block():
         _torch_experts_to_colibri(block.experts),
         K,
         normalize=False,  # Qwen2-MoE's norm_topk_prob=False, through colibri.init
-        shared_expert=ExpertFFN(
+        shared_expert=ExpertWeights(
             se.gate_proj.weight.detach().numpy(),
             se.up_proj.weight.detach().numpy(),
             se.down_proj.weight.detach().numpy(),
@@ -357,7 +368,7 @@ def test_default_router_is_colibri_routing():
 @pytest.mark.parametrize("rows", [1, 3, 70])
 @pytest.mark.parametrize("storage", ["float16", "bfloat16", "float32", "float64"])
 def test_linear_converts_weight_blocks_exactly(rows, storage):
-    from colibri.layer._moe import linear
+    from colibri.layer._expert import linear
 
     r = np.random.default_rng(rows)
     w32 = r.standard_normal((300, 1000)).astype(np.float32)  # several conversion blocks
@@ -368,9 +379,9 @@ def test_linear_converts_weight_blocks_exactly(rows, storage):
         w = w32.astype(storage)
     x = r.standard_normal((rows, 1000)).astype(np.float32)
     expected = x.astype(np.float64) @ w.astype(np.float64).T
-    np.testing.assert_allclose(linear(x, w, np.dtype(np.float32)), expected, rtol=1e-4, atol=1e-3)
+    np.testing.assert_allclose(linear(x, w, storage), expected, rtol=1e-4, atol=1e-3)
     with pytest.raises(ValueError, match="does not match"):
-        linear(x[:, :10], w, np.dtype(np.float32))
+        linear(x[:, :10], w, storage)
 
 
 def test_exported():

@@ -36,18 +36,13 @@ except ImportError as err:  # pragma: no cover - transformers cannot run without
     ) from err
 
 from colibri.integrations.transformers._checkpoint import CheckpointError
+from colibri.integrations.transformers._experts import Paging, UnsupportedCheckpointError
 from colibri.integrations.transformers._families import (
     CHECKED_VERSION,
     DIFFERENCES,
     UnsupportedRouterError,
 )
-from colibri.integrations.transformers._paged import (
-    PagedExperts,
-    Paging,
-    PredictionStats,
-    UnsupportedCheckpointError,
-    from_pretrained,
-)
+from colibri.integrations.transformers._load import from_pretrained
 from colibri.integrations.transformers._patch import (
     PatchedRouter,
     patch,
@@ -55,6 +50,7 @@ from colibri.integrations.transformers._patch import (
     supported_routers,
     unpatch,
 )
+from colibri.integrations.transformers._predict import PredictionStats
 
 __all__ = [
     "CHECKED_VERSION",

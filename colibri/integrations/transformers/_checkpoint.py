@@ -14,11 +14,10 @@ import re
 from dataclasses import dataclass
 
 from colibri import _json
-from colibri.formats import FormatError
-from colibri.formats._base import TensorInfo
+from colibri.formats import FormatError, TensorInfo, expert_tensor
 from colibri.formats.safetensors import read_header
 
-__all__ = ["Checkpoint", "CheckpointError", "is_expert_tensor"]
+__all__ = ["Checkpoint", "CheckpointError", "is_expert_tensor", "layer_index"]
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -29,16 +28,13 @@ class CheckpointError(FormatError):
     :class:`colibri.FormatError`, so a ``ValueError`` too)."""
 
 
-# The names colibri.formats recognises as routed-expert tensors (per expert, or stacked [E, ...]).
-_PER_EXPERT = re.compile(
-    r"^(?P<prefix>(?:.*\.)?layers\.(?P<layer>\d+)\.(?:.*\.)?experts\.)(?P<expert>\d+)"
-    r"(?P<suffix>\.(?:w1|w2|w3|gate_proj|up_proj|down_proj)\.weight)$"
-)
-_STACKED = re.compile(
-    r"^(?:.*\.)?layers\.(?P<layer>\d+)\.(?:.*\.)?experts\."
-    r"(?:gate_up_proj|gate_proj|up_proj|down_proj)(?:\.weight)?$"
-    r"|^(?:.*\.)?layers\.(?P<granite>\d+)\.block_sparse_moe\.(?:input|output)_linear\.weight$"
-)
+_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+def layer_index(name: str) -> int | None:
+    """The layer index in a module or tensor name (``model.layers.3.mlp.experts`` -> 3)."""
+    found = _LAYER.findall(name)
+    return int(found[-1]) if found else None
 
 
 # config.json fields that size the model colibri pages, by role; each is checked where present
@@ -125,7 +121,7 @@ def _check_fields(config: dict, path: str, prefix: str) -> None:
 
 def is_expert_tensor(name: str) -> bool:
     """Whether ``name`` is a routed expert's matrix (the pager serves it, nothing loads it)."""
-    return bool(_PER_EXPERT.match(name) or _STACKED.match(name))
+    return expert_tensor(name) is not None
 
 
 @dataclass
@@ -244,10 +240,10 @@ class Checkpoint:
         per_layer: dict[str, set[str]] = {}
         experts: dict[str, set[int]] = {}
         for name in self.tensors:
-            m = _PER_EXPERT.match(name)
-            if m:
-                per_layer.setdefault(m["prefix"], set()).add(m["suffix"])
-                experts.setdefault(m["prefix"], set()).add(int(m["expert"]))
+            m = expert_tensor(name)
+            if m is not None and m.expert is not None:
+                per_layer.setdefault(m.prefix, set()).add(m.suffix)
+                experts.setdefault(m.prefix, set()).add(int(m.expert))
         for prefix, suffixes in per_layer.items():
             count = max(experts[prefix]) + 1
             for e in range(count):

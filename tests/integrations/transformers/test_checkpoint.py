@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import os
 
-import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -24,13 +23,11 @@ pytest.importorskip("safetensors")
 from _support.hf_families import FAMILIES, MORE_FAMILIES, build_model, randomise_routers  # noqa: E402
 from colibri.integrations.transformers import (  # noqa: E402
     CheckpointError,
-    PagedExperts,
     UnsupportedCheckpointError,
     from_pretrained,
     patch,
     unpatch,
 )
-from colibri.integrations.transformers._paged import parse_size, torch_view  # noqa: E402
 
 UNSERVABLE = {"gpt_oss": "MXFP4", "llama4_text": "transposed", "dbrx": r"one \[E\*I, H\]"}
 PAGED = [f for f in FAMILIES if f not in UNSERVABLE]
@@ -103,10 +100,9 @@ def _logits(model, ids):
 def test_paged_matches_resident(saved, family):
     folder, ref, budget = saved(family)
     assert os.path.exists(folder / "model.safetensors.index.json")  # really sharded
-    model = from_pretrained(folder, budget=budget, page_size_kb=4, prefetch="gate")
-    paged = [m for m in model.modules() if isinstance(m, PagedExperts)]
-    assert paged and not any(p.is_meta for p in model.parameters())
-    assert model.colibri.pager.capacity < min(p.num_experts for p in paged)
+    model = from_pretrained(folder, budget=budget, page_size_kb=4, read_ahead="gate")
+    assert model.colibri.modules and not any(p.is_meta for p in model.parameters())
+    assert model.colibri.pager.capacity < min(model.colibri.layers.values())
     ids = _inputs()
     torch.testing.assert_close(_logits(model, ids), _logits(ref, ids), rtol=0, atol=1e-5)
     greedy = dict(do_sample=False, max_new_tokens=6, pad_token_id=0)
@@ -141,7 +137,7 @@ def test_single_file_and_sampling(tmp_path):
     ref, budget = _write("mixtral", tmp_path, shard=None)
     assert os.path.exists(tmp_path / "model.safetensors")
     assert not os.path.exists(tmp_path / "model.safetensors.index.json")
-    model = from_pretrained(tmp_path, budget=budget, page_size_kb=4, prefetch="previous")
+    model = from_pretrained(tmp_path, budget=budget, page_size_kb=4, read_ahead="previous")
     ids = _inputs(3, batch=3)
     sample = dict(do_sample=True, top_k=20, max_new_tokens=5, pad_token_id=0)
     torch.manual_seed(7)
@@ -169,19 +165,20 @@ def test_stacked_layout(tmp_path):
 
 
 def test_stats_add_up_to_the_routing(saved):
-    """Without prefetch every expert a call routes to is one demand access: hits + misses
+    """Without read-ahead every expert a call routes to is one demand access: hits + misses
     equal the unique experts routed per call, and every miss reads one expert."""
     folder, _, budget = saved("deepseek_v3")
-    model = from_pretrained(folder, budget=budget, page_size_kb=4, prefetch="off")
+    model = from_pretrained(folder, budget=budget, page_size_kb=4, read_ahead="off")
     routed: dict[int, int] = {}
 
-    def count(module, args):
-        ids = args[1]
-        routed[module.layer] = routed.get(module.layer, 0) + len(torch.unique(ids))
+    def counter(layer):
+        def count(module, args):
+            routed[layer] = routed.get(layer, 0) + len(torch.unique(args[1]))
 
-    for m in model.modules():
-        if isinstance(m, PagedExperts):
-            m.register_forward_pre_hook(count)
+        return count
+
+    for layer, m in model.colibri.modules.items():
+        m.register_forward_pre_hook(counter(layer))
     model.generate(_inputs(5), do_sample=False, max_new_tokens=4, pad_token_id=0)
     stats = model.colibri.stats
     assert stats.hits + stats.misses == sum(routed.values())
@@ -190,20 +187,22 @@ def test_stats_add_up_to_the_routing(saved):
         assert per.hits + per.misses == n
     expert = model.colibri.pager.source.max_expert_nbytes
     assert stats.bytes_read == stats.misses * expert
-    assert stats.prefetched == 0
+    assert stats.prefetched == 0 and stats.advised == 0
 
     # a budget holding every expert: each is read once, later uses are hits
     everything = model.colibri.expert_bytes + 64 * 4096 * 2
-    model = from_pretrained(folder, budget=everything, page_size_kb=4, prefetch="off")
+    model = from_pretrained(folder, budget=everything, page_size_kb=4, read_ahead="off")
     model.colibri.pager.reset_stats()
     seen: set = set()
 
-    def distinct(module, args):
-        seen.update((module.layer, int(e)) for e in torch.unique(args[1]))
+    def distinct_in(layer):
+        def distinct(module, args):
+            seen.update((layer, int(e)) for e in torch.unique(args[1]))
 
-    for m in model.modules():
-        if isinstance(m, PagedExperts):
-            m.register_forward_pre_hook(distinct)
+        return distinct
+
+    for layer, m in model.colibri.modules.items():
+        m.register_forward_pre_hook(distinct_in(layer))
     model.generate(_inputs(5), do_sample=False, max_new_tokens=4, pad_token_id=0)
     assert model.colibri.stats.misses == len(seen)
     assert model.colibri.stats.evictions == 0
@@ -211,7 +210,7 @@ def test_stats_add_up_to_the_routing(saved):
 
 def test_prediction_recall_is_measured(saved):
     folder, _, budget = saved("qwen2_moe")
-    model = from_pretrained(folder, budget=4 * budget, page_size_kb=4, prefetch="gate")
+    model = from_pretrained(folder, budget=4 * budget, page_size_kb=4, read_ahead="gate")
     model.generate(_inputs(6), do_sample=False, max_new_tokens=6, pad_token_id=0)
     gate, previous = model.colibri.prediction["gate"], model.colibri.prediction["previous"]
     assert gate.used > 0 and 0 <= gate.correct <= gate.used
@@ -222,20 +221,15 @@ def test_prediction_recall_is_measured(saved):
 def test_no_prediction_when_the_budget_holds_every_expert(saved, monkeypatch):
     """With a budget that holds every expert nothing is ever evicted: each expert is read
     once and stays, so no layer is predicted; a smaller budget keeps predicting."""
-    from colibri.integrations.transformers import _paged
-
     folder, _, budget = saved("qwen2_moe")
-    calls = []
-    real = _paged._route_only
-    monkeypatch.setattr(_paged, "_route_only", lambda *a: calls.append(1) or real(*a))
-    model = from_pretrained(folder, budget="1GiB", page_size_kb=4, prefetch="gate")
-    assert model.colibri.pager.capacity >= sum(p.num_experts for p in model.colibri.layers)
+    model = from_pretrained(folder, budget="1GiB", page_size_kb=4, read_ahead="gate")
+    assert model.colibri.pager.capacity >= sum(model.colibri.layers.values())
     model.generate(_inputs(6), do_sample=False, max_new_tokens=3, pad_token_id=0)
-    assert calls == [] and model.colibri.prediction["gate"].used == 0
-    assert model.colibri.stats.evictions == 0
-    small = from_pretrained(folder, budget=budget, page_size_kb=4, prefetch="gate")
+    assert model.colibri.prediction["gate"].predicted == 0
+    assert model.colibri.stats.advised == 0 and model.colibri.stats.evictions == 0
+    small = from_pretrained(folder, budget=budget, page_size_kb=4, read_ahead="gate")
     small.generate(_inputs(6), do_sample=False, max_new_tokens=3, pad_token_id=0)
-    assert calls and small.colibri.prediction["gate"].used > 0
+    assert small.colibri.prediction["gate"].predicted > 0 and small.colibri.stats.advised > 0
 
 
 def test_close_and_unpatch_in_any_order(saved):
@@ -259,35 +253,38 @@ def test_close_and_unpatch_in_any_order(saved):
         other.generate(ids, max_new_tokens=2)
 
 
-def test_zero_copy_views():
-    ml_dtypes = pytest.importorskip("ml_dtypes")
-    for dtype in (np.float32, np.float16, ml_dtypes.bfloat16, np.uint16):
-        array = np.arange(12, dtype=np.float32).astype(dtype).reshape(3, 4)
-        array.setflags(write=False)
-        tensor = torch_view(array)
-        assert tensor.data_ptr() == array.ctypes.data
-        assert tensor.shape == (3, 4)
-    bf = np.array([1.5, -2.0], dtype=ml_dtypes.bfloat16)
-    assert torch_view(bf).tolist() == [1.5, -2.0]
+def _expert_weight_pointers(monkeypatch) -> list[int]:
+    """Record the data pointer of every weight torch's ``linear`` multiplies."""
+    pointers = []
+    real = torch.nn.functional.linear
+
+    def linear(x, weight, *args, **kwargs):
+        pointers.append(weight.data_ptr())
+        return real(x, weight, *args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "linear", linear)
+    return pointers
 
 
-def test_expert_views_are_the_pagers_memory(saved, monkeypatch):
-    """The matrices a PagedExperts multiplies are views of the arrays the pager returned."""
-    from colibri.integrations.transformers import _paged
+def _gate_addresses(paging) -> set[int]:
+    """Where each resident expert's gate matrix lives in the pager's memory."""
+    found = set()
+    for layer, expert in paging.pager.resident():
+        with paging.pager.load(layer, [expert]) as batch:
+            found.add(batch[expert].gate.ctypes.data)
+    return found
 
-    folder, _, budget = saved("qwen3_moe")
-    model = from_pretrained(folder, budget=budget, page_size_kb=4)
-    seen = []
-    real = _paged.torch_view
 
-    def spy(array):
-        tensor = real(array)
-        seen.append((tensor.data_ptr(), array.ctypes.data))
-        return tensor
-
-    monkeypatch.setattr(_paged, "torch_view", spy)
+def test_experts_run_on_the_pagers_memory(saved, monkeypatch):
+    """torch multiplies the very bytes the pager mapped: every expert a float32 model ran
+    reached ``linear`` as a view of the pager's memory, not a copy."""
+    folder, _, _ = saved("qwen3_moe")
+    model = from_pretrained(folder, budget="1GiB", page_size_kb=4, read_ahead="off")
+    pointers = _expert_weight_pointers(monkeypatch)
     _logits(model, _inputs(8))
-    assert seen and all(a == b for a, b in seen)
+    gates = _gate_addresses(model.colibri)
+    assert gates and gates <= set(pointers)
+    model.colibri.close()
 
 
 def test_bfloat16_checkpoint(tmp_path):
@@ -317,66 +314,44 @@ def test_bfloat16_checkpoint(tmp_path):
 
 
 def test_expert_kernel_switch(tmp_path, monkeypatch):
-    """COLIBRI_EXPERT_KERNEL=0 routes every paged expert through torch's linear, 1 (the
-    default) decodes bf16 experts with the fused kernel; anything else is refused."""
-    from colibri.integrations.transformers import _paged
-
-    for value, rows in ((None, 2), ("1", 2), ("0", 0)):
-        if value is None:
-            monkeypatch.delenv("COLIBRI_EXPERT_KERNEL", raising=False)
-        else:
-            monkeypatch.setenv("COLIBRI_EXPERT_KERNEL", value)
-        assert _paged._kernel_rows() == rows
-    monkeypatch.setenv("COLIBRI_EXPERT_KERNEL", "off")
-    with pytest.raises(ValueError, match=r"COLIBRI_EXPERT_KERNEL must be \"0\" or \"1\""):
-        _paged._kernel_rows()
+    """A bf16 model decodes its experts with the fused kernel (torch's ``linear`` never sees
+    an expert's weights); COLIBRI_EXPERT_KERNEL=0 sends every expert to torch's ``linear``
+    on the pager's views; both agree to bf16 rounding; anything but 0 or 1 is refused."""
     ref = build_model("qwen3_moe").to(torch.bfloat16)
     randomise_routers(ref, [r.name for r in patch(ref)])
     unpatch(ref)
     ref.save_pretrained(tmp_path, max_shard_size="20KB")
-    model = from_pretrained(tmp_path, budget=_two_experts(ref), page_size_kb=4)
-    # the kernel reads the weights where the pager mapped them: no copy on the way
-    maps = [(m.address, m.address + m.length) for m in model.colibri.pager._io.maps if m]
-    calls, seen, real = [], [], _paged._ffn
-
-    class Spy:
-        ACTIVATIONS, WEIGHT_KINDS = real.ACTIVATIONS, real.WEIGHT_KINDS
-
-        @staticmethod
-        def ffn(x, g, u, d, *args):
-            calls.append("ffn")
-            seen.extend(w.ctypes.data for w in (g, u, d))
-            return real.ffn(x, g, u, d, *args)
-
-        @staticmethod
-        def ffn_sum(x, experts, *args):
-            calls.append("ffn_sum")
-            seen.extend(w.ctypes.data for e in experts for w in e)
-            return real.ffn_sum(x, experts, *args)
-
-    monkeypatch.setattr(_paged, "_ffn", Spy)
+    model = from_pretrained(tmp_path, budget="1GiB", page_size_kb=4, read_ahead="off")
+    one = _inputs(1, batch=1, length=1)  # decoding: one row per expert
     outputs = {}
-    for rows, length in ((2, 2), (0, 2), (1, 2), (2, 1)):
-        monkeypatch.setattr(_paged, "_KERNEL_ROWS", rows)
-        calls.clear()
-        outputs[rows, length] = _logits(model, _inputs(1, batch=1, length=length)).float()
-        assert (len(calls) > 0) == (rows > 0), (rows, len(calls))
-        if rows and length == 1:  # one token: each layer's experts in one call
-            assert set(calls) == {"ffn_sum"}
-    assert seen and all(any(lo <= p < hi for lo, hi in maps) for p in seen)
-    torch.testing.assert_close(outputs[0, 2], outputs[2, 2], rtol=2**-6, atol=2**-6)
-    torch.testing.assert_close(outputs[0, 2], outputs[1, 2], rtol=2**-6, atol=2**-6)
+    for value in ("1", "0"):
+        monkeypatch.setenv("COLIBRI_EXPERT_KERNEL", value)
+        pointers = _expert_weight_pointers(monkeypatch)
+        outputs[value] = _logits(model, one).float()
+        gates = _gate_addresses(model.colibri)
+        assert gates and (gates.isdisjoint(pointers) if value == "1" else gates <= set(pointers))
+        monkeypatch.undo()
+    torch.testing.assert_close(outputs["1"], outputs["0"], rtol=2**-6, atol=2**-6)
+    assert not torch.equal(outputs["1"], outputs["0"])  # float32 sums against bf16 ones
+    monkeypatch.setenv("COLIBRI_EXPERT_KERNEL", "off")
+    with pytest.raises(ValueError, match=r"COLIBRI_EXPERT_KERNEL must be \"0\" or \"1\""):
+        _logits(model, one)
 
 
-def test_parse_size():
-    assert parse_size(805306368) == 805306368
-    assert parse_size("768MiB") == 768 << 20
-    assert parse_size("3GiB") == 3 << 30
-    assert parse_size("3GB") == 3 * 10**9
-    assert parse_size("1.5G") == 3 << 29
-    for bad in ("", "abc", "-1", "3 parsecs", 0, -5, True):
-        with pytest.raises(ValueError, match="budget must be a positive size"):
-            parse_size(bad)
+def test_output_does_not_depend_on_the_budget(tmp_path):
+    """Chunking a step under a small budget changes no bit of the result: each expert's
+    share is added in ascending expert order whatever the chunks (bf16: kernel and torch)."""
+    ref = build_model("mixtral").to(torch.bfloat16)
+    randomise_routers(ref, [r.name for r in patch(ref)])
+    unpatch(ref)
+    ref.save_pretrained(tmp_path, max_shard_size="20KB")
+    ids = _inputs(11, batch=2, length=7)
+    wide = from_pretrained(tmp_path, budget="1GiB", page_size_kb=4)
+    narrow = from_pretrained(tmp_path, budget=_two_experts(ref), page_size_kb=4)
+    assert narrow.colibri.pager.capacity < min(narrow.colibri.layers.values())
+    assert torch.equal(_logits(wide, ids), _logits(narrow, ids))
+    greedy = dict(do_sample=False, max_new_tokens=5, pad_token_id=0)
+    assert torch.equal(wide.generate(ids, **greedy), narrow.generate(ids, **greedy))
 
 
 # --------------------------------------------------------------------------------------
@@ -493,8 +468,8 @@ def test_unknown_and_dense_models(tmp_path):
         from_pretrained(tmp_path / "odd", budget="1MiB")
     with pytest.raises(CheckpointError, match="must be a checkpoint directory"):
         from_pretrained(tmp_path / "nowhere", budget="1MiB")
-    with pytest.raises(ValueError, match="prefetch must be one of"):
-        from_pretrained(tmp_path / "dense", budget="1MiB", prefetch="always")
+    with pytest.raises(ValueError, match="read_ahead must be one of"):
+        from_pretrained(tmp_path / "dense", budget="1MiB", read_ahead="always")
 
 
 # --------------------------------------------------------------------------------------
@@ -597,9 +572,8 @@ def test_partition_keeps_each_token_in_one_group(saved, tmp_path):
         def record(module, args):
             seen.append(torch.tensor(groups.group_of.tolist())[args[1]])
 
-        for m in model.modules():
-            if isinstance(m, PagedExperts):
-                m.register_forward_pre_hook(record)
+        for m in model.colibri.modules.values():
+            m.register_forward_pre_hook(record)
         _logits(model, _inputs(10))
         return torch.cat([g.reshape(-1, g.shape[-1]) for g in seen])
 

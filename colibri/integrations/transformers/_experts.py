@@ -1,0 +1,313 @@
+"""colibri as a transformers experts implementation: routed experts paged, run by the engine.
+
+transformers dispatches every experts module decorated with ``use_experts_implementation``
+through ``ExpertsInterface`` by ``config._experts_implementation``; colibri registers its
+forward there as ``"colibri"``. A paged model's experts modules keep their class and
+configuration but not their weights: each carries the paging state of its layer, and its
+forward converts the layer's tensors once and hands them to
+:func:`colibri.layer.run_experts`, which loads the experts from the :class:`colibri.Pager`
+under the budget and computes them (the fused kernel for decode-size experts, torch's
+``linear`` on zero-copy views of the pager's memory for the rest).
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from colibri._dlpack import to_caller
+from colibri.integrations.transformers._checkpoint import CheckpointError, layer_index
+from colibri.integrations.transformers._predict import Predictor
+from colibri.layer import ExpertWeights, run_experts
+
+__all__ = ["IMPLEMENTATION", "Paging", "UnsupportedCheckpointError", "find_experts", "page"]
+
+#: The experts implementation's name in transformers' ``ExpertsInterface``.
+IMPLEMENTATION = "colibri"
+_ATTR = "_colibri_experts"  # the per-module paging state, outside nn.Module's registries
+_KERNEL_DTYPES = {torch.bfloat16, torch.float16}
+
+
+class UnsupportedCheckpointError(CheckpointError):
+    """A checkpoint whose routed experts colibri cannot page (the message says why)."""
+
+
+@dataclass
+class Paging:
+    """The paging state of a model from :func:`from_pretrained` (``model.colibri``).
+
+    Attributes
+    ----------
+    pager : colibri.Pager
+        Serves the routed experts from the checkpoint's files.
+    checkpoint : Checkpoint
+        The directory, its config and tensor table.
+    read_ahead : str
+        How the experts of the next layer are guessed and read ahead: ``"gate"`` (layer
+        l+1's router applied to layer l's input), ``"previous"`` (layer l+1's experts of the
+        previous step) or ``"off"`` (no read-ahead at all, not even of a step's later
+        chunks).
+    resident_bytes : int
+        Bytes of the tensors loaded resident (everything but the routed experts).
+    expert_bytes : int
+        Bytes of the routed experts in the checkpoint.
+    num_threads : int
+        Threads of colibri's expert kernels (0: colibri's default).
+    layers : dict
+        ``{layer index: routed experts}`` of every paged MoE layer.
+    modules : dict
+        ``{layer index: experts module}`` (the model's own, now paged).
+    """
+
+    pager: Any
+    checkpoint: Any
+    read_ahead: str
+    resident_bytes: int = 0
+    expert_bytes: int = 0
+    num_threads: int = 0
+    layers: dict[int, int] = field(default_factory=dict)
+    modules: dict[int, nn.Module] = field(default_factory=dict, repr=False)
+    predictor: Predictor = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.predictor = Predictor(self.read_ahead)
+
+    @property
+    def stats(self):
+        """The pager's counters (:class:`colibri.pager.PagerStats`)."""
+        return self.pager.stats
+
+    @property
+    def prediction(self) -> dict:
+        """``{"gate": PredictionStats, "previous": PredictionStats}``: how well each guess
+        named the next layer's experts (``gate`` only measured with ``read_ahead="gate"``)."""
+        return self.predictor.stats
+
+    @property
+    def holds_all(self) -> bool:
+        """Whether the budget holds every expert: each is read once and stays, so no guess
+        is worth its router pass."""
+        return self.pager.capacity >= sum(self.layers.values())
+
+    @property
+    def closed(self) -> bool:
+        return bool(self.pager.closed)
+
+    def reset_stats(self) -> None:
+        """Zero the pager's and the predictions' counters."""
+        self.pager.reset_stats()
+        self.predictor.reset()
+
+    def close(self) -> None:
+        """Release the pager (idempotent, safe in any order with :func:`unpatch`); the model
+        raises a clear error if run afterwards."""
+        self.pager.close()
+
+    def open_pager(self):
+        """The pager, or a clear error once :meth:`close` was called."""
+        if self.pager.closed:
+            raise ValueError(
+                "this model's expert pager is closed (model.colibri.close() was called); "
+                "load the checkpoint again with from_pretrained()"
+            )
+        return self.pager
+
+
+@dataclass
+class _Layer:
+    """One paged experts module: its layer, sizes and the model's paging state."""
+
+    layer: int
+    num_experts: int
+    activation: str | None  # the fused kernel's name for the module's act_fn, if it has one
+    paging: Paging
+    next: tuple | None = None  # (layer, router, block) of the next paged MoE block
+
+
+# -- which experts modules can be paged -----------------------------------------------------
+
+# Families whose experts transformers computes in a way the pager cannot serve, by class.
+_REFUSED = {
+    "GptOssExperts": (
+        "gpt-oss stores its experts as MXFP4 blocks in the released checkpoints and, in every "
+        "form, as one transposed [E, H, 2I] tensor with gate and up interleaved column by "
+        "column, biases and a clamped SwiGLU; the pager serves plain row-major gate [I, H], "
+        "up [I, H] and down [H, I] matrices. What works instead: transformers' own "
+        "from_pretrained (experts resident) and colibri routing through patch(model)"
+    ),
+    "Llama4TextExperts": (
+        "Llama4 stores its experts as transposed [E, H, 2I] / [E, I, H] tensors, so one "
+        "expert's gate is not a contiguous byte range the pager can read. What works "
+        "instead: transformers' own from_pretrained and patch(model)"
+    ),
+    "DbrxExperts": (
+        "DBRX stores all experts of a layer as one [E*I, H] matrix per projection with its "
+        "own routing inside the FFN block. What works instead: transformers' own "
+        "from_pretrained and patch(model)"
+    ),
+}
+# What transformers' decorator says of an experts class, and what colibri computes.
+_FLAGS = {"has_gate": True, "has_bias": False, "is_transposed": False, "is_concatenated": True,
+          "has_post_expert_norm": False}  # fmt: skip
+
+
+def _servable(module: nn.Module) -> str | None:
+    """None if colibri computes ``module`` (a transformers experts module) exactly, else why."""
+    from transformers.integrations.moe import _default_apply_gate
+
+    name = type(module).__name__
+    if name in _REFUSED:
+        return _REFUSED[name]
+    if not all(hasattr(module, flag) for flag in _FLAGS):
+        return (
+            f"{name} does not use transformers' experts interface (use_experts_implementation), "
+            "so colibri cannot take over its forward"
+        )
+    for flag, want in _FLAGS.items():
+        if getattr(module, flag) != want:
+            return f"{name}.{flag} is {getattr(module, flag)!r}"
+    if getattr(type(module), "_apply_gate", _default_apply_gate) is not _default_apply_gate:
+        return f"{name} has its own gating (_apply_gate)"
+    gate_up, down = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
+    if not (isinstance(gate_up, torch.Tensor) and isinstance(down, torch.Tensor)):
+        return f"{name} has no gate_up_proj/down_proj parameters"
+    return None
+
+
+def find_experts(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """Every routed-experts module of ``model``: ``(qualified name, module)``.
+
+    Raises
+    ------
+    UnsupportedCheckpointError
+        Naming each experts module colibri cannot compute and why.
+    """
+    found, problems = [], []
+    for name, module in model.named_modules():
+        cls = type(module)
+        if not cls.__name__.endswith("Experts") or not cls.__module__.startswith("transformers."):
+            continue
+        reason = _servable(module)
+        if reason is None:
+            if layer_index(name) is None:
+                problems.append(f"{name}: no layer index in its name")
+            found.append((name, module))
+        else:
+            problems.append(f"{name} ({cls.__name__}): {reason}")
+    if problems:
+        raise UnsupportedCheckpointError(
+            "from_pretrained(): colibri cannot page these experts:\n  " + "\n  ".join(problems)
+        )
+    return found
+
+
+def _kernel_activation(act: Any) -> str | None:
+    """The fused kernel's name for an experts module's ``act_fn`` (SiLU), else None."""
+    if isinstance(act, nn.SiLU) or type(act).__name__ == "SiLUActivation":
+        return "silu"
+    return None
+
+
+def page(name: str, module: nn.Module, paging: Paging) -> int:
+    """Make ``module`` a paged experts module of ``paging``: its weights go (they stay in the
+    checkpoint, served by the pager) and its forward becomes colibri's. Returns its layer."""
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS, ExpertsInterface
+
+    if IMPLEMENTATION not in ALL_EXPERTS_FUNCTIONS:  # once: a wrapper put there stays
+        ExpertsInterface.register(IMPLEMENTATION, experts_forward)
+    state = _Layer(
+        layer=layer_index(name),
+        num_experts=int(module.gate_up_proj.shape[0]),
+        activation=_kernel_activation(module.act_fn),
+        paging=paging,
+    )
+    paging.layers[state.layer] = state.num_experts
+    paging.modules[state.layer] = module
+    for weight in ("gate_up_proj", "down_proj"):
+        del module._parameters[weight]  # meta tensors: nothing to free, nothing to load
+    module.__dict__[_ATTR] = state
+    module.config._experts_implementation_internal = IMPLEMENTATION
+    return state.layer
+
+
+def paged_layers(paging: Paging) -> dict[int, _Layer]:
+    """The paging state of each paged experts module, by layer."""
+    return {layer: module.__dict__[_ATTR] for layer, module in paging.modules.items()}
+
+
+def _torch_view(m: Any, dtype: str, like: torch.Tensor) -> torch.Tensor:
+    """A torch tensor over an expert matrix's memory, no copy (read-only: never written)."""
+    arr = np.asarray(m)
+    return to_caller(arr, like, dtype) if dtype == "bfloat16" else torch.from_numpy(arr)
+
+
+def experts_forward(
+    self: nn.Module,
+    hidden_states: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+) -> torch.Tensor:
+    """transformers' experts call, ``[T, H], [T, k], [T, k] -> [T, H]``:
+    ``y[t] = sum_j w[t, j] * down_e(act(gate_e x) * up_e x)`` over ``e = top_k_index[t, j]``,
+    computed by colibri's engine on the experts the pager serves."""
+    state: _Layer | None = self.__dict__.get(_ATTR)
+    if state is None:
+        raise RuntimeError(
+            f"{type(self).__name__}: experts_implementation='colibri' runs the experts of a "
+            "model loaded by colibri.integrations.transformers.from_pretrained (their weights "
+            "are paged from the checkpoint); this module has none"
+        )
+    paging = state.paging
+    pager = paging.open_pager()
+    T = hidden_states.shape[0]
+    ids = top_k_index.reshape(T, -1)
+    weights = top_k_weights.reshape(ids.shape)
+    ids_np = ids.detach().cpu().numpy()
+    valid = (ids_np >= 0) & (ids_np < state.num_experts)
+    if not valid.all():  # transformers' sentinel ids: no expert
+        ids_np = np.where(valid, ids_np, -1)
+    paging.predictor.observe(state.layer, np.unique(ids_np[valid]))
+    x = hidden_states.detach().float().numpy()  # no copy for float32
+    sums = np.zeros_like(x)
+    out = torch.zeros_like(hidden_states)
+
+    def fallback(e: int, w: ExpertWeights, tokens: np.ndarray, assignments: np.ndarray) -> None:
+        token_t = torch.from_numpy(tokens)
+        slot_t = torch.from_numpy(assignments % ids.shape[1])
+        x_e = hidden_states[token_t]
+        gate, up, down = (_torch_view(m, w.dtype, hidden_states) for m in w)
+        if gate.dtype != x_e.dtype:  # a model run in another dtype than stored: a copy
+            gate, up, down = gate.to(x_e.dtype), up.to(x_e.dtype), down.to(x_e.dtype)
+        h = F.linear(self.act_fn(F.linear(x_e, gate)) * F.linear(x_e, up), down)
+        out.index_add_(0, token_t, (h * weights[token_t, slot_t, None]).to(out.dtype))
+
+    nxt = state.next
+    guess = None
+    if nxt is not None and paging.read_ahead != "off" and not paging.holds_all:
+        guess = lambda: paging.predictor.guess(nxt, hidden_states)  # noqa: E731
+    with warnings.catch_warnings():  # torch warns once: the pager's arrays are read-only
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        fused = run_experts(
+            pager,
+            state.layer,
+            x,
+            ids_np,
+            weights.detach().float().numpy(),
+            sums,
+            num_experts=state.num_experts,
+            activation=state.activation or "silu",
+            num_threads=paging.num_threads,
+            fallback=fallback,
+            kernel=state.activation is not None and hidden_states.dtype in _KERNEL_DTYPES,
+            read_ahead=paging.read_ahead != "off",
+            next_layer=guess,
+        )
+    if fused:
+        out += torch.from_numpy(sums).to(out.dtype)
+    return out

@@ -1,0 +1,321 @@
+"""One gated-FFN expert, ``y = down @ (act(gate @ x) * (up @ x))``, on numpy rows.
+
+float16/bfloat16 weights run colibri's fused kernel (``_ffn``: each weight read once in its
+stored dtype, float32 accumulation) for up to ``_ffn.MAX_ROWS`` float32 rows; everything else
+runs numpy GEMMs (BLAS), half-precision weights converted to float32 one cache-sized block at
+a time. :func:`expert_ffn` is the public entry point for any framework's tensors.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from colibri._dlpack import bf16_to_float32, float32_to_bf16, import_host, to_caller
+from colibri.formats import ExpertWeights
+from colibri.layer import _ffn, _rows
+
+__all__ = ["activation_function", "expert_ffn"]
+
+
+def _gelu_tanh(x: np.ndarray) -> np.ndarray:
+    return 0.5 * x * (1.0 + np.tanh(np.sqrt(2.0 / np.pi) * (x + 0.044715 * x**3)))
+
+
+def _erf(x: np.ndarray) -> np.ndarray:
+    """Abramowitz & Stegun 7.1.26 (absolute error below 1.5e-7), numpy only."""
+    t = 1.0 / (1.0 + 0.3275911 * np.abs(x))
+    poly = t * (
+        0.254829592 + t * (-0.284496736 + t * (1.421413741 + t * (-1.453152027 + t * 1.061405429)))
+    )
+    return np.sign(x) * (1.0 - poly * np.exp(-x * x))
+
+
+def _silu(x: np.ndarray) -> np.ndarray:
+    # x * sigmoid(x) without overflow warnings for large negative x
+    return x * (0.5 * (1.0 + np.tanh(0.5 * x)))
+
+
+_ACTIVATIONS: dict[str, Callable[[np.ndarray], np.ndarray]] = {
+    "silu": _silu,
+    "swiglu": _silu,
+    "gelu": lambda x: 0.5 * x * (1.0 + _erf(x / np.sqrt(2.0)).astype(x.dtype)),
+    "gelu_tanh": _gelu_tanh,
+    "gelu_pytorch_tanh": _gelu_tanh,
+    "geglu": _gelu_tanh,
+    "relu": lambda x: np.maximum(x, 0),
+}
+
+#: The activations the fused kernel computes itself (include/colibri/ffn.h), by name.
+KERNEL_ACTIVATIONS = {
+    "silu": "silu",
+    "swiglu": "silu",
+    "gelu": "gelu",
+    "gelu_tanh": "gelu_tanh",
+    "gelu_pytorch_tanh": "gelu_tanh",
+    "geglu": "gelu_tanh",
+    "relu": "relu",
+}
+#: The weight dtypes the fused kernel reads, as its ``kind`` argument.
+KERNEL_KINDS = _ffn.WEIGHT_KINDS
+
+
+def activation_function(activation: str | Callable) -> Callable[[np.ndarray], np.ndarray]:
+    """The gate activation as a function on float numpy arrays.
+
+    Parameters
+    ----------
+    activation : str or callable
+        ``"silu"`` (SwiGLU), ``"gelu"`` (exact, GeGLU), ``"gelu_tanh"``, ``"relu"``, their
+        aliases (``"swiglu"``, ``"geglu"``, ``"gelu_pytorch_tanh"``), or a callable, returned
+        as it is.
+
+    Raises
+    ------
+    ValueError
+        An unknown name; the message lists the known ones.
+    """
+    if callable(activation):
+        return activation
+    try:
+        return _ACTIVATIONS[activation]
+    except KeyError:
+        raise ValueError(
+            f"unknown activation {activation!r}; choose one of "
+            f"{sorted(_ACTIVATIONS)} or pass a callable"
+        ) from None
+
+
+def kernel_enabled() -> bool:
+    """Whether the fused kernel may run: ``COLIBRI_EXPERT_KERNEL=0`` sends every expert to
+    GEMMs instead (torch's in the transformers integration, BLAS in numpy), to compare or to
+    rule the kernel out in a bug report."""
+    value = os.environ.get("COLIBRI_EXPERT_KERNEL", "1")
+    if value not in ("0", "1"):
+        raise ValueError(f'COLIBRI_EXPERT_KERNEL must be "0" or "1" (got {value!r})')
+    return value == "1"
+
+
+def half_bits(w: Any) -> np.ndarray:
+    """A float16/bfloat16 matrix (numpy, ml_dtypes or raw bits) as its uint16 bits, no copy."""
+    return np.asarray(w).view(np.uint16)
+
+
+# Weight rows converted per block: about 256 KiB of float32, so the block stays in cache
+# between its conversion and its GEMM (a whole converted matrix would go to DRAM and back).
+_BLOCK_BYTES = 1 << 18
+
+
+def linear(x: np.ndarray, w: Any, dtype: str) -> np.ndarray:
+    """``x @ w.T`` for rows ``x [n, in]`` and a weight ``w [out, in]`` stored as ``dtype``.
+
+    Computed as ``(w @ x.T).T`` (BLAS gemv for one row, several times faster than the
+    row-vector form); float16/bfloat16 weights are converted to float32 block by block.
+    """
+    arr = np.asarray(w)
+    if arr.ndim != 2 or arr.shape[1] != x.shape[1]:
+        raise ValueError(
+            f"expert weight of shape {arr.shape} does not match rows of width {x.shape[1]}"
+        )
+    if dtype not in KERNEL_KINDS:
+        return (arr.astype(x.dtype, copy=False) @ x.T).T
+    if x.dtype != np.float32:  # float64 rows: convert the weights whole
+        whole = bf16_to_float32(half_bits(arr)) if dtype == "bfloat16" else arr.view(np.float16)
+        return (whole.astype(x.dtype) @ x.T).T
+    bits = np.ascontiguousarray(half_bits(arr))
+    rows, cols = bits.shape
+    block = max(8, _BLOCK_BYTES // (4 * cols))
+    buf = np.empty((min(block, rows), cols), np.float32)
+    out = np.empty((rows, x.shape[0]), np.float32)
+    xt = x.T
+    for r in range(0, rows, block):
+        b = buf[: min(block, rows - r)]
+        _rows.to_float32(bits[r : r + len(b)], KERNEL_KINDS[dtype], 1, b)
+        np.matmul(b, xt, out=out[r : r + len(b)])
+    return out.T
+
+
+def gated_ffn(
+    x: np.ndarray,
+    expert: ExpertWeights,
+    activation: str | Callable,
+    *,
+    num_threads: int = 0,
+    out: np.ndarray | None = None,
+) -> np.ndarray:
+    """``down @ (act(gate @ x) * (up @ x))`` for numpy rows ``x [n, H]`` (float32 or float64).
+
+    The fused kernel runs for float16/bfloat16 weights, a kernel activation, float32 rows and
+    at most ``_ffn.MAX_ROWS`` of them (it beats block conversion + BLAS there), writing into
+    ``out`` ([n, H] float32, rows contiguous) when given; otherwise three BLAS GEMMs (``out``
+    unused). Returns ``[n, H]`` in ``x``'s dtype.
+    """
+    kernel_act = KERNEL_ACTIVATIONS.get(activation) if isinstance(activation, str) else None
+    n = x.shape[0]
+    if (
+        kernel_act is not None
+        and expert.dtype in KERNEL_KINDS
+        and x.dtype == np.float32
+        and 0 < n <= _ffn.MAX_ROWS
+        and kernel_enabled()
+    ):
+        if out is None:
+            out = np.empty((n, x.shape[1]), np.float32)
+        g, u, d = (_contiguous_rows(half_bits(m)) for m in expert)
+        _ffn.ffn(np.ascontiguousarray(x), g, u, d, KERNEL_KINDS[expert.dtype],
+                 _ffn.ACTIVATIONS[kernel_act], out, num_threads)  # fmt: skip
+        return out
+    act = activation_function(activation)
+    h = act(linear(x, expert.gate, expert.dtype))
+    h *= linear(x, expert.up, expert.dtype)
+    return linear(np.ascontiguousarray(h), expert.down, expert.dtype)
+
+
+def _contiguous_rows(w: np.ndarray) -> np.ndarray:
+    return w if w.shape[1] == 1 or w.strides[1] == w.itemsize else np.ascontiguousarray(w)
+
+
+_FLOATS = ("float32", "float64", "float16", "bfloat16")
+
+
+def float_host(obj: Any, what: str, func: str) -> tuple[np.ndarray, str]:
+    """``obj`` (numpy or any host DLPack tensor, detached) as numpy and its dtype name, no
+    copy (bfloat16 as uint16 bits); refused unless float32, float64, float16 or bfloat16."""
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(obj, torch.Tensor):
+        obj = obj.detach()  # weights and inputs are constants here: no autograd
+    arr, name = import_host(obj)
+    if name not in _FLOATS:
+        raise ValueError(
+            f"{func}(): {what} must be float32, float64, float16 or bfloat16 (got {name})"
+        )
+    return arr, name
+
+
+def compute_rows(arr: np.ndarray, name: str) -> np.ndarray:
+    """Rows in the compute dtype, C-contiguous: float64 stays, everything else float32."""
+    if name == "bfloat16":
+        return bf16_to_float32(arr)
+    return np.ascontiguousarray(arr, np.float64 if name == "float64" else np.float32)
+
+
+def round_to(x: np.ndarray, name: str) -> np.ndarray:
+    """Computed rows rounded once into ``name`` (bfloat16 as uint16 bits)."""
+    if name == "bfloat16":
+        return float32_to_bf16(x)
+    return x.astype(name, copy=False)
+
+
+def check_expert(func: str, H: int, expert: ExpertWeights) -> None:
+    """gate and up ``[I, H]``, down ``[H, I]``, one float dtype, or a ValueError saying which."""
+    g, u, d = (np.shape(m) for m in expert)
+    if len(g) != 2 or g[1] != H:
+        raise ValueError(f"{func}(): gate must be [I, {H}] (got {tuple(g)})")
+    if tuple(u) != tuple(g):
+        raise ValueError(f"{func}(): up must be [{g[0]}, {H}] like gate (got {tuple(u)})")
+    if tuple(d) != (H, g[0]):
+        raise ValueError(f"{func}(): down must be [{H}, {g[0]}] (got {tuple(d)})")
+    if expert.dtype not in _FLOATS:
+        raise ValueError(
+            f"{func}(): expert weights must be float32, float64, float16 or bfloat16 (got "
+            f"{expert.dtype})"
+        )
+
+
+def host_expert(expert: Any, func: str) -> ExpertWeights:
+    """An expert's three matrices (any framework, one dtype) as numpy views, no copy."""
+    if not isinstance(expert, ExpertWeights):
+        expert = ExpertWeights(*expert)
+    views = [float_host(m, w, func) for m, w in zip(expert, ("gate", "up", "down"), strict=True)]
+    names = [name for _, name in views]
+    if len(set(names)) != 1:
+        raise ValueError(
+            f"{func}(): gate, up and down must share one dtype (got {', '.join(names)})"
+        )
+    return ExpertWeights(*(arr for arr, _ in views), dtype=names[0])
+
+
+def expert_ffn(
+    x: Any,
+    gate: Any,
+    up: Any,
+    down: Any,
+    *,
+    activation: str | Callable = "silu",
+    out: Any = None,
+    num_threads: int | None = None,
+) -> Any:
+    """One gated-FFN expert: ``y = down @ (act(gate @ x) * (up @ x))`` for each row of x.
+
+    float16 and bfloat16 weights with up to 64 rows run colibri's fused kernel (each weight
+    read once in its stored dtype, float32 accumulation, the SIMD path of
+    ``colibri.simd_path()``); more rows, float32/float64 weights or a callable activation
+    run block conversion + BLAS.
+
+    Parameters
+    ----------
+    x : [n, H] or [H]
+        float32, float64, float16 or bfloat16; numpy or any host DLPack tensor (torch, jax).
+    gate, up : [I, H]
+    down : [H, I]
+        The transformers convention (``nn.Linear`` weights, ``[out, in]``); all one dtype.
+    activation : str or callable
+        "silu" (SwiGLU), "gelu" (exact), "gelu_tanh", "relu", their aliases in
+        ``activation_function``, or a callable on a float numpy array.
+    out : like x, optional
+        Written in place (same shape and dtype as x) and returned.
+    num_threads : int or None
+        Threads for the fused kernel (None: colibri's default).
+
+    Returns
+    -------
+    y : same shape, dtype and framework as x (torch in, torch out, zero-copy)
+
+    Raises
+    ------
+    ValueError
+        Shapes that do not make an expert, mixed or non-float dtypes, a bad ``out`` or
+        ``num_threads``; the message names the argument.
+    """
+    arr, name = float_host(x, "x", "expert_ffn")
+    if arr.ndim not in (1, 2):
+        raise ValueError(f"expert_ffn(): x must be [n, H] or [H] (got shape {tuple(arr.shape)})")
+    rows2d = arr.reshape(1, -1) if arr.ndim == 1 else arr
+    n, H = rows2d.shape
+    if num_threads is not None and (
+        isinstance(num_threads, bool)
+        or not isinstance(num_threads, (int, np.integer))
+        or num_threads < 1
+    ):
+        raise ValueError(
+            f"expert_ffn(): num_threads must be a positive int or None (got {num_threads!r})"
+        )
+    expert = host_expert((gate, up, down), "expert_ffn")
+    check_expert("expert_ffn", H, expert)
+    out_arr = None
+    if out is not None:
+        out_arr, out_name = import_host(out, writable=True)
+        if out_name != name or tuple(out_arr.shape) != tuple(arr.shape):
+            raise ValueError(
+                f"expert_ffn(): out must be {name} of shape {tuple(arr.shape)} like x (got "
+                f"{out_name} of shape {tuple(out_arr.shape)})"
+            )
+    compute = np.float64 if name == "float64" and expert.dtype == "float64" else np.float32
+    x_c = compute_rows(rows2d, name).astype(compute, copy=False)
+    if n == 0:
+        y = np.empty((0, H), compute)
+    else:
+        direct = out_arr is not None and name == "float32" and out_arr.strides[-1] == 4
+        into = out_arr.reshape(n, H) if direct else None
+        y = gated_ffn(x_c, expert, activation, num_threads=num_threads or 0, out=into)
+        if direct and y is into:
+            return out
+    y = y.reshape(arr.shape)
+    if out_arr is not None:
+        out_arr[...] = round_to(y, name).reshape(out_arr.shape)
+        return out
+    return to_caller(round_to(y, name), x, name)
