@@ -17,8 +17,8 @@ import numpy as np
 from colibri import _json
 from colibri._atomic_file import write_atomically
 from colibri._errors import FormatError
+from colibri._usage import UsageStats
 from colibri._validate import check_int
-from colibri.routing import UsageStats
 
 __all__ = ["Partition"]
 
