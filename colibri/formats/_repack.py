@@ -20,8 +20,9 @@ import numpy as np
 
 from colibri import _groups
 from colibri._validate import check_page_size_kb
-from colibri.formats import WeightSource, open_weights
+from colibri.formats._base import WeightSource
 from colibri.formats._io import FileReader
+from colibri.formats._open import open_weights
 from colibri.formats.raw import RawWriter
 
 __all__ = ["repack"]
