@@ -322,11 +322,12 @@ def test_one_context_from_four_threads():
         parallel = list(pool.map(ctx.route, batches))
     for (i1, w1), (i2, w2) in zip(serial, parallel, strict=True):
         assert np.array_equal(i1, i2) and np.array_equal(w1, w2)
-    counts, coactivation, tokens = ctx._usage_arrays()
-    assert tokens == sum(len(b) for b in batches)
+    stats = ctx.stats
+    assert stats.tokens == sum(len(b) for b in batches)
     all_ids = np.concatenate([i for i, _ in serial])
-    np.testing.assert_array_equal(counts, np.bincount(all_ids.ravel(), minlength=64))
-    np.testing.assert_array_equal(np.diag(coactivation), counts)
+    np.testing.assert_array_equal(stats.counts, np.bincount(all_ids.ravel(), minlength=64))
+    expected = colibri.UsageStats.from_ids(all_ids, 64)  # every pair, counted once
+    np.testing.assert_array_equal(stats.coactivation, expected.coactivation)
 
 
 class DeviceProducer(Producer):

@@ -264,16 +264,16 @@ def test_usage_counts_match_the_routes_and_failed_calls_count_nothing():
         ctx.route(bad)
     with pytest.raises(ValueError, match="row 50"):
         ctx.route(bad[600:700])  # one chunk, the latency path
-    counts, coactivation, tokens = ctx._usage_arrays()
+    stats = ctx.stats
     all_ids = np.concatenate([ids, one[None]])
-    assert tokens == 5001
-    np.testing.assert_array_equal(counts, np.bincount(all_ids.ravel(), minlength=16))
+    assert stats.tokens == 5001
+    np.testing.assert_array_equal(stats.counts, np.bincount(all_ids.ravel(), minlength=16))
     pairs = np.zeros((16, 16), np.int64)
     for row in all_ids:
         pairs[np.ix_(row, row)] += 1
-    np.testing.assert_array_equal(coactivation, pairs)
+    np.testing.assert_array_equal(stats.coactivation, pairs)
     ctx.reset_stats()
-    assert ctx._usage_arrays()[2] == 0
+    assert ctx.stats == colibri.UsageStats.empty(16)
 
 
 @pytest.mark.parametrize("E", [2, 3, 5, 8, 26, 64, 96, 97])
