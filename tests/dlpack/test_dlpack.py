@@ -215,22 +215,45 @@ def test_unsupported_version_calls_deleter(logits):
     assert cap.deleted == 1
 
 
+def refusal(named: str) -> str:
+    """A TypeError message from route() that names the dtype and lists the ones it reads."""
+    return rf"^route\(logits\): (?=.*{named})(?=.*float32, float64, float16 (and|or) bfloat16)"
+
+
 @pytest.mark.parametrize(
-    "code,bits,name",
-    [(0, 32, "int32"), (6, 8, "bool"), (5, 64, "complex"), (7, 8, "fp8"), (1, 16, "uint16")],
+    ("code", "bits", "named"),
+    [
+        (0, 32, r"got int32"),
+        (6, 8, r"got bool"),
+        (1, 16, r"got uint16"),
+        (5, 64, r"unsupported dtype complex64"),
+        (7, 8, r"DLPack code 7\b"),  # fp8: a code colibri has no name for
+    ],
+    ids=["int32", "bool", "uint16", "complex64", "fp8"],
 )
-def test_non_float_dtypes_refused(code, bits, name):
-    data = np.zeros(64, np.float32)
-    cap = Capsule(data, shape=(2, 12), dtype=(code, bits))
-    with pytest.raises(TypeError, match="dtype|floating"):
+def test_non_float_capsule_dtypes_refused(code, bits, named):
+    """A capsule of a non-float dtype is refused by name, and the message lists what is read;
+    the capsule is consumed and released once all the same."""
+    cap = Capsule(np.zeros(64, np.float32), shape=(2, 12), dtype=(code, bits))
+    with pytest.raises(TypeError, match=refusal(named)):
         colibri.init(12, 3).route(cap.capsule)
-    for arr in (
-        np.zeros((2, 12), np.int32),
-        np.zeros((2, 12), bool),
-        np.zeros((2, 12), np.complex64),
-    ):
-        with pytest.raises(TypeError):
-            colibri.init(12, 3).route(arr)
+    gc.collect()
+    assert cap.deleted == 1
+
+
+@pytest.mark.parametrize(
+    ("dtype", "named"),
+    [
+        (np.int32, r"got int32"),
+        (np.bool_, r"got bool"),
+        (np.uint8, r"got uint8"),
+        (np.complex64, r"buffer format 'Zf'"),
+    ],
+    ids=["int32", "bool", "uint8", "complex64"],
+)
+def test_non_float_numpy_dtypes_refused(dtype, named):
+    with pytest.raises(TypeError, match=refusal(named)):
+        colibri.init(12, 3).route(np.zeros((2, 12), dtype))
 
 
 def test_requires_grad_is_refused_with_the_fix(torch):
