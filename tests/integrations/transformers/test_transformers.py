@@ -288,12 +288,31 @@ def test_deepcopy_of_a_patched_model_routes_with_its_own_weights():
     torch.testing.assert_close(logits, reference, atol=1e-4, rtol=1e-4)
 
 
-def test_routing_threads_is_passed_to_colibri():
+@pytest.mark.parametrize("threads", ["one", "more than the default"])
+def test_routing_threads_is_passed_to_colibri(monkeypatch, threads):
+    """Every router's colibri context is built with ``patch(routing_threads=n)``'s n, read
+    back from the contexts (the default is max_threads(), so "more" is never it), and the
+    routing is transformers' whatever n is; 0 is refused at patch time."""
+    import colibri
+
+    n = 1 if threads == "one" else colibri.max_threads() + 1
+    contexts = []
+    init = colibri.init
+
+    def recording_init(*args, **options):
+        contexts.append(init(*args, **options))
+        return contexts[-1]
+
+    monkeypatch.setattr(colibri, "init", recording_init)  # public: what patch() builds with
     model = build_model("olmoe")
-    records = patch(model, routing_threads=1)
+    records = patch(model, routing_threads=n)
     randomise_routers(model, [r.name for r in records])
     input_ids = torch.randint(3, 96, (2, 9), generator=torch.Generator().manual_seed(5))
     calls, _, _ = _run(model, records, input_ids)
+    assert len(contexts) >= len(records) > 0
+    assert [(c.routing_threads, c.config.routing_threads) for c in contexts] == [(n, n)] * len(
+        contexts
+    )
     unpatch(model)
     ref_calls, _, _ = _run(model, records, input_ids)
     _assert_same_routing(ref_calls, calls, ordered=True)
