@@ -1,14 +1,16 @@
 #!/bin/sh
 # A fuzz campaign: every target of tests/test_fuzz.py, EXAMPLES inputs each, PIECES times
 # (each piece a fresh pytest session with fresh random inputs), appended to the ledger
-# tests/fuzz_ledger.jsonl. A piece that crashes (killed by a signal) or hangs (past
-# PIECE_SECONDS) is recorded as such, and the script fails.
+# $COLIBRI_FUZZ_LEDGER (default build/fuzz/ledger.jsonl: a CI artifact, git-ignored). A piece
+# that crashes (killed by a signal) or hangs (past PIECE_SECONDS) is recorded as such, and the
+# script fails.
 # Usage: .ci/fuzz.sh [EXAMPLES=2000] [PIECES=1]; run from the repository root.
 set -u
 EXAMPLES=${1:-2000}
 PIECES=${2:-1}
 PIECE_SECONDS=${PIECE_SECONDS:-3600}
-LEDGER=${COLIBRI_FUZZ_LEDGER:-$(pwd)/tests/fuzz_ledger.jsonl}
+LEDGER=${COLIBRI_FUZZ_LEDGER:-$(pwd)/build/fuzz/ledger.jsonl}
+mkdir -p "$(dirname "$LEDGER")"
 TMP=$(mktemp -d "${COLIBRI_FUZZ_TMP:-/dev/shm}/colibri-fuzz.XXXXXX" 2>/dev/null || mktemp -d)
 trap 'rm -rf "$TMP"' EXIT
 status=0

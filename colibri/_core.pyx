@@ -107,17 +107,14 @@ cdef extern from *:
 
 
 def build_info():
-    """How this extension was built and what this CPU runs: compiler and SIMD paths."""
-    from colibri.layer import _ffn
-
+    """How this extension was built and what this CPU runs of routing's SIMD kernels: the
+    compiler and the paths (the expert kernels report theirs: ``colibri.layer.simd_path``)."""
     simd = COLIBRI_SIMD.decode()
     if colibri_cpu_has_avx2():
         simd += ", avx2 (score passes, top two, top-k bound, 8-row blocks)"
     if colibri_cpu_has_avx512():
         simd += ", avx512f (sigmoid pass, top two, 16-row blocks)"
-    return {"compiler": COLIBRI_COMPILER.decode(), "simd": simd,
-            "path": _ffn.simd_path(), "detected": _ffn.detected_path(),
-            "ffn_path": _ffn.ffn_path()}
+    return {"compiler": COLIBRI_COMPILER.decode(), "simd": simd}
 
 
 def max_threads():

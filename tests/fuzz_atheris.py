@@ -9,7 +9,9 @@ A broken contract or an undocumented exception is a failure, a signal or a memor
 (``-rss_limit_mb``) a crash, an input running past ``-timeout`` seconds a hang; its input is
 saved in ``fuzz_findings/`` beside the ledger, and the ledger's note names it. The counts
 (inputs per target, how many were refused) are appended to the ledger, one entry per piece,
-``"harness": "atheris"``.
+``"harness": "atheris"``. The ledger is ``--ledger``, else ``$COLIBRI_FUZZ_LEDGER``, else
+``build/fuzz/ledger.jsonl`` under the repository root: a CI artifact, git-ignored, never a
+tracked file.
 
 Usage, from the repository root (needs the ``fuzz`` extra)::
 
@@ -35,7 +37,10 @@ import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-LEDGER = os.path.join(HERE, "fuzz_ledger.jsonl")
+# a campaign's record is an artifact of the run that made it, kept out of the source tree
+LEDGER = os.environ.get("COLIBRI_FUZZ_LEDGER") or os.path.join(
+    os.path.dirname(HERE), "build", "fuzz", "ledger.jsonl"
+)
 TARGETS = ("json", "safetensors", "index", "manifest", "gguf", "partition", "stats", "trace",
            "dlpack-route", "dlpack-metadata")  # fmt: skip
 TIMEOUT = 20  # seconds one input may take before libFuzzer calls it a hang
@@ -379,6 +384,7 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     base = os.environ.get("COLIBRI_FUZZ_TMP") or ("/dev/shm" if os.path.isdir("/dev/shm") else None)
     work = tempfile.mkdtemp(prefix="colibri-atheris-", dir=base)
+    os.makedirs(os.path.dirname(os.path.abspath(args.ledger)), exist_ok=True)
     keep = os.path.join(os.path.dirname(os.path.abspath(args.ledger)), "fuzz_findings")
     status = 0
     try:

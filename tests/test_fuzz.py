@@ -9,7 +9,8 @@ crash kills it (run under ``.ci/sanitize.sh`` for memory errors that do not cras
 The default suite runs ``COLIBRI_FUZZ_EXAMPLES`` (default 150) examples per target; the
 ``slow`` twins run 4 times as many. The inputs generated are counted per target and printed
 at the end of the session; with ``COLIBRI_FUZZ_LEDGER=<file>`` the counts are also appended
-to that JSON-lines ledger (``.ci/fuzz.sh`` runs campaigns into ``tests/fuzz_ledger.jsonl``).
+to that JSON-lines ledger (``.ci/fuzz.sh`` runs campaigns into ``build/fuzz/ledger.jsonl``, a
+CI artifact that no tracked file holds).
 Files go to ``COLIBRI_FUZZ_TMP`` (default: the system's temporary folder). What each target
 owes is written once, in ``_support/contracts.py``; ``fuzz_atheris.py`` drives the same checks
 coverage-guided, for campaigns of millions of inputs.
@@ -41,7 +42,6 @@ from colibri.formats._base import DTYPE_SIZES  # noqa: E402
 FAST = int(os.environ.get("COLIBRI_FUZZ_EXAMPLES", "150"))
 SLOW = 4 * FAST
 COUNTS: collections.Counter[str] = collections.Counter()
-LEDGER = os.path.join(os.path.dirname(__file__), "fuzz_ledger.jsonl")
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -110,9 +110,21 @@ def check_ledger(ledger: str) -> collections.Counter[str]:
     return totals
 
 
-def test_fuzz_ledger_is_well_formed():
-    totals = check_ledger(LEDGER)
-    print(f"fuzz ledger: {sum(totals.values())} inputs", totals)
+def test_a_session_is_recorded_as_a_well_formed_ledger_entry(tmp_path, monkeypatch):
+    """What a campaign appends (``_record``, one entry per session) is what ``check_ledger``
+    accepts, with its counts per target; a session that failed is not, until its ``note``
+    says what the fault was."""
+    counts = collections.Counter({"trace": 40, "trace:refused": 31, "stats": 25})
+    monkeypatch.setitem(globals(), "COUNTS", counts)
+    ledger = str(tmp_path / "ledger.jsonl")
+    _record(ledger, 0)
+    _record(ledger, 0)
+    assert check_ledger(ledger) == {"trace": 80, "stats": 50}
+    entry = json.loads((tmp_path / "ledger.jsonl").read_text().splitlines()[0])
+    assert entry["refused"] == {"trace": 31, "stats": 0} and entry["failures"] == 0
+    _record(ledger, 1)
+    with pytest.raises(AssertionError, match="'failures': 1"):
+        check_ledger(ledger)
 
 
 def _atheris(tmp_path, *args, **env):

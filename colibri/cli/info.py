@@ -18,8 +18,9 @@ def run(_args: argparse.Namespace) -> int:
 
     import colibri
     from colibri import _core
+    from colibri.layer import _ffn
 
-    build = _core.build_info()
+    build = _core.build_info()  # routing's kernels; the expert kernels' paths from layer
     print(f"colibri {colibri.__version__} (distribution colibri-moe)")
     print(f"python {platform.python_version()} on {platform.system()} {platform.machine()}")
     print(f"numpy {np.__version__}")
@@ -34,8 +35,8 @@ def run(_args: argparse.Namespace) -> int:
     )
     print(f"simd {build['simd']}")
     print(
-        f"simd path {build['path']} (cpu {build['detected']}, COLIBRI_SIMD="
-        f"{os.environ.get('COLIBRI_SIMD')}; expert kernel {build['ffn_path']})"
+        f"simd path {colibri.simd_path()} (cpu {_ffn.detected_path()}, COLIBRI_SIMD="
+        f"{os.environ.get('COLIBRI_SIMD')}; expert kernel {_ffn.ffn_path()})"
     )
     print(f"include {colibri.get_include()}")
     return 0

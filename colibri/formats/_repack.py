@@ -14,40 +14,39 @@ from __future__ import annotations
 
 import hashlib
 import os
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 
 import numpy as np
 
+from colibri import _groups
 from colibri._validate import check_page_size_kb
-from colibri.formats import WeightSource, open_weights
+from colibri.formats._base import WeightSource
 from colibri.formats._io import FileReader
+from colibri.formats._open import open_weights
 from colibri.formats.raw import RawWriter
 
 __all__ = ["repack"]
 
 
-def _groups(partition, layer: int, experts: set[int]) -> list[list[int]]:
+def _layer_groups(partition, layer: int, experts: set[int]) -> list[list[int]]:
     if isinstance(partition, Mapping):
         if layer not in partition:
             raise ValueError(f"repack(): the partition mapping has no entry for layer {layer}")
         partition = partition[layer]
     groups = getattr(partition, "groups", partition)
-    try:
-        groups = [[int(e) for e in g] for g in groups]
-    except TypeError:
+    if isinstance(groups, (str, bytes, Mapping)) or not isinstance(groups, Iterable):
         raise TypeError(
             "repack(): partition must have .groups or be a list of lists of expert ids "
             f"(got {type(partition).__name__})"
-        ) from None
-    flat = [e for g in groups for e in g]
-    if len(flat) != len(set(flat)) or set(flat) != experts or any(not g for g in groups):
-        seen = set()
-        dup = sorted({e for e in flat if e in seen or seen.add(e)})
+        )
+    groups = [list(g) for g in _groups.parse(groups, "repack(): partition")]
+    wrong = _groups.coverage(groups, experts)
+    if wrong:
         raise ValueError(
             f"repack(): layer {layer}: the partition must list every expert "
             f"{sorted(experts)} exactly once in non-empty groups (missing "
-            f"{sorted(experts - set(flat))}, unknown {sorted(set(flat) - experts)}, "
-            f"repeated {dup})"
+            f"{list(wrong.missing)}, unknown {sorted({e for e, _ in wrong.unknown})}, "
+            f"repeated {sorted({e for e, *_ in wrong.repeated})})"
         )
     return groups
 
@@ -101,7 +100,7 @@ def repack(
     per_layer = {}
     for layer in src.layers:
         ids = {e for (lay, e) in src.experts if lay == layer}
-        per_layer[layer] = _groups(partition, layer, ids)
+        per_layer[layer] = _layer_groups(partition, layer, ids)
     digests: dict[tuple[int, int], bytes] = {}
     meta = {
         "groups": {str(k): v for k, v in per_layer.items()},

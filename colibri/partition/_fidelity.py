@@ -9,6 +9,7 @@ import numpy as np
 
 from colibri._validate import check_int
 from colibri.partition._partition import Partition
+from colibri.routing import route
 
 __all__ = ["FidelityReport", "evaluate", "fidelity"]
 
@@ -179,8 +180,6 @@ def evaluate(
     FidelityReport
         Recall, routing mass kept, load per group, share of tokens spanning several groups.
     """
-    import colibri
-
     if not isinstance(partition, Partition):
         partition = Partition(partition)
     for name in ("partition", "num_groups", "collect_stats"):
@@ -199,8 +198,8 @@ def evaluate(
             f"{partition.num_groups} groups"
         )
     group_options = {"group_score": options.pop("group_score")} if "group_score" in options else {}
-    exact_ids, _ = colibri.route(array, top_k, **options)
-    partitioned_ids, _ = colibri.route(
+    exact_ids, _ = route(array, top_k, **options)
+    partitioned_ids, _ = route(
         array, top_k, partition=partition, topk_groups=topk_groups, **group_options, **options
     )
     return fidelity(

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from colibri.routing import UsageStats
+from colibri._usage import UsageStats
 
 _UNBOUNDED = np.iinfo(np.int64).max // 4  # a load cap that never binds
 

@@ -14,22 +14,16 @@ from collections.abc import Iterable
 
 import numpy as np
 
-from colibri import _json
+from colibri import _groups, _json
 from colibri._atomic_file import write_atomically
 from colibri._errors import FormatError
+from colibri._usage import UsageStats
 from colibri._validate import check_int
-from colibri.routing import UsageStats
 
 __all__ = ["Partition"]
 
 _FORMAT = "colibri.Partition"
 _VERSION = 1
-
-
-def _group_sizes(num_experts: int, num_groups: int) -> list[int]:
-    """Sizes differing by at most one, larger first: 26 in 4 -> [7, 7, 6, 6]."""
-    base, extra = divmod(num_experts, num_groups)
-    return [base + 1] * extra + [base] * (num_groups - extra)
 
 
 class Partition:
@@ -61,56 +55,11 @@ class Partition:
     __slots__ = ("_group_of", "_groups")
 
     def __init__(self, groups: Iterable[Iterable[int]], *, num_experts: int | None = None) -> None:
-        where = "Partition"
-        if isinstance(groups, (str, bytes)) or not isinstance(groups, Iterable):
-            raise TypeError(
-                f"{where}: groups must be a list of lists of expert ids (got {groups!r})"
-            )
-        parsed: list[tuple[int, ...]] = []
-        for index, group in enumerate(groups):
-            if isinstance(group, (str, bytes, dict)) or not isinstance(group, Iterable):
-                raise TypeError(
-                    f"{where}: group {index} must be a list of expert ids (got {group!r})"
-                )
-            ids = []
-            for expert in group:
-                if isinstance(expert, (bool, np.bool_)) or not isinstance(
-                    expert, (int, np.integer)
-                ):
-                    raise TypeError(
-                        f"{where}: group {index} holds {expert!r}; expert ids must be ints"
-                    )
-                ids.append(int(expert))
-            if not ids:
-                raise ValueError(f"{where}: group {index} is empty; every group needs an expert")
-            parsed.append(tuple(sorted(ids)))
-        if not parsed:
-            raise ValueError(f"{where}: groups is empty; give at least one group")
-        total = sum(len(g) for g in parsed)
-        e = total if num_experts is None else check_int(f"{where}: num_experts", num_experts, 1)
-        group_of = np.full(e, -1, np.int32)
-        for index, group in enumerate(parsed):
-            for expert in group:
-                if not 0 <= expert < e:
-                    raise ValueError(
-                        f"{where}: expert id {expert} in group {index} is out of range "
-                        f"[0, {e}) for {e} experts"
-                    )
-                if group_of[expert] >= 0:
-                    raise ValueError(
-                        f"{where}: expert {expert} appears twice (groups {group_of[expert]} and "
-                        f"{index}); every expert must be in exactly one group"
-                    )
-                group_of[expert] = index
-        missing = np.flatnonzero(group_of < 0)
-        if missing.size:
-            shown = ", ".join(str(x) for x in missing[:8]) + (" ..." if missing.size > 8 else "")
-            raise ValueError(
-                f"{where}: experts {shown} are in no group ({missing.size} of {e} missing); "
-                f"every expert must be in exactly one group"
-            )
+        self._groups = _groups.check(groups, num_experts, where="Partition")
+        group_of = np.empty(sum(len(g) for g in self._groups), np.int32)
+        for index, group in enumerate(self._groups):
+            group_of[list(group)] = index
         group_of.flags.writeable = False
-        self._groups = tuple(parsed)
         self._group_of = group_of
 
     # -- construction --------------------------------------------------------------------------
@@ -127,8 +76,7 @@ class Partition:
             raise ValueError(
                 f"Partition.contiguous: num_groups ({m}) must not exceed num_experts ({e})"
             )
-        bounds = np.cumsum([0, *_group_sizes(e, m)])
-        return cls([range(bounds[i], bounds[i + 1]) for i in range(m)], num_experts=e)
+        return cls(_groups.contiguous(e, m), num_experts=e)
 
     @classmethod
     def from_usage(
@@ -224,7 +172,7 @@ class Partition:
                 )
         from colibri.partition._learn import learn_groups
 
-        assignment = learn_groups(stats, _group_sizes(e, m), load_tolerance)
+        assignment = learn_groups(stats, _groups.sizes(e, m), load_tolerance)
         groups = [np.flatnonzero(assignment == g) for g in range(m)]
         groups.sort(key=lambda members: int(members[0]))
         return cls(groups, num_experts=e)

@@ -6,8 +6,8 @@ of any framework; ``route`` is the one-shot form. ``UsageStats`` are the expert 
 co-activations a context collects, the input of ``Partition.from_usage``.
 """
 
+from colibri._usage import UsageStats  # a leaf, so that partition needs no routing for it
 from colibri.routing._config import Config
 from colibri.routing._context import Context, init, route, route_from_dlpack
-from colibri.routing._stats import UsageStats
 
 __all__ = ["Config", "Context", "UsageStats", "init", "route", "route_from_dlpack"]

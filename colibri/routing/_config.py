@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from colibri import _core
+from colibri import _core, _groups
 from colibri._validate import check_choice, check_float, check_int, check_page_size_kb
 
 SCORINGS = tuple(_core.SCORINGS)  # the names route.h has codes for
@@ -86,6 +86,7 @@ class Config:
         A group's score: its best key, or the sum of its best two.
     partition : colibri.Partition, list of lists of expert ids, or None
         Explicit groups of any membership (Static Expert Partitioning); overrides num_groups.
+        Kept as the groups, a tuple of tuples of ascending ids (``Partition.groups``).
     ids_dtype : {"int32", "int64"}
     collect_stats : bool
         Count expert selections and co-activations while routing (``ctx.stats``).
@@ -151,18 +152,13 @@ class Config:
         set_("correction_bias", _expert_vector("correction_bias", self.correction_bias, E))
         set_("expert_scale", _expert_vector("expert_scale", self.expert_scale, E))
 
-        if self.partition is not None:
-            from colibri.partition import Partition
-
-            partition = self.partition
-            if not isinstance(partition, Partition):
-                partition = Partition(partition)
-            if partition.num_experts != E:
-                raise ValueError(
-                    f"partition covers {partition.num_experts} experts but num_experts={E}"
-                )
-            set_("partition", partition)
-            set_("num_groups", partition.num_groups)
+        if self.partition is not None:  # a colibri.Partition, or its groups
+            groups = _groups.check(getattr(self.partition, "groups", self.partition))
+            covered = sum(len(g) for g in groups)
+            if covered != E:
+                raise ValueError(f"partition covers {covered} experts but num_experts={E}")
+            set_("partition", groups)
+            set_("num_groups", len(groups))
         else:
             set_(
                 "num_groups",
@@ -193,10 +189,8 @@ class Config:
     def groups(self) -> tuple[tuple[int, ...], ...]:
         """The expert groups routing is limited by (one group of all experts when ungrouped)."""
         if self.partition is not None:
-            return self.partition.groups
-        from colibri.partition import Partition
-
-        return Partition.contiguous(self.num_experts, self.num_groups).groups
+            return self.partition
+        return _groups.contiguous(self.num_experts, self.num_groups)
 
     @classmethod
     def options(cls) -> tuple[str, ...]:

@@ -3,16 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from colibri._core import Router
 from colibri._dlpack import host_tensor
+from colibri._usage import UsageStats
 from colibri.routing._config import Config, check_options
-
-if TYPE_CHECKING:
-    from colibri.routing._stats import UsageStats
 
 
 class Context(Router):
@@ -50,8 +48,6 @@ class Context(Router):
         """Usage statistics (:class:`colibri.UsageStats`) or None when not collecting."""
         if not self.collect_stats:
             return None
-        from colibri.routing._stats import UsageStats
-
         counts, coactivation, tokens = self._usage_arrays()
         return UsageStats(counts=counts, coactivation=coactivation, tokens=int(tokens))
 

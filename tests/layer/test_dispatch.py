@@ -47,12 +47,15 @@ def reference_combine(expert_out: np.ndarray, inverse: np.ndarray, w: np.ndarray
     return acc
 
 
-rng = np.random.default_rng(1234)
+@pytest.fixture
+def rng():
+    """A fresh generator per test: its inputs do not depend on which tests ran before."""
+    return np.random.default_rng(1234)
 
 
 @pytest.mark.parametrize("dtype", [np.int32, np.int64])
 @pytest.mark.parametrize("block", [1, 4, 16])
-def test_plan_matches_stable_argsort(dtype, block):
+def test_plan_matches_stable_argsort(dtype, block, rng):
     ids = rng.integers(0, 26, (300, 2)).astype(dtype)
     plan = check_plan(ids, 26, block)
     assert plan.num_rows % block == 0
@@ -75,7 +78,7 @@ def test_plan_matches_stable_argsort(dtype, block):
     ],
 )
 @pytest.mark.parametrize("block", [1, 3])
-def test_adversarial_ids(ids, E, block):
+def test_adversarial_ids(ids, E, block, rng):
     plan = check_plan(ids, E, block)
     assert plan.counts.sum() == ids.size
     H = 5
@@ -116,7 +119,7 @@ def test_bad_arguments_raise():
         combine(np.zeros((5, 2), np.float32), plan, np.zeros((3, 2), np.float32))
 
 
-def test_thread_count_invariance():
+def test_thread_count_invariance(rng):
     # enough assignments for several per-thread chunks; skewed so some experts are empty
     ids = (rng.zipf(1.5, (60_000, 2)) % 26).astype(np.int32)
     ids[ids == 7] = 0
@@ -134,7 +137,7 @@ def test_thread_count_invariance():
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float64", "float16", "bfloat16"])
-def test_every_dtype_in_several_chunks(dtype):
+def test_every_dtype_in_several_chunks(dtype, rng):
     # colibri/pool.h runs these in chunks of rows: each dtype's chunk kernels against one
     # chunk and against numpy (60,000 x 2 slots of 8 values: 4 chunks at num_threads=4)
     ids = rng.integers(0, 26, (60_000, 2)).astype(np.int64)
@@ -177,7 +180,7 @@ def test_plan_property(T, k, extra, block, seed):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
-def test_torch_dtypes_round_trip(dtype):
+def test_torch_dtypes_round_trip(dtype, rng):
     T, k, E, H = 37, 2, 6, 24
     ids = torch.from_numpy(rng.integers(0, E, (T, k)).astype(np.int64))
     plan = dispatch(ids, E, block_size=4)
@@ -203,7 +206,7 @@ def test_torch_dtypes_round_trip(dtype):
     torch.testing.assert_close(out, acc.to(dtype), rtol=0, atol=0)
 
 
-def test_numpy_float16_and_output_dtype():
+def test_numpy_float16_and_output_dtype(rng):
     T, k, E, H = 20, 3, 5, 7
     ids = np.stack([rng.permutation(E)[:k] for _ in range(T)]).astype(np.int32)
     plan = dispatch(ids, E)
@@ -219,7 +222,7 @@ def test_numpy_float16_and_output_dtype():
     np.testing.assert_array_equal(out, ref)
 
 
-def test_float_to_half_and_bfloat16_rounding_is_exact():
+def test_float_to_half_and_bfloat16_rounding_is_exact(rng):
     """combine's float32 -> float16/bfloat16 rounding equals numpy/torch (RNE), specials too."""
     bits = rng.integers(0, 2**32, 200_000, dtype=np.uint64).astype(np.uint32)
     special = np.array(
