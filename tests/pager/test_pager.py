@@ -16,16 +16,28 @@ import pytest
 
 import colibri
 from _support.paging import held_pages, hook_io
+from colibri._units import process_memory
 from colibri.formats import open_weights
-from colibri.formats._io import HAS_MADVISE, FileChangedError
 from colibri.formats.raw import write_experts
-from colibri.pager import IO_BACKENDS, POLICIES, BudgetError, Pager, Trace, belady, replay
+from colibri.pager import (
+    DEFAULT_IO,
+    IO_BACKENDS,
+    POLICIES,
+    BudgetError,
+    FileChangedError,
+    HotSetPolicy,
+    Pager,
+    Trace,
+    belady,
+    replay,
+)
 
 L, E, I, H = 3, 8, 16, 32  # one expert: 3 * 16 * 32 * 2 = 3072 bytes -> one 4 KiB slot
 SLOT = 4096
+BACKENDS = [b for b in IO_BACKENDS if b != "mmap" or DEFAULT_IO == "mmap"]  # mmap needs madvise
 
 
-@pytest.fixture(params=[b for b in IO_BACKENDS if b != "mmap" or HAS_MADVISE])
+@pytest.fixture(params=BACKENDS)
 def io(request):
     return request.param
 
@@ -134,17 +146,50 @@ def test_hot_policy_from_saved_usage(weights):
             pager.load(layer, ids).release()
         usage = pager.usage()
         assert usage == trace.counts() and pager.trace.steps == trace.steps
-        pager.set_cache_policy("hot", counts=usage, hot_fraction=0.5)
+        hot = HotSetPolicy(7, counts=usage, hot_fraction=0.5)
+        pager.set_cache_policy(hot)
         assert pager.policy == "hot"
         pager.reset_stats()
         for layer, ids in trace:
             pager.load(layer, ids).release()
-        hot = pager._policy.hot
-        assert len(hot) == 3 and all(k in pager.resident() for k in hot)
+        assert len(hot.hot) == 3 and all(k in pager.resident() for k in hot.hot)
+    options = dict(counts=usage, hot_fraction=0.5)
+    with Pager(path, budget_bytes=7 * SLOT, page_size_kb=4, policy="hot",
+               policy_options=options) as pager:  # fmt: skip
+        for layer, ids in trace:
+            pager.load(layer, ids).release()
+        s = pager.stats
+    expected = replay(trace, 7, "hot", **options)
+    assert (s.hits, s.misses, s.evictions) == (expected.hits, expected.misses, expected.evictions)
+    assert expected.hits != replay(trace, 7, "lru").hits  # the hot set changed what hit
     with pytest.raises(ValueError, match="needs usage counts"):
         replay(trace, 7, "hot")
     with pytest.raises(ValueError, match="unknown cache policy 'nope'; available"):
         Pager(path, budget_bytes=7 * SLOT, page_size_kb=4).set_cache_policy("nope")
+
+
+def evicted_by(pager, layer, ids):
+    """Load ``ids`` of ``layer`` and return the keys that left the cache for them."""
+    before = set(pager.resident())
+    pager.load(layer, ids).release()
+    return sorted(before - set(pager.resident()))
+
+
+@pytest.mark.parametrize(
+    ("old", "new", "order"),
+    [("lru", "fifo", [1, 0, 2, 3]), ("fifo", "lru", [3, 1, 0, 2])],
+)
+def test_set_cache_policy_keeps_the_eviction_order(weights, old, new, order):
+    # 3, 1, 0, 2 in, then 3 again: LRU's order is 1, 0, 2, 3, FIFO's 3, 1, 0, 2. The new
+    # policy takes the residents in the old order, and misses alone (no hit reorders them
+    # under either) evict in that order
+    path, _ = weights
+    with Pager(path, budget_bytes=4 * SLOT, page_size_kb=4, policy=old) as pager:
+        for e in [3, 1, 0, 2, 3]:
+            pager.load(0, [e]).release()
+        pager.set_cache_policy(new)
+        assert pager.policy == new and pager.resident() == [(0, e) for e in range(4)]
+        assert [evicted_by(pager, 0, [e]) for e in (4, 5, 6, 7)] == [[(0, e)] for e in order]
 
 
 def brute_force_optimum(trace, capacity):
@@ -385,6 +430,61 @@ def test_drain_waits_for_queued_prefetches(io, weights):
         assert pager.stats.prefetched == queued and len(pager.resident()) == queued
 
 
+def test_drain_returns_false_when_the_timeout_passes_first(io, weights, monkeypatch):
+    path, _ = weights
+    gate = threading.Event()
+    gate_fetches(monkeypatch, gate)  # the prefetch stays in flight until the gate opens
+    with Pager(path, budget_bytes=4 * SLOT, page_size_kb=4, io=io) as pager:
+        assert pager.prefetch(0, [1]) == 1
+        start = time.monotonic()
+        assert pager.drain(timeout=0.2) is False
+        assert time.monotonic() - start >= 0.2  # it waited the whole timeout
+        assert pager.pinned() == [(0, 1)]  # still in flight
+        gate.set()
+        assert pager.drain(timeout=30) is True
+        assert not pager.pinned() and pager.resident() == [(0, 1)]
+
+
+def serve(pager, trace, experts):
+    """Load every step of ``trace``, checking the bytes; the counters at the end."""
+    budget = pager.budget_bytes
+    for layer, ids in trace:
+        with pager.load(layer, ids) as batch:
+            check(batch, experts, layer)
+        s = pager.stats
+        assert s.resident_pages * s.page_size <= budget and s.pool_bytes <= budget
+    return s.hits, s.misses, s.evictions, s.bytes_read
+
+
+def test_populated_read_pool_serves_the_same_hits_within_the_budget(weights):
+    path, experts = weights
+    trace = random_trace(120, seed=6)
+    got = {}
+    for populate in (False, True):
+        with Pager(path, budget_bytes=6 * SLOT + 100, page_size_kb=4, io="read",
+                   policy="lru", populate=populate) as pager:  # fmt: skip
+            assert pager.stats.pool_bytes == 6 * SLOT
+            got[populate] = serve(pager, trace, experts)
+    assert got[True] == got[False] and got[True][2] > 0
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads RssAnon from /proc")
+def test_populate_commits_the_read_pool_at_once(weights):
+    path, _ = weights
+    budget = 64 << 20  # 1024 slots of 64 KiB
+    grown = {}
+    for populate in (False, True):
+        gc.collect()
+        before = process_memory().anon
+        pager = Pager(path, budget_bytes=budget, page_size_kb=64, io="read", populate=populate)
+        grown[populate] = process_memory().anon - before
+        assert pager.stats.pool_bytes == budget
+        pager.close()
+        del pager
+    # without populate the pool is committed as slots are used (calloc), with it at once
+    assert grown[False] < budget // 4 and grown[True] >= 0.9 * budget, grown
+
+
 def test_threads_share_one_pager(io, weights):
     path, experts = weights
     errors = []
@@ -459,31 +559,36 @@ def test_streaming_8x_the_budget_keeps_peak_rss_bounded(tmp_path):
     assert after - before <= budget + (4 << 20), (before, after)
 
 
-hypothesis = pytest.importorskip("hypothesis")
-st = hypothesis.strategies
-
-
-@hypothesis.settings(max_examples=25, deadline=None)
-@hypothesis.given(
-    steps=st.lists(
-        st.tuples(st.integers(0, L - 1), st.lists(st.integers(0, E - 1), min_size=1, max_size=3)),
-        min_size=1,
-        max_size=40,
-    ),
-    capacity=st.integers(3, 8),
-    policy=st.sampled_from(sorted(set(POLICIES) - {"hot"})),
-    io=st.sampled_from([b for b in IO_BACKENDS if b != "mmap" or HAS_MADVISE]),
-)
-def test_property_pager_matches_replay_and_never_beats_belady(weights, steps, capacity, policy, io):
+def test_property_pager_matches_replay_and_never_beats_belady(weights):
+    hypothesis = pytest.importorskip("hypothesis")
+    st = hypothesis.strategies
     path, experts = weights
-    trace = Trace(steps)
-    with Pager(path, budget_bytes=capacity * SLOT, page_size_kb=4, policy=policy, io=io) as pager:
-        for layer, ids in trace:
-            with pager.load(layer, ids) as batch:
-                check(batch, experts, layer)
-            assert pager.stats.resident_bytes <= capacity * SLOT
-        hits = pager.stats.hits
-    assert hits == replay(trace, capacity, policy).hits <= belady(trace, capacity).hits
+
+    @hypothesis.settings(max_examples=25, deadline=None)
+    @hypothesis.given(
+        steps=st.lists(
+            st.tuples(
+                st.integers(0, L - 1), st.lists(st.integers(0, E - 1), min_size=1, max_size=3)
+            ),
+            min_size=1,
+            max_size=40,
+        ),
+        capacity=st.integers(3, 8),
+        policy=st.sampled_from(sorted(set(POLICIES) - {"hot"})),
+        io=st.sampled_from(BACKENDS),
+    )
+    def pager_matches_replay(steps, capacity, policy, io):
+        trace = Trace(steps)
+        budget = capacity * SLOT
+        with Pager(path, budget_bytes=budget, page_size_kb=4, policy=policy, io=io) as pager:
+            for layer, ids in trace:
+                with pager.load(layer, ids) as batch:
+                    check(batch, experts, layer)
+                assert pager.stats.resident_bytes <= budget
+            hits = pager.stats.hits
+        assert hits == replay(trace, capacity, policy).hits <= belady(trace, capacity).hits
+
+    pager_matches_replay()
 
 
 def test_lru_and_fifo_evict_in_their_order():
