@@ -2,17 +2,8 @@
 and the cache policies that choose what it evicts, with trace replay and Belady's optimum.
 """
 
-from colibri.pager._pager import (
-    DEFAULT_IO,
-    IO_BACKENDS,
-    BudgetError,
-    ExpertBatch,
-    ExpertWeights,
-    FileChangedError,
-    LayerStats,
-    Pager,
-    PagerStats,
-)
+from colibri.pager._backends import DEFAULT_IO, IO_BACKENDS
+from colibri.pager._pager import BudgetError, FileChangedError, Pager
 from colibri.pager._policies import (
     POLICIES,
     AdaptivePolicy,
@@ -29,6 +20,8 @@ from colibri.pager._policies import (
     make_policy,
     replay,
 )
+from colibri.pager._stats import LayerStats, PagerStats
+from colibri.pager._views import ExpertBatch, ExpertWeights
 
 __all__ = [
     "DEFAULT_IO",

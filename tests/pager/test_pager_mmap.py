@@ -18,7 +18,7 @@ import tracemalloc
 import numpy as np
 import pytest
 
-import colibri.pager._pager
+import colibri.pager._backends
 from _support.paging import held_pages, hook_io, mapped_rss, mappings
 from colibri.formats import open_weights
 from colibri.formats._io import FileMap
@@ -222,7 +222,7 @@ def test_views_alive_across_eviction_and_close_read_the_right_bytes(io, packed):
 
 @linux
 def test_view_backend_maps_at_64k_granularity_like_windows(weights, monkeypatch):
-    monkeypatch.setattr(colibri.pager._pager, "_VIEW_GRANULARITY", 65536)
+    monkeypatch.setattr(colibri.pager._backends, "_VIEW_GRANULARITY", 65536)
     path, experts = weights
     with Pager(path, budget_bytes=4 * EXPERT, page_size_kb=4, io="view") as pager:
         for layer, e in [(0, 1), (0, 2), (1, 5), (2, 7), (3, 3), (0, 1), (3, 15)]:
