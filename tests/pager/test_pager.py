@@ -1,6 +1,7 @@
 """The Pager: budget, pinning, policies against replay and Belady, prefetch, lifecycle; every
 test that touches I/O runs on every backend (``io``)."""
 
+import errno
 import gc
 import itertools
 import os
@@ -359,6 +360,31 @@ def test_prefetch_in_flight_is_waited_for_not_read_twice(io, weights, monkeypatc
         s = pager.stats
         assert len(begun) == 3 and s.bytes_read == 3 * 3072
         assert (s.prefetched, s.prefetch_hits, s.inflight_waits, s.misses) == (2, 2, 2, 1)
+
+
+def test_a_failed_fetch_fails_the_load_waiting_for_it(io, weights, monkeypatch):
+    # a load finds expert 1 in flight (a prefetch) and waits; the prefetch fails: the load
+    # raises its error and keeps no pin, the slot is free again, and the pager stays usable
+    path, experts = weights
+    gate, broken = threading.Event(), [True]
+
+    def disk(kind, p, offset, length):
+        if kind in ("read", "populate") and broken[0]:
+            assert gate.wait(10), "the test never opened the gate"
+            raise OSError(errno.EIO, "Input/output error")
+
+    hook_io(monkeypatch, disk)
+    with Pager(path, budget_bytes=4 * SLOT, page_size_kb=4, io=io) as pager:
+        assert pager.prefetch(0, [1]) == 1
+        open_when(gate, lambda: pager.stats.inflight_waits == 1)
+        with pytest.raises(OSError, match="Input/output error"):
+            pager.load(0, [1])
+        s = pager.stats
+        assert (s.hits, s.prefetch_hits, s.inflight_waits, s.bytes_read) == (1, 1, 1, 0)
+        assert not pager.pinned() and not pager.resident() and s.resident_pages == 0
+        broken[0] = False
+        with pager.load(0, [0, 1, 2, 3]) as batch:  # every slot is free
+            check(batch, experts, 0)
 
 
 def test_prefetch_queue_is_bounded(io, weights, monkeypatch):
