@@ -22,9 +22,13 @@ itself is kernel memory outside every process's RSS.
 :meth:`Pager.load` returns read-only numpy views that pin their expert while alive; see
 :mod:`colibri.pager._views`.
 
-The code: this module holds :class:`Pager` (its API, and the order in which a load claims
-slots, reads and pins), ``_cache`` the slots and the state shared with pins and the prefetch
-thread, ``_backends`` the I/O, ``_views`` what a load hands out, ``_stats`` the counters.
+The code: this module holds :class:`Pager`, ``_cache`` the slots and the state shared with
+pins and the prefetch thread, ``_backends`` the I/O, ``_views`` what a load hands out,
+``_stats`` the counters. This module is over 600 lines because it is one class, a third of
+it docstrings: the public API, and the slot protocol (claim, fetch, fail, evict) that
+``load``, ``prefetch`` and ``close`` share under one lock, which reads best in one place.
+``load`` runs in phases: ``_claim`` (pin the hits, give each miss a slot), ``_read`` (fetch
+the misses), ``_await`` (the hits other threads are fetching), ``_pin_views``.
 """
 
 from __future__ import annotations
@@ -491,12 +495,43 @@ class Pager:
         """
         self._check_open()
         keys = self._keys(layer, expert_ids, "load()")
+        layer = int(layer)
         if len(keys) > self.capacity:
             raise BudgetError(
                 f"load(): {len(keys)} unique experts requested but the budget holds "
                 f"{self.capacity} ({self.slot_bytes} bytes each); raise budget_bytes"
             )
         self._io.check(self._all_files if self._single_file else self._step_files(keys))
+        ready, wait, mine = self._claim(layer, keys)
+        fetched, error = self._read(mine)
+        waited, failed = self._await(wait)
+        done = ready + fetched + waited
+        if error is None:
+            error = failed  # this load's own read error, if any, comes first
+        if error is not None:
+            for slot in done:
+                self._cache.unpin(slot)
+            raise error
+        return ExpertBatch(layer, self._pin_views(done))
+
+    # The phases of a load. Each slot they pass on carries one pin of this load, which the
+    # next phase hands on, gives back, or turns into the views' pin.
+
+    def _claim(self, layer: int, keys: list[Key]) -> tuple[list[_Slot], list[_Slot], list[_Slot]]:
+        """Pin every expert of the step, under the lock: hits first, then a slot per miss.
+
+        Returns
+        -------
+        ready, wait, mine : list of _Slot
+            Hits whose expert is readable; hits another thread is still fetching; misses,
+            each in a slot of its own (the policy's victim evicted) that this load fetches.
+
+        Raises
+        ------
+        BudgetError
+            Every slot is pinned by live views; this load's pins are dropped and its slots
+            failed first.
+        """
         cache = self._cache
         step = set(keys)
         ready: list[_Slot] = []
@@ -505,36 +540,22 @@ class Pager:
         with cache.lock:
             self._check_open()
             if self.trace is not None:
-                self.trace.steps.append((int(layer), tuple(e for _, e in keys)))
-            stats, per = cache.stats, self._layer(int(layer))
-            handled: set[Key] = set()
-
-            def hit(key: Key, slot: _Slot) -> None:
-                handled.add(key)
-                stats.hits += 1
-                per.hits += 1
-                self._policy.touch(key)
-                slot.pins += 1
-                if slot.prefetched:
-                    slot.prefetched = False
-                    stats.prefetch_hits += 1
-                if slot.state == _READY:
-                    ready.append(slot)
-                else:
-                    stats.inflight_waits += 1
-                    wait.append(slot)
-
-            self._policy.begin_step(int(layer), keys)
+                self.trace.steps.append((layer, tuple(e for _, e in keys)))
+            stats, per = cache.stats, self._layer(layer)
+            self._policy.begin_step(layer, keys)
+            missed = []
             for key in keys:
                 self._usage[key] = self._usage.get(key, 0) + 1
                 slot = cache.where.get(key)
-                if slot is not None:
-                    hit(key, slot)
-            for key in keys:
-                while key not in handled:
+                if slot is None:
+                    missed.append(key)
+                else:
+                    (ready if self._hit(slot, stats, per) else wait).append(slot)
+            for key in missed:
+                while True:
                     slot = cache.where.get(key)
                     if slot is not None:  # another thread loaded it while we waited
-                        hit(key, slot)
+                        (ready if self._hit(slot, stats, per) else wait).append(slot)
                         break
                     slot = self._take_slot(step)
                     if slot is not None:
@@ -542,7 +563,6 @@ class Pager:
                         stats.misses += 1
                         per.misses += 1
                         mine.append(slot)
-                        handled.add(key)
                         break
                     # Every slot is pinned. Reads in progress (or queued prefetches) will
                     # free some; otherwise live views hold them all.
@@ -558,31 +578,59 @@ class Pager:
                         "expert views; release ExpertBatch handles (or drop kept views) or "
                         "raise budget_bytes"
                     )
-            for x in mine:  # fetched right after the lock is released
-                x.reading = True
-        done: list[_Slot] = list(ready)
+            for slot in mine:  # fetched right after the lock is released
+                slot.reading = True
+        return ready, wait, mine
+
+    def _hit(self, slot: _Slot, stats: PagerStats, per: LayerStats) -> bool:
+        """Count a demand hit on ``slot`` and pin it (lock held); True if its expert is
+        readable, False if another thread is still fetching it."""
+        stats.hits += 1
+        per.hits += 1
+        self._policy.touch(slot.key)
+        slot.pins += 1
+        if slot.prefetched:
+            slot.prefetched = False
+            stats.prefetch_hits += 1
+        if slot.state == _READY:
+            return True
+        stats.inflight_waits += 1
+        return False
+
+    def _read(self, mine: list[_Slot]) -> tuple[list[_Slot], BaseException | None]:
+        """Fetch this load's misses in order (lock not held); after the first error the rest
+        are failed unread. Returns the slots fetched and that error (None if none)."""
+        fetched: list[_Slot] = []
         error: BaseException | None = None
         for slot in mine:
             if error is None:
                 try:
                     self._fetch(slot, slot.key)
-                    done.append(slot)
+                    fetched.append(slot)
                 except BaseException as exc:  # _fetch already failed the slot
                     error = exc
             else:
-                with cache.lock:
+                with self._cache.lock:
                     self._fail(slot, error)
+        return fetched, error
+
+    def _await(self, wait: list[_Slot]) -> tuple[list[_Slot], BaseException | None]:
+        """Wait for the hits other threads are fetching; a failed one's pin is dropped.
+        Returns the slots now readable and the first error (None if none)."""
+        readable: list[_Slot] = []
+        error: BaseException | None = None
         for slot in wait:
             slot.event.wait()
             if slot.error is None:
-                done.append(slot)
+                readable.append(slot)
             else:
                 error = error or slot.error
-                cache.unpin(slot)
-        if error is not None:
-            for slot in done:
-                cache.unpin(slot)
-            raise error
+                self._cache.unpin(slot)
+        return readable, error
+
+    def _pin_views(self, done: list[_Slot]) -> dict[int, ExpertWeights]:
+        """The experts' views by id, ascending; each adopts this load's pin on its slot. If
+        one cannot be made, the pins not yet adopted are dropped."""
         experts = {}
         try:
             while done:
@@ -590,9 +638,9 @@ class Pager:
                 experts[slot.key[1]] = self._views(slot)  # adopts this call's pin
         except BaseException:
             for slot in done:
-                cache.unpin(slot)
+                self._cache.unpin(slot)
             raise
-        return ExpertBatch(int(layer), dict(sorted(experts.items())))
+        return dict(sorted(experts.items()))
 
     # -- prefetch -----------------------------------------------------------------------------
 
