@@ -44,6 +44,7 @@ import weakref
 import numpy as np
 
 from colibri._errors import ColibriError
+from colibri._units import process_memory
 from colibri._validate import check_page_size_kb
 from colibri.formats import WeightSource, open_weights
 from colibri.formats._io import HAS_MADVISE, FileChangedError
@@ -58,7 +59,7 @@ from colibri.pager._backends import (
 )
 from colibri.pager._cache import _EMPTY, _FAILED, _LOADING, _READY, _Cache, _Slot
 from colibri.pager._policies import CachePolicy, Key, Trace, make_policy
-from colibri.pager._stats import LayerStats, PagerStats, _faults, process_memory
+from colibri.pager._stats import LayerStats, PagerStats, _faults
 from colibri.pager._views import ExpertBatch, ExpertWeights, _Pin, _Region
 
 __all__ = ["BudgetError", "FileChangedError", "Pager"]
@@ -280,7 +281,8 @@ class Pager:
             s = self._cache.stats
             snap = PagerStats(**{k: getattr(s, k) for k in s.__dataclass_fields__})
             snap.per_layer = {k: LayerStats(**vars(v)) for k, v in s.per_layer.items()}
-        snap.rss_file, snap.rss_anon = process_memory()
+        memory = process_memory()
+        snap.rss_file, snap.rss_anon = memory.file, memory.anon
         return snap
 
     def reset_stats(self) -> None:

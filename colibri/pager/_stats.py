@@ -77,20 +77,6 @@ class PagerStats(LayerStats):
         return self.pages_loaded * self.page_size
 
 
-def process_memory() -> tuple[int | None, int | None]:
-    """``(RssFile, RssAnon)`` of this process in bytes (Linux), else ``(None, None)``."""
-    found = {}
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith(("RssFile:", "RssAnon:")):
-                    name, value = line.split(":")
-                    found[name] = int(value.split()[0]) * 1024
-    except OSError:
-        pass
-    return found.get("RssFile"), found.get("RssAnon")
-
-
 _RUSAGE_WHO = getattr(resource, "RUSAGE_THREAD", getattr(resource, "RUSAGE_SELF", None))
 
 
