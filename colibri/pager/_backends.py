@@ -35,8 +35,8 @@ import numpy as np
 from colibri.formats import WeightSource
 from colibri.formats._base import ExpertLayout
 from colibri.formats._io import (
-    _OPEN_FLAGS,
     HAS_MADVISE,
+    OPEN_FLAGS,
     FileChangedError,
     FileMap,
     FileReader,
@@ -274,7 +274,7 @@ class _MapIO(_IO):
         self.maps: list[FileMap | None] = []
         try:
             for p in self.paths:
-                fd = os.open(p, _OPEN_FLAGS)
+                fd = os.open(p, OPEN_FLAGS)
                 try:  # the mapping keeps its own descriptor
                     self._record(fd, p)
                     self.maps.append(FileMap(p, fd, 0, self.sizes[-1]) if self.sizes[-1] else None)
@@ -358,7 +358,7 @@ class _ViewIO(_IO):
         self.closed = False
         try:
             for p in self.paths:
-                self.fds.append(os.open(p, _OPEN_FLAGS))
+                self.fds.append(os.open(p, OPEN_FLAGS))
                 self._record(self.fds[-1], p)
         except BaseException:
             self.close([])
