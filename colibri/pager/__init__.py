@@ -14,12 +14,9 @@ from colibri.pager._policies import (
     LRFUPolicy,
     LRUPolicy,
     NextUsePolicy,
-    ReplayResult,
-    Trace,
-    belady,
     make_policy,
-    replay,
 )
+from colibri.pager._replay import ReplayResult, Trace, belady, replay
 from colibri.pager._stats import LayerStats, PagerStats
 from colibri.pager._views import ExpertBatch, ExpertWeights
 

@@ -44,7 +44,7 @@ from colibri.formats._io import (
     identity,
 )
 from colibri.pager._cache import _Slot
-from colibri.pager._policies import Key
+from colibri.pager._policy_base import Key
 
 __all__ = ["DEFAULT_IO", "IO_BACKENDS"]
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import threading
 
-from colibri.pager._policies import Key
+from colibri.pager._policy_base import Key
 from colibri.pager._stats import PagerStats
 
 _EMPTY, _LOADING, _READY, _FAILED = 0, 1, 2, 3

@@ -58,7 +58,9 @@ from colibri.pager._backends import (
     _ViewIO,
 )
 from colibri.pager._cache import _EMPTY, _FAILED, _LOADING, _READY, _Cache, _Slot
-from colibri.pager._policies import CachePolicy, Key, Trace, make_policy
+from colibri.pager._policies import CachePolicy, make_policy
+from colibri.pager._policy_base import Key
+from colibri.pager._replay import Trace
 from colibri.pager._stats import LayerStats, PagerStats, _faults
 from colibri.pager._views import ExpertBatch, ExpertWeights, _Pin, _Region
 
