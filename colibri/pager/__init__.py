@@ -16,7 +16,7 @@ from colibri.pager._policies import (
     NextUsePolicy,
     make_policy,
 )
-from colibri.pager._replay import ReplayResult, Trace, belady, replay
+from colibri.pager._replay import ReplayCache, ReplayResult, Trace, belady, replay
 from colibri.pager._stats import LayerStats, PagerStats
 from colibri.pager._views import ExpertBatch, ExpertWeights
 
@@ -39,6 +39,7 @@ __all__ = [
     "NextUsePolicy",
     "Pager",
     "PagerStats",
+    "ReplayCache",
     "ReplayResult",
     "Trace",
     "belady",

@@ -244,6 +244,11 @@ class AdaptivePolicy(CachePolicy):
             self._real_heap[self.leader], lambda e: real.get(e[1]) == e[0], evictable
         )
 
+    def shadow(self, candidate: int) -> frozenset[Key]:
+        """The keys ``candidate``'s shadow cache holds now (0 is LRU, then the LRFU
+        half-lives in :attr:`half_lives` order; :attr:`leader` is the one followed)."""
+        return frozenset(self._shadow[candidate])
+
     def eviction_order(self):
         real = self._real[self.leader]
         rest = sorted((k for k in real if k not in self._outside), key=real.__getitem__)

@@ -7,7 +7,6 @@ pager's pool, so the problem is unit-size paging and Belady's MIN is the exact o
 
 from __future__ import annotations
 
-import heapq
 import json
 import os
 from collections.abc import Iterable
@@ -15,10 +14,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from colibri.pager._policies import make_policy
+from colibri.pager._policies import _HeapPolicy, make_policy
 from colibri.pager._policy_base import CachePolicy, Key
+from colibri.pager._stats import _HitRate
 
-__all__ = ["ReplayResult", "Trace", "belady", "replay"]
+__all__ = ["ReplayCache", "ReplayResult", "Trace", "belady", "replay"]
 
 
 class Trace:
@@ -85,7 +85,7 @@ class Trace:
 
 
 @dataclass(frozen=True)
-class ReplayResult:
+class ReplayResult(_HitRate):
     """Outcome of replaying a trace through a cache of ``capacity`` slots."""
 
     policy: str
@@ -94,10 +94,133 @@ class ReplayResult:
     misses: int
     evictions: int
 
+
+class ReplayCache:
+    """A cache of ``capacity`` slots that serves routing steps through a policy exactly as a
+    :class:`~colibri.Pager` serves loads, with no weights and no I/O.
+
+    :func:`replay` and :func:`belady` run a whole :class:`Trace` through one; step one by
+    hand to watch a policy decide: its victims, its hits step by step, its state between
+    the start of a step and its service.
+
+    Parameters
+    ----------
+    capacity : int
+        Slots: experts resident at once.
+    policy : str or CachePolicy
+        A name of :data:`~colibri.pager.POLICIES` or a policy instance.
+    **options
+        Passed to the policy's constructor.
+
+    Attributes
+    ----------
+    policy : CachePolicy
+        The policy that orders the cache.
+    hits, misses, evictions : int
+        Counted since construction.
+
+    Examples
+    --------
+    >>> from colibri.pager import ReplayCache
+    >>> cache = ReplayCache(2, "lru")
+    >>> [cache.step(0, [e]) for e in (0, 1, 0, 2)]  # 2 evicts 1, the least recently used
+    [[], [], [], [(0, 1)]]
+    >>> cache.hits, cache.misses, sorted(cache.resident)
+    (1, 3, [(0, 0), (0, 2)])
+    """
+
+    def __init__(self, capacity: int, policy: str | CachePolicy = "lru", **options) -> None:
+        self.capacity = int(capacity)
+        self.policy = make_policy(policy, self.capacity, **options)
+        self.hits = self.misses = self.evictions = 0
+        self._resident: set[Key] = set()
+        self._begun: list[Key] | None = None
+
     @property
-    def hit_rate(self) -> float:
-        total = self.hits + self.misses
-        return self.hits / total if total else 0.0
+    def resident(self) -> frozenset[Key]:
+        """The keys held now."""
+        return frozenset(self._resident)
+
+    def step(self, layer: int, ids) -> list[Key]:
+        """Serve one step: :meth:`begin` it, then :meth:`serve` it.
+
+        Parameters
+        ----------
+        layer : int
+            The step's layer.
+        ids : array-like of int
+            The step's expert ids, any shape (duplicates collapse).
+
+        Returns
+        -------
+        list of (int, int)
+            The keys evicted, in order.
+        """
+        self.begin(layer, ids)
+        return self.serve()
+
+    def begin(self, layer: int, ids) -> None:
+        """Start a step: the policy's ``begin_step`` sees it, nothing is served yet.
+
+        Raises
+        ------
+        ValueError
+            The step has more experts than the cache has slots.
+        RuntimeError
+            The step begun before was not served.
+        """
+        unique = np.unique(np.asarray(ids, dtype=np.int64).ravel())
+        self._begin(int(layer), [(int(layer), int(e)) for e in unique])
+
+    def _begin(self, layer: int, keys: list[Key]) -> None:
+        if self._begun is not None:
+            raise RuntimeError("ReplayCache.begin(): serve() the step begun before")
+        if len(keys) > self.capacity:
+            raise ValueError(
+                f"capacity {self.capacity} is below the widest step ({len(keys)} experts)"
+            )
+        self.policy.begin_step(layer, keys)
+        self._begun = keys
+
+    def serve(self) -> list[Key]:
+        """Serve the step begun: its hits are touched, then its misses inserted (each in
+        ascending id order), each miss in a full cache evicting the policy's victim among
+        the keys this step does not use.
+
+        Returns
+        -------
+        list of (int, int)
+            The keys evicted, in order.
+        """
+        keys, self._begun = self._begun, None
+        if keys is None:
+            raise RuntimeError("ReplayCache.serve(): begin() a step first")
+        policy, resident = self.policy, self._resident
+        for key in keys:
+            if key in resident:
+                self.hits += 1
+                policy.touch(key)
+        step, evicted = set(keys), []
+        for key in keys:
+            if key in resident:
+                continue
+            self.misses += 1
+            if len(resident) >= self.capacity:
+                victim = policy.victim(lambda k: k not in step)
+                if victim is None:
+                    raise RuntimeError(f"policy {policy.name!r} named no victim in a full cache")
+                policy.remove(victim)
+                resident.discard(victim)
+                evicted.append(victim)
+            resident.add(key)
+            policy.insert(key)
+        self.evictions += len(evicted)
+        return evicted
+
+    def result(self) -> ReplayResult:
+        """The counters so far."""
+        return ReplayResult(self.policy.name, self.capacity, self.hits, self.misses,
+                            self.evictions)  # fmt: skip
 
 
 def _check_capacity(trace: Trace, capacity: int) -> None:
@@ -106,36 +229,49 @@ def _check_capacity(trace: Trace, capacity: int) -> None:
         raise ValueError(f"capacity {capacity} is below the widest step ({widest} experts)")
 
 
-def replay(trace: Trace, capacity: int, policy: str | CachePolicy = "lru", **options):
+def replay(
+    trace: Trace, capacity: int, policy: str | CachePolicy = "lru", **options
+) -> ReplayResult:
     """Replay ``trace`` through ``policy`` exactly as a :class:`~colibri.Pager` would serve it.
 
     Per step: ``begin_step``, then hits are touched (ascending id), then misses are inserted
-    (ascending id), each evicting the policy's victim among keys not used by the step.
+    (ascending id), each evicting the policy's victim among keys not used by the step (see
+    :class:`ReplayCache`, which this runs).
     """
     _check_capacity(trace, capacity)
-    pol = make_policy(policy, capacity, **options)
-    resident: set[Key] = set()
-    hits = misses = evictions = 0
+    cache = ReplayCache(capacity, policy, **options)
     for layer, ids in trace.steps:
-        keys = [(layer, e) for e in ids]
-        step = set(keys)
-        pol.begin_step(layer, keys)
-        for key in keys:
-            if key in resident:
-                hits += 1
-                pol.touch(key)
-        for key in keys:
-            if key in resident:
-                continue
-            misses += 1
-            if len(resident) >= capacity:
-                victim = pol.victim(lambda k, step=step: k not in step)
-                pol.remove(victim)
-                resident.discard(victim)
-                evictions += 1
-            resident.add(key)
-            pol.insert(key)
-    return ReplayResult(pol.name, capacity, hits, misses, evictions)
+        cache._begin(layer, [(layer, e) for e in ids])  # a Trace's ids: unique, ascending
+        cache.serve()
+    return cache.result()
+
+
+class _Furthest(_HeapPolicy):
+    """Belady's MIN as a policy: it knows the trace, and evicts the resident expert whose next
+    use is furthest away (never used again first; ties to the lowest key)."""
+
+    name = "belady"
+
+    def __init__(self, capacity: int, trace: Trace) -> None:
+        super().__init__(capacity)
+        never = len(trace.steps)
+        last: dict[Key, int] = {}
+        self._next: list[dict[Key, int]] = [{}] * never  # step -> key -> its next use after it
+        for i in range(never - 1, -1, -1):
+            layer, ids = trace.steps[i]
+            keys = [(layer, e) for e in ids]
+            self._next[i] = {key: last.get(key, never) for key in keys}
+            for key in keys:
+                last[key] = i
+        self._step = -1
+
+    def begin_step(self, layer: int, keys: list[Key]) -> None:
+        self._step += 1
+
+    def _access(self, key: Key) -> None:
+        self._push(key, (-self._next[self._step][key],))  # lowest score: furthest next use
+
+    insert = touch = _access
 
 
 def belady(trace: Trace, capacity: int) -> ReplayResult:
@@ -144,42 +280,4 @@ def belady(trace: Trace, capacity: int) -> ReplayResult:
     The optimum hit count for this trace and capacity (unit-size experts, demand paging).
     """
     _check_capacity(trace, capacity)
-    steps = [[(layer, e) for e in ids] for layer, ids in trace.steps]
-    never = len(steps)
-    next_use: list[list[int]] = [[never] * len(keys) for keys in steps]
-    last: dict[Key, int] = {}
-    for i in range(len(steps) - 1, -1, -1):
-        for j, key in enumerate(steps[i]):
-            next_use[i][j] = last.get(key, never)
-            last[key] = i
-    resident: dict[Key, int] = {}  # key -> its next use
-    heap: list[tuple[int, Key]] = []  # (-next use, key), lazily invalidated
-    hits = misses = evictions = 0
-    for i, keys in enumerate(steps):
-        step = set(keys)
-        for j, key in enumerate(keys):
-            if key in resident:
-                hits += 1
-                resident[key] = next_use[i][j]
-                heapq.heappush(heap, (-next_use[i][j], key))
-        for j, key in enumerate(keys):
-            if key in resident:
-                continue
-            misses += 1
-            if len(resident) >= capacity:
-                kept = []
-                while True:
-                    neg, victim = heapq.heappop(heap)
-                    if resident.get(victim) != -neg:
-                        continue  # stale entry
-                    if victim in step:
-                        kept.append((neg, victim))
-                        continue
-                    break
-                for entry in kept:
-                    heapq.heappush(heap, entry)
-                del resident[victim]
-                evictions += 1
-            resident[key] = next_use[i][j]
-            heapq.heappush(heap, (-next_use[i][j], key))
-    return ReplayResult("belady", capacity, hits, misses, evictions)
+    return replay(trace, capacity, _Furthest(capacity, trace))

@@ -12,8 +12,20 @@ except ImportError:  # Windows
 __all__ = ["LayerStats", "PagerStats"]
 
 
+class _HitRate:
+    """``hit_rate`` for counters of ``hits`` and ``misses`` (the pager's and a replay's)."""
+
+    __slots__ = ()
+
+    @property
+    def hit_rate(self) -> float:
+        """``hits / (hits + misses)``; 0.0 before any access."""
+        total = self.hits + self.misses
+        return self.hits / total if total else 0.0
+
+
 @dataclass
-class LayerStats:
+class LayerStats(_HitRate):
     """Counters of one layer."""
 
     hits: int = 0
@@ -24,11 +36,6 @@ class LayerStats:
     pages_evicted: int = 0
     minor_faults: int = 0
     major_faults: int = 0
-
-    @property
-    def hit_rate(self) -> float:
-        total = self.hits + self.misses
-        return self.hits / total if total else 0.0
 
 
 @dataclass
