@@ -49,8 +49,9 @@ class AdaptivePolicy(CachePolicy):
     for :func:`replay` and a Pager that serves each step whole; a prefetch while a challenger
     leads, or an expert pinned across steps, can cost one hit more each.
 
-    Cost: about 5x an LRFU update per access (11 us against LRU's 0.6 and LRFU's 2.2 in
-    ``bench_pager.py --section cost``).
+    Cost: several LRFU updates per access, since every candidate scores each access and
+    replays it in its shadow (``bench_pager.py --section cost``; figures in
+    ``bench/README.md``).
 
     Parameters
     ----------

@@ -129,9 +129,9 @@ class Pager:
         Page size (4, 32, 64, ... KiB; a power of two, at least the OS page for ``mmap`` and
         ``view``): the unit of residency, of I/O and of the budget.
     policy : str or CachePolicy
-        ``"adaptive"`` (default: measured best, never below LRU on the bench's traces),
-        ``"lru"``, ``"fifo"`` (the seed's), ``"lfu"``, ``"lrfu"``, ``"nextuse"``, ``"hot"``
-        (see :mod:`colibri.pager`).
+        ``"adaptive"`` (default: the smallest gap to Belady on the bench's traces, and never
+        more than a stake of hits behind LRU), ``"lru"``, ``"fifo"``, ``"lfu"``, ``"lrfu"``,
+        ``"nextuse"``, ``"hot"`` (see :mod:`colibri.pager`).
     policy_options : dict, optional
         Passed to the policy (``half_life`` for lrfu; ``counts``, ``hot_fraction`` for hot).
     io : str, optional

@@ -1,21 +1,20 @@
 """Expert cache policies: what the pager evicts.
 
-Policies: ``fifo`` (the seed's default), ``lru``, ``lfu`` (frequencies kept across evictions,
-ties to the least recent), ``lrfu`` (exponentially decayed frequency: recency and frequency in
-one score), ``nextuse`` (an online estimate of Belady: evict the expert whose next use, predicted
-from its layer's step cycle and its recent per-step use rate, is furthest away) and ``hot`` (a
-hot set learned from saved usage counts stays pinned in part of the cache, the rest is LRU)
-and ``adaptive`` (the default: follows whichever of LRU and two LRFU half-lives has had the
-most hits lately, replaying each in a shadow cache).
+Policies: ``fifo`` (evict the first in), ``lru``, ``lfu`` (frequencies kept across
+evictions, ties to the least recent), ``lrfu`` (exponentially decayed frequency: recency and
+frequency in one score), ``nextuse`` (an online estimate of Belady: evict the expert whose next
+use, predicted from its layer's step cycle and its recent per-step use rate, is furthest away),
+``hot`` (a hot set learned from saved usage counts stays pinned in part of the cache, the rest
+is LRU) and ``adaptive`` (the default: follows whichever of LRU and two LRFU half-lives has had
+the most hits lately, replaying each in a shadow cache).
 
-On the bench's 108 trace x budget rows (``bench/bench_pager.py``: the bench's generator at
-several settings, iid and Zipf-only traffic, colibri's ``Workload``, separate topic and
-"sticky" models, four sets held out while ``adaptive``'s rules were made, and traces recorded
-from checkpoints; 12.5-50% budgets) ``adaptive`` has the smallest mean gap to Belady and
-never trails LRU by more than its stake (a theorem); it is at or above LRU on 106 rows and
-below on two topic-model rows at 50%, by 0.36 and 0.17 points. ``lrfu``, ``nextuse``,
-``lfu`` and ``hot`` each lose to LRU by 19 to 65 points on some trace, ``fifo`` by 14: use
-them only where measured on your own traffic.
+Why ``adaptive`` is the default: on the bench's traces (``bench/bench_pager.py``: synthetic
+generators at several settings, colibri's ``Workload``, topic and "sticky" models, sets held
+out while its rules were made, and traces recorded from checkpoints, at several budgets) it
+has the smallest mean gap to Belady, and it never trails LRU by more than its stake, a
+theorem (:class:`AdaptivePolicy`), not a measurement. Each of the other policies loses to LRU
+by a wide margin on some trace: use them only where measured on your own traffic. The
+figures are in ``bench/README.md``.
 
 The protocol every policy follows is :class:`~colibri.pager._policy_base.CachePolicy`'s;
 ``adaptive`` lives in :mod:`colibri.pager._adaptive`, trace replay and Belady's MIN in
