@@ -3,11 +3,16 @@ is winning, never more than a stake behind LRU."""
 
 from __future__ import annotations
 
-import heapq
 import math
 from collections import OrderedDict
 
-from colibri.pager._policy_base import CachePolicy, Key, _log2_add, _lowest_evictable
+from colibri.pager._policy_base import (
+    CachePolicy,
+    Key,
+    _heap_push,
+    _log2_add,
+    _lowest_evictable,
+)
 
 __all__ = ["AdaptivePolicy"]
 
@@ -113,14 +118,6 @@ class AdaptivePolicy(CachePolicy):
         self._clock = 0
         self._step: set[Key] = set()
 
-    @staticmethod
-    def _push(scores: dict, heap: list, key: Key, score: float) -> None:
-        scores[key] = score
-        heapq.heappush(heap, (score, key))
-        if len(heap) > 4 * len(scores) + 64:  # drop stale entries now and then
-            heap[:] = [(v, k) for k, v in scores.items()]
-            heapq.heapify(heap)
-
     def _access(self, key: Key, clock: int | None = None, only: int | None = None) -> None:
         """Score an access of ``key`` at ``clock`` (default: the next tick) for every
         candidate, or for candidate ``only``."""
@@ -130,17 +127,15 @@ class AdaptivePolicy(CachePolicy):
             score = _log2_add(self._log[i].get(key), clock / self.half_lives[i])
             self._log[i][key] = score
             if key in self._real[i]:
-                self._push(self._real[i], self._real_heap[i], key, score)
+                _heap_push(self._real[i], self._real_heap[i], key, score)
             if key in self._shadow[i]:
-                self._push(self._shadow[i], self._shadow_heap[i], key, score)
+                _heap_push(self._shadow[i], self._shadow_heap[i], key, score)
 
     def _shadow_load(self, i: int, key: Key, step: set[Key]) -> bool:
         """Make ``key`` resident in shadow ``i`` (a miss there); False if nothing can go."""
         shadow, heap = self._shadow[i], self._shadow_heap[i]
         if len(shadow) >= self.capacity:
-            victim = _lowest_evictable(
-                heap, lambda e: shadow.get(e[1]) == e[0], lambda k: k not in step
-            )
+            victim = _lowest_evictable(heap, shadow, lambda k: k not in step)
             if victim is None:
                 return False  # a step wider than the cache: replay refuses it anyway
             del shadow[victim]
@@ -148,7 +143,7 @@ class AdaptivePolicy(CachePolicy):
                 self._out[i] += 1
                 if i == self.leader:
                     self._outside[victim] = None
-        self._push(shadow, heap, key, self._log[i][key])
+        _heap_push(shadow, heap, key, self._log[i][key])
         if key in self._real[0]:
             self._out[i] -= 1
             if i == self.leader:
@@ -219,7 +214,7 @@ class AdaptivePolicy(CachePolicy):
                 if key not in shadow:
                     self._shadow_load(i, key, self._step)
         for i in range(len(self.half_lives)):
-            self._push(self._real[i], self._real_heap[i], key, self._log[i][key])
+            _heap_push(self._real[i], self._real_heap[i], key, self._log[i][key])
             self._out[i] += key not in self._shadow[i]
         if key not in self._shadow[self.leader]:
             self._outside[key] = None
@@ -240,10 +235,7 @@ class AdaptivePolicy(CachePolicy):
         out = next((k for k in self._outside if evictable(k)), None)
         if out is not None:
             return out
-        real = self._real[self.leader]
-        return _lowest_evictable(
-            self._real_heap[self.leader], lambda e: real.get(e[1]) == e[0], evictable
-        )
+        return _lowest_evictable(self._real_heap[self.leader], self._real[self.leader], evictable)
 
     def shadow(self, candidate: int) -> frozenset[Key]:
         """The keys ``candidate``'s shadow cache holds now (0 is LRU, then the LRFU

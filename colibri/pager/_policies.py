@@ -31,7 +31,13 @@ from collections.abc import Mapping
 import numpy as np
 
 from colibri.pager._adaptive import AdaptivePolicy
-from colibri.pager._policy_base import CachePolicy, Key, _lowest_evictable
+from colibri.pager._policy_base import (
+    CachePolicy,
+    Key,
+    _heap_push,
+    _log2_add,
+    _lowest_evictable,
+)
 
 __all__ = [
     "POLICIES",
@@ -90,17 +96,13 @@ class _HeapPolicy(CachePolicy):
         self._heap: list[tuple] = []
 
     def _push(self, key: Key, score: tuple) -> None:
-        self._score[key] = score
-        heapq.heappush(self._heap, (*score, key))
-        if len(self._heap) > 4 * len(self._score) + 64:  # drop stale entries now and then
-            self._heap = [(*s, k) for k, s in self._score.items()]
-            heapq.heapify(self._heap)
+        _heap_push(self._score, self._heap, key, score)
 
     def remove(self, key: Key) -> None:
         self._score.pop(key, None)
 
     def victim(self, evictable):
-        return _lowest_evictable(self._heap, lambda e: self._score.get(e[-1]) == e[:-1], evictable)
+        return _lowest_evictable(self._heap, self._score, evictable)
 
     def eviction_order(self):
         return sorted(self._score, key=self._score.__getitem__)
@@ -144,9 +146,7 @@ class LRFUPolicy(_HeapPolicy):
 
     def _access(self, key: Key) -> None:
         self._clock += 1
-        t = self._clock / self.half_life
-        old = self._log.get(key)
-        self._log[key] = t if old is None else max(old, t) + math.log2(1 + 2 ** -abs(old - t))
+        self._log[key] = _log2_add(self._log.get(key), self._clock / self.half_life)
         self._push(key, (self._log[key],))
 
     insert = touch = _access
@@ -276,7 +276,7 @@ class NextUsePolicy(CachePolicy):
     def victim(self, evictable):
         best, best_t = None, -1.0
         for heap in self._heaps.values():
-            found = _lowest_evictable(heap, lambda e: self._score.get(e[1]) == e[0], evictable)
+            found = _lowest_evictable(heap, self._score, evictable)
             if found is not None:
                 t = self._expected_next_use(found)
                 if t > best_t:

@@ -47,17 +47,31 @@ class CachePolicy:
         raise NotImplementedError
 
 
-def _lowest_evictable(heap: list[tuple], current, evictable) -> Key | None:
-    """The key (last item) of the lowest entry of a lazy heap that is ``current`` and
-    ``evictable``, or None. Stale entries met on the way are dropped; live ones stay."""
+# A lazy heap: ``scores`` maps each live key to its score, ``heap`` holds ``(score, key)``
+# entries, the stale ones (an old score, or a key gone) dropped when met.
+
+
+def _heap_push(scores: dict[Key, object], heap: list[tuple], key: Key, score: object) -> None:
+    """Give ``key`` a new ``score``; rebuild the heap when stale entries outnumber the live
+    ones four to one."""
+    scores[key] = score
+    heapq.heappush(heap, (score, key))
+    if len(heap) > 4 * len(scores) + 64:
+        heap[:] = [(v, k) for k, v in scores.items()]
+        heapq.heapify(heap)
+
+
+def _lowest_evictable(heap: list[tuple], scores: dict[Key, object], evictable) -> Key | None:
+    """The live key of lowest score for which ``evictable(key)`` is true, or None. Stale
+    entries met on the way are dropped; live ones stay."""
     skipped, found = [], None
     while heap:
         entry = heapq.heappop(heap)
-        if not current(entry):
+        if scores.get(entry[1]) != entry[0]:
             continue  # stale
         skipped.append(entry)
-        if evictable(entry[-1]):
-            found = entry[-1]
+        if evictable(entry[1]):
+            found = entry[1]
             break
     for entry in skipped:
         heapq.heappush(heap, entry)
