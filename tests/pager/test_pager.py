@@ -3,14 +3,12 @@ test that touches I/O runs on every backend (``io``)."""
 
 import errno
 import gc
-import itertools
 import os
 import subprocess
 import sys
 import textwrap
 import threading
 import time
-from functools import cache
 
 import numpy as np
 import pytest
@@ -191,48 +189,6 @@ def test_set_cache_policy_keeps_the_eviction_order(weights, old, new, order):
         pager.set_cache_policy(new)
         assert pager.policy == new and pager.resident() == [(0, e) for e in range(4)]
         assert [evicted_by(pager, 0, [e]) for e in (4, 5, 6, 7)] == [[(0, e)] for e in order]
-
-
-def brute_force_optimum(trace, capacity):
-    steps = [[(lay, e) for e in ids] for lay, ids in trace.steps]
-
-    @cache
-    def best(i, resident):
-        if i == len(steps):
-            return 0
-        keys = steps[i]
-        hits = sum(k in resident for k in keys)
-        others = [k for k in resident if k not in keys]
-        need = max(0, len(resident) + sum(k not in resident for k in keys) - capacity)
-        return hits + max(
-            best(i + 1, frozenset((set(resident) - set(ev)) | set(keys)))
-            for ev in itertools.combinations(others, need)
-        )
-
-    return best(0, frozenset())
-
-
-def test_belady_is_the_optimum():
-    rng = np.random.default_rng(1)
-    for _ in range(60):
-        trace = Trace(
-            (int(rng.integers(2)), rng.choice(5, size=int(rng.integers(1, 3)), replace=False))
-            for _ in range(9)
-        )
-        capacity = int(rng.integers(2, 5))
-        optimum = belady(trace, capacity).hits
-        assert optimum == brute_force_optimum(trace, capacity)
-        for policy in ("fifo", "lru", "lfu", "lrfu", "nextuse"):
-            assert replay(trace, capacity, policy).hits <= optimum
-
-
-def test_trace_save_load(tmp_path):
-    trace = random_trace(20)
-    trace.save(tmp_path / "t.json")
-    assert Trace.load(tmp_path / "t.json").steps == trace.steps
-    (tmp_path / "bad.json").write_text('{"nope": 1}')
-    with pytest.raises(ValueError, match="'steps' is missing"):
-        Trace.load(tmp_path / "bad.json")
 
 
 def test_views_kept_alive_stay_pinned_and_correct(io, weights):
@@ -615,45 +571,3 @@ def test_property_pager_matches_replay_and_never_beats_belady(weights):
         assert hits == replay(trace, capacity, policy).hits <= belady(trace, capacity).hits
 
     pager_matches_replay()
-
-
-def test_lru_and_fifo_evict_in_their_order():
-    # capacity 3; expert 0 is touched again before the fourth expert arrives
-    trace = Trace([(0, [0]), (0, [1]), (0, [2]), (0, [0]), (0, [3]), (0, [0]), (0, [1])])
-    lru, fifo = replay(trace, 3, "lru"), replay(trace, 3, "fifo")
-    # lru: 3 evicts 1 (0 was just used): hits 0, 0 -> then 1 misses
-    # fifo: 3 evicts 0 (first in): 0 misses again, 1 is evicted for it, 1 misses
-    assert (lru.hits, lru.misses) == (2, 5)
-    assert (fifo.hits, fifo.misses) == (1, 6)
-
-
-def zipf_iid(steps, experts, seed):
-    rng = np.random.default_rng(seed)
-    p = 1.0 / np.arange(1, experts + 1)
-    return Trace((0, rng.choice(experts, 2, replace=False, p=p / p.sum())) for _ in range(steps))
-
-
-def phases(steps, seed, length=150):
-    """Recency is all there is: two disjoint hot sets of 7 experts take turns."""
-    rng = np.random.default_rng(seed)
-    return Trace(
-        (0, 7 * ((s // length) % 2) + rng.choice(7, 2, replace=False)) for s in range(steps)
-    )
-
-
-@pytest.mark.parametrize("seed", [0, 1, 2])
-def test_adaptive_follows_the_better_of_recency_and_frequency(seed):
-    pop, turns = zipf_iid(3000, 40, seed), phases(3000, seed)
-    # popularity that lasts: frequency wins (+20%) and adaptive finds it
-    lru, lrfu = replay(pop, 8, "lru").hits, replay(pop, 8, "lrfu", half_life=64).hits
-    assert lrfu > 1.2 * lru and replay(pop, 8, "adaptive").hits > 1.15 * lru
-    # hot sets that take turns: old frequency misleads (-12%), adaptive stays with LRU
-    lru, lrfu = replay(turns, 8, "lru").hits, replay(turns, 8, "lrfu", half_life=64).hits
-    assert lrfu < 0.9 * lru and replay(turns, 8, "adaptive").hits >= 0.99 * lru
-
-
-def test_adaptive_options_are_checked():
-    with pytest.raises(ValueError, match="half_lives must be positive"):
-        replay(Trace([(0, [0])]), 2, "adaptive", half_lives=[0])
-    with pytest.raises(ValueError, match="memory must be >= 1"):
-        replay(Trace([(0, [0])]), 2, "adaptive", memory=0.5)
