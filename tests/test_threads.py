@@ -278,7 +278,7 @@ def test_close_waits_for_a_mapping_being_made(weights, monkeypatch):
     get the descriptor number close() freed. The load must map the weight file, never the
     other one, and never fail on a closed descriptor: close() waits for the mapping
     (the backend's descriptor lock), then closes."""
-    import colibri.pager._pager as pager_module
+    import colibri.pager._backends as pager_module
 
     path, experts = weights
     inside, reused = threading.Event(), threading.Event()

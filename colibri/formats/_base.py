@@ -206,6 +206,19 @@ class ExpertLayout:
         """Total bytes of the three matrices."""
         return self.gate.nbytes + self.up.nbytes + self.down.nbytes
 
+    @property
+    def dtype(self) -> str:
+        """What the matrices store, in :class:`ExpertWeights`' spelling (``"bfloat16"``,
+        ...; block-quantized GGUF types lower-cased: ``"q4_k"``)."""
+        stored = self.gate.dtype
+        return STORED_NAMES.get(stored, stored.lower())
+
+    def weights(self, buffers) -> ExpertWeights:
+        """The matrices over ``buffers`` (their bytes, ``uint8`` arrays in gate, up, down
+        order), no copy."""
+        gate, up, down = (ref.view(b) for ref, b in zip(self.matrices, buffers, strict=True))
+        return ExpertWeights(gate, up, down, self.dtype)
+
 
 @dataclass
 class WeightSource:

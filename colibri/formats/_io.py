@@ -48,7 +48,8 @@ __all__ = ["FileChangedError", "FileMap", "FileReader", "check_same", "identity"
 
 _HAS_PREAD = hasattr(os, "pread")
 _HAS_PREADV = hasattr(os, "preadv")
-_OPEN_FLAGS = os.O_RDONLY | getattr(os, "O_BINARY", 0) | getattr(os, "O_CLOEXEC", 0)
+#: ``os.open`` flags for a weight file: read-only, binary on Windows, not inherited by children.
+OPEN_FLAGS = os.O_RDONLY | getattr(os, "O_BINARY", 0) | getattr(os, "O_CLOEXEC", 0)
 
 #: ``madvise`` exists (not on Windows).
 HAS_MADVISE = hasattr(mmap.mmap, "madvise")
@@ -126,7 +127,7 @@ class FileReader:
         if _HAS_PREAD:
             try:
                 for p in self._paths:
-                    self._fds[p] = os.open(p, _OPEN_FLAGS)
+                    self._fds[p] = os.open(p, OPEN_FLAGS)
             except BaseException:
                 self.close()
                 raise

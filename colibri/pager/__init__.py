@@ -2,17 +2,8 @@
 and the cache policies that choose what it evicts, with trace replay and Belady's optimum.
 """
 
-from colibri.pager._pager import (
-    DEFAULT_IO,
-    IO_BACKENDS,
-    BudgetError,
-    ExpertBatch,
-    ExpertWeights,
-    FileChangedError,
-    LayerStats,
-    Pager,
-    PagerStats,
-)
+from colibri.pager._backends import DEFAULT_IO, IO_BACKENDS
+from colibri.pager._pager import BudgetError, FileChangedError, Pager
 from colibri.pager._policies import (
     POLICIES,
     AdaptivePolicy,
@@ -23,12 +14,11 @@ from colibri.pager._policies import (
     LRFUPolicy,
     LRUPolicy,
     NextUsePolicy,
-    ReplayResult,
-    Trace,
-    belady,
     make_policy,
-    replay,
 )
+from colibri.pager._replay import ReplayCache, ReplayResult, Trace, belady, replay
+from colibri.pager._stats import LayerStats, PagerStats
+from colibri.pager._views import ExpertBatch
 
 __all__ = [
     "DEFAULT_IO",
@@ -38,7 +28,6 @@ __all__ = [
     "BudgetError",
     "CachePolicy",
     "ExpertBatch",
-    "ExpertWeights",
     "FIFOPolicy",
     "FileChangedError",
     "HotSetPolicy",
@@ -49,6 +38,7 @@ __all__ = [
     "NextUsePolicy",
     "Pager",
     "PagerStats",
+    "ReplayCache",
     "ReplayResult",
     "Trace",
     "belady",

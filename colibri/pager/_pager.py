@@ -8,25 +8,9 @@ file (its byte ranges rounded out to whole pages). One *slot* is the most pages 
 touches, and the budget holds ``budget_bytes // slot_bytes`` experts at once, whatever the
 backend, so the backends see the same hits, misses and evictions for the same loads.
 
-Backends (``io=``):
-
-``"mmap"`` (default on Linux and macOS)
-    Every file is mapped read-only once; views are zero-copy arrays into the mapping (two
-    processes serving one file share one copy in the page cache). The pager keeps one counter
-    per page (a compact numpy array per file: how many resident experts use the page). Loading
-    an expert makes its pages resident (``MADV_POPULATE_READ``; without it ``MADV_WILLNEED``),
-    evicting it drops the pages no other resident expert uses (``MADV_DONTNEED``), so a page
-    shared by two experts is released with the last of them. The kernel may map more than
-    asked (it maps whole large folios of the page cache, up to 2 MiB, on a fault); right after
-    a load the pager drops again the pages around it that it does not hold.
-``"view"`` (default on Windows, where ``madvise`` is missing)
-    Each resident expert's page run is mapped as its own view (offset rounded down to
-    ``mmap.ALLOCATIONGRANULARITY``, 64 KiB on Windows) and unmapped when it is evicted. A
-    page shared by two experts is mapped, and counted, once per expert.
-``"read"``
-    Experts are copied with explicit positional reads (``os.preadv``) into one preallocated
-    pool of ``capacity`` slots. Never maps a file: use it for files that may change while in
-    use and for network file systems (a truncated file is a short read, not a ``SIGBUS``).
+Backends (``io=``): ``"mmap"`` (default on Linux and macOS) maps every file once and counts
+its pages, ``"view"`` (default on Windows) maps each resident expert on its own, ``"read"``
+copies experts into a pool with positional reads; see :mod:`colibri.pager._backends`.
 
 "Resident pages" are the pages the pager holds: the file pages of resident experts (mmap,
 view) or the pool pages their bytes fill (read); ``resident_pages * page_size`` never exceeds
@@ -35,17 +19,16 @@ are ``RssFile`` (clean, shared with the page cache and other processes that map 
 reclaimable), the read pool is ``RssAnon``; :attr:`Pager.stats` reports both. The page cache
 itself is kernel memory outside every process's RSS.
 
-Views and pinning
------------------
-:meth:`Pager.load` returns an :class:`ExpertBatch` of read-only numpy views. An expert is
-pinned (never evicted, its slot never reused) while any view of it is alive, including views
-derived from it (slices, ``torch.from_numpy``, DLPack exports): every view's memory is owned
-by a small per-load object, and the pin goes with the last of them. Leaving the ``with`` block
-drops the batch's own references. Closing the pager never invalidates live views and never
-raises ``BufferError``: a mapping stays until its last view dies. ``close()`` drops every page
-the pager held (``MADV_DONTNEED``); a view still alive after it re-faults its pages from the
-file when read: those pages are outside any budget (the pager is gone), and show in the
-process's ``RssFile``.
+:meth:`Pager.load` returns read-only numpy views that pin their expert while alive; see
+:mod:`colibri.pager._views`.
+
+The code: this module holds :class:`Pager`, ``_cache`` the slots and the state shared with
+pins and the prefetch thread, ``_backends`` the I/O, ``_views`` what a load hands out,
+``_stats`` the counters. This module is over 600 lines because it is one class, a third of
+it docstrings: the public API, and the slot protocol (claim, fetch, fail, evict) that
+``load``, ``prefetch`` and ``close`` share under one lock, which reads best in one place.
+``load`` runs in phases: ``_claim`` (pin the hits, give each miss a slot), ``_read`` (fetch
+the misses), ``_await`` (the hits other threads are fetching), ``_pin_views``.
 """
 
 from __future__ import annotations
@@ -57,637 +40,31 @@ import queue
 import threading
 import time
 import weakref
-from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field
 
 import numpy as np
 
 from colibri._errors import BudgetError
+from colibri._units import process_memory
 from colibri._validate import check_page_size_kb
-from colibri.formats import WeightSource, open_weights
-from colibri.formats._base import STORED_NAMES, ExpertLayout
-from colibri.formats._io import (
-    _OPEN_FLAGS,
-    HAS_MADVISE,
-    FileChangedError,
-    FileMap,
-    FileReader,
-    check_same,
-    identity,
+from colibri.formats import ExpertWeights, WeightSource, open_weights
+from colibri.formats._io import HAS_MADVISE, FileChangedError
+from colibri.pager._backends import (
+    _IO,
+    DEFAULT_IO,
+    IO_BACKENDS,
+    _MapIO,
+    _ReadIO,
+    _spans,
+    _ViewIO,
 )
-from colibri.pager._policies import CachePolicy, Trace, make_policy
-
-try:
-    import resource
-except ImportError:  # Windows
-    resource = None
-
-__all__ = [
-    "IO_BACKENDS",
-    "BudgetError",
-    "ExpertBatch",
-    "ExpertWeights",
-    "FileChangedError",
-    "LayerStats",
-    "Pager",
-    "PagerStats",
-]
-
-Key = tuple[int, int]
-Span = tuple[int, int, int]  # (file index, first page, end page): pages an expert touches
-_EMPTY, _LOADING, _READY, _FAILED = 0, 1, 2, 3
-
-#: The ``io=`` choices; the first one available is the default.
-IO_BACKENDS = ("mmap", "view", "read")
-DEFAULT_IO = "mmap" if HAS_MADVISE else "view"
-
-
-def _pmd_bytes() -> int:
-    """The largest unit the kernel maps a file in on a fault (a PMD-sized folio)."""
-    try:
-        with open("/sys/kernel/mm/transparent_hugepage/hpage_pmd_size") as f:
-            return int(f.read())
-    except (OSError, ValueError):
-        return 2 << 20
-
-
-_MAP_WINDOW = _pmd_bytes()
-#: Where ``io="view"`` mappings may start (64 KiB on Windows; tests set it to emulate that).
-_VIEW_GRANULARITY = mmap.ALLOCATIONGRANULARITY
-
-
-@dataclass
-class LayerStats:
-    """Counters of one layer."""
-
-    hits: int = 0
-    misses: int = 0
-    bytes_read: int = 0
-    evictions: int = 0
-    pages_loaded: int = 0
-    pages_evicted: int = 0
-    minor_faults: int = 0
-    major_faults: int = 0
-
-    @property
-    def hit_rate(self) -> float:
-        total = self.hits + self.misses
-        return self.hits / total if total else 0.0
-
-
-@dataclass
-class PagerStats(LayerStats):
-    """Pager counters (a snapshot; see :attr:`Pager.stats`).
-
-    ``hits``/``misses`` count demand accesses (one per unique expert per :meth:`Pager.load`);
-    an expert found in flight from a prefetch counts as a hit and as an ``inflight_wait``.
-    ``bytes_read`` counts the expert bytes fetched (prefetches included); ``read_seconds`` is
-    the wall time spent fetching (summed over threads); ``read_throughput`` = ``bytes_read /
-    read_seconds``. ``pages_loaded`` / ``pages_evicted`` count pages of ``page_size`` bytes
-    the pager started / stopped holding (``resident_pages = pages_loaded - pages_evicted``);
-    ``minor_faults`` / ``major_faults`` the page faults the fetching threads took while
-    fetching (``getrusage``; 0 where unavailable). ``rss_file`` / ``rss_anon`` are the
-    process's file-backed and anonymous resident bytes when the snapshot was taken
-    (``/proc/self/status``; None elsewhere). ``advised`` counts experts handed to the OS by
-    :meth:`Pager.advise` (read-ahead into the page cache, not into the budget).
-    """
-
-    io: str = ""
-    page_size: int = 0
-    resident_bytes: int = 0
-    peak_resident_bytes: int = 0
-    resident_pages: int = 0
-    peak_resident_pages: int = 0
-    pool_bytes: int = 0
-    budget_bytes: int = 0
-    read_seconds: float = 0.0
-    prefetched: int = 0
-    prefetch_hits: int = 0
-    advised: int = 0
-    inflight_waits: int = 0
-    rss_file: int | None = None
-    rss_anon: int | None = None
-    per_layer: dict[int, LayerStats] = field(default_factory=dict)
-
-    @property
-    def read_throughput(self) -> float:
-        """Bytes per second while reading."""
-        return self.bytes_read / self.read_seconds if self.read_seconds else 0.0
-
-    @property
-    def bytes_paged_in(self) -> int:
-        """Bytes of the pages made resident (``pages_loaded * page_size``): the I/O unit;
-        above ``bytes_read`` by the parts of pages that hold no byte of the expert loaded."""
-        return self.pages_loaded * self.page_size
-
-
-def process_memory() -> tuple[int | None, int | None]:
-    """``(RssFile, RssAnon)`` of this process in bytes (Linux), else ``(None, None)``."""
-    found = {}
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith(("RssFile:", "RssAnon:")):
-                    name, value = line.split(":")
-                    found[name] = int(value.split()[0]) * 1024
-    except OSError:
-        pass
-    return found.get("RssFile"), found.get("RssAnon")
-
-
-_RUSAGE_WHO = getattr(resource, "RUSAGE_THREAD", getattr(resource, "RUSAGE_SELF", None))
-
-
-def _faults() -> tuple[int, int]:
-    if _RUSAGE_WHO is None:
-        return 0, 0
-    r = resource.getrusage(_RUSAGE_WHO)
-    return r.ru_minflt, r.ru_majflt
-
-
-class _Slot:
-    __slots__ = (
-        "error", "event", "index", "io", "key", "nbytes", "pages", "pins", "prefetched",
-        "reading", "state",
-    )  # fmt: skip
-
-    def __init__(self, index: int) -> None:
-        self.index = index
-        self.key: Key | None = None
-        self.state = _EMPTY
-        self.pins = 0
-        self.nbytes = 0
-        self.pages = 0  # pages claimed and not yet given back, for the stats
-        self.io = None  # backend data (view: the slot's mappings)
-        self.event: threading.Event | None = None
-        self.error: BaseException | None = None
-        self.prefetched = False
-        self.reading = False  # a read was started or queued: the slot will leave _LOADING
-
-
-class _Pin:
-    """One load's pin on a slot; released when the last view made by that load dies."""
-
-    __slots__ = ("__weakref__", "_cache", "_slot")
-
-    def __init__(self, cache: _Cache, slot: _Slot) -> None:
-        self._cache, self._slot = cache, slot
-
-    def __del__(self) -> None:
-        with contextlib.suppress(Exception):  # at interpreter shutdown nothing is left to free
-            self._cache.unpin(self._slot)
-
-
-class _Region:
-    """Read-only memory of ``owner`` (a numpy array: the pool or a mapping) for views; holds
-    the owner alive and the pin."""
-
-    __slots__ = ("__array_interface__", "_owner", "_pin")
-
-    def __init__(self, owner: np.ndarray, address: int, pin: _Pin) -> None:
-        self._owner, self._pin = owner, pin
-        self.__array_interface__ = {
-            "data": (address, True),  # read-only; ``owner.ctypes.data``, known beforehand
-            "shape": (owner.nbytes,),
-            "typestr": "|u1",
-            "version": 3,
-        }
-
-
-class ExpertWeights:
-    """One expert's matrices: ``gate [I, H]``, ``up [I, H]``, ``down [H, I]`` (read-only).
-
-    ``y = down @ (act(gate @ x) * (up @ x))``. Quantized GGUF matrices are ``uint8 [rows,
-    row_bytes]`` blocks; ``layout`` names their type.
-    """
-
-    __slots__ = ("down", "expert", "gate", "layer", "layout", "up")
-
-    def __init__(self, layout: ExpertLayout, buffers) -> None:
-        """``buffers``: the three matrices' bytes, ``uint8`` arrays in gate, up, down order."""
-        self.layer, self.expert, self.layout = layout.layer, layout.expert, layout
-        gate, up, down = layout.matrices
-        self.gate, self.up, self.down = (
-            gate.view(buffers[0]),
-            up.view(buffers[1]),
-            down.view(buffers[2]),
-        )
-
-    @property
-    def nbytes(self) -> int:
-        return self.layout.nbytes
-
-    @property
-    def dtype(self) -> str:
-        """The stored dtype in numpy's spelling (``"bfloat16"``, ...)."""
-        stored = self.layout.gate.dtype
-        return STORED_NAMES.get(stored, stored.lower())
-
-    def __iter__(self):
-        return iter((self.gate, self.up, self.down))
-
-    def __repr__(self) -> str:
-        return (
-            f"ExpertWeights(layer={self.layer}, expert={self.expert}, gate={self.gate.shape}, "
-            f"dtype={self.layout.gate.dtype})"
-        )
-
-
-class ExpertBatch(Mapping):
-    """The experts of one :meth:`Pager.load`: ``batch[e]`` is an :class:`ExpertWeights`.
-
-    Use as a context manager (or call :meth:`release`): afterwards the batch holds no views, so
-    the pager may reuse the slots, except those of views the caller still keeps alive.
-    """
-
-    def __init__(self, layer: int, experts: dict[int, ExpertWeights]) -> None:
-        self.layer = layer
-        self._experts: dict[int, ExpertWeights] | None = experts
-
-    def _live(self) -> dict[int, ExpertWeights]:
-        if self._experts is None:
-            raise RuntimeError("this ExpertBatch was released; load the experts again")
-        return self._experts
-
-    def __getitem__(self, expert: int) -> ExpertWeights:
-        experts = self._live()
-        try:
-            return experts[int(expert)]
-        except KeyError:
-            raise KeyError(
-                f"expert {expert} was not loaded in this batch (loaded: {sorted(experts)})"
-            ) from None
-
-    def __iter__(self) -> Iterator[int]:
-        return iter(self._live())
-
-    def __len__(self) -> int:
-        return len(self._live())
-
-    def release(self) -> None:
-        """Drop this batch's views (idempotent)."""
-        self._experts = None
-
-    def __enter__(self) -> ExpertBatch:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.release()
-
-
-class _Cache:
-    """All mutable pager state, shared with pins and the prefetch thread (not the Pager)."""
-
-    def __init__(self, num_slots: int, stats: PagerStats) -> None:
-        self.lock = threading.RLock()
-        self.changed = threading.Condition(self.lock)  # a slot was read, failed or unpinned
-        self.slots = [_Slot(i) for i in range(num_slots)]
-        self.free = list(range(num_slots - 1, -1, -1))
-        self.where: dict[Key, _Slot] = {}
-        self.closed = False
-        self.stats = stats  # resident_* and peak_* fields are live here
-
-    def unpin(self, slot: _Slot) -> None:
-        """Drop one pin; a failed slot goes back to the free list with its last pin."""
-        with self.lock:
-            slot.pins -= 1
-            self.changed.notify_all()
-            if slot.pins == 0 and slot.state == _FAILED:
-                slot.state, slot.key = _EMPTY, None
-                self.free.append(slot.index)
-
-
-def _spans(layout: ExpertLayout, page_size: int, index: dict[str, int]) -> tuple[Span, ...]:
-    """The page runs ``(file, first, end)`` an expert's matrices touch, merged per file."""
-    runs: dict[int, list[list[int]]] = {}
-    for ref in layout.matrices:
-        if ref.nbytes:
-            first, end = ref.offset // page_size, -(-(ref.offset + ref.nbytes) // page_size)
-            runs.setdefault(index[ref.path], []).append([first, end])
-    out: list[Span] = []
-    for f, pieces in sorted(runs.items()):
-        pieces.sort()
-        merged = [pieces[0]]
-        for first, end in pieces[1:]:
-            if first <= merged[-1][1]:
-                merged[-1][1] = max(merged[-1][1], end)
-            else:
-                merged.append([first, end])
-        out += [(f, first, end) for first, end in merged]
-    return tuple(out)
-
-
-def _zero_runs(counts: np.ndarray, base: int) -> list[tuple[int, int]]:
-    """``[first, end)`` runs of zeros in ``counts``, offset by ``base``."""
-    zero = counts == 0
-    if not zero.any():
-        return []
-    if zero.all():
-        return [(base, base + len(counts))]
-    edges = np.diff(np.concatenate(([0], zero.view(np.int8), [0])))
-    starts, ends = np.flatnonzero(edges == 1), np.flatnonzero(edges == -1)
-    return [(base + int(s), base + int(e)) for s, e in zip(starts, ends, strict=True)]
-
-
-class _IO:
-    """A backend: how a slot's expert becomes readable. ``claim``/``release`` (lock held)
-    account pages; ``fetch`` (lock not held) does the I/O; ``settle`` (lock held) follows a
-    successful fetch; ``owners`` says where each matrix lies for views."""
-
-    name = ""
-
-    def __init__(self, pager: Pager, num_slots: int, slot_bytes: int) -> None:
-        self.paths = pager.source.files
-        self.page_size = pager.page_size
-        self.spans = pager._spans
-        self.experts = pager.source.experts
-        self.sizes: list[int] = []
-        self.identities: list[tuple[int, int, int, int]] = []
-
-    def _record(self, fd: int, path: str) -> None:
-        """Remember what ``path`` (open as ``fd``) is; refuse a file already shorter than its
-        experts need."""
-        ident = identity(fd)
-        need = max(
-            (r.offset + r.nbytes for lay in self.experts.values() for r in lay.matrices
-             if r.path == path),
-            default=0,
-        )  # fmt: skip
-        if ident[2] < need:
-            raise FileChangedError(
-                f"Pager(): weight file {path!r} must hold {need} bytes as its header says "
-                f"(got {ident[2]}); it was truncated after it was opened"
-            )
-        self.identities.append(ident)
-        self.sizes.append(ident[2])
-
-    def check(self, files, where: str = "load()") -> None:
-        """:class:`FileChangedError` unless every file index in ``files`` is unchanged."""
-        for f in files:
-            check_same(self.paths[f], self.identities[f], where)
-
-    def claim(self, slot: _Slot, key: Key) -> int:
-        raise NotImplementedError
-
-    def fetch(self, slot: _Slot, key: Key) -> None:
-        raise NotImplementedError
-
-    def settle(self, slot: _Slot, key: Key) -> None:
-        pass
-
-    def release(self, slot: _Slot, key: Key) -> int:
-        raise NotImplementedError
-
-    def owners(self, slot: _Slot, key: Key) -> list[tuple[np.ndarray, int, int]]:
-        """``(owner array, its address, byte offset in it)`` of gate, up and down."""
-        raise NotImplementedError
-
-    def close(self, slots: list[_Slot]) -> None:
-        raise NotImplementedError
-
-    def advise(self, key: Key) -> bool:
-        """Start the OS reading ``key``'s bytes into its page cache; nothing is mapped or
-        held (False where this backend cannot)."""
-        return False
-
-
-class _ReadIO(_IO):
-    """Explicit reads into a pool of ``num_slots x slot_bytes`` bytes."""
-
-    name = "read"
-
-    def __init__(self, pager: Pager, num_slots: int, slot_bytes: int, populate: bool) -> None:
-        super().__init__(pager, num_slots, slot_bytes)
-        self.slot_bytes = slot_bytes
-        self.reader = FileReader(self.paths)
-        try:
-            for p in self.paths:
-                self._record(self.reader.fileno(p), p)
-        except BaseException:
-            self.reader.close()
-            raise
-        self.pool = np.zeros(num_slots * slot_bytes, dtype=np.uint8)  # calloc: lazily committed
-        self.address = self.pool.ctypes.data
-        if populate:
-            self.pool[::4096] = 0
-        self.plans: dict[Key, list[tuple[str, int, int, int]]] = {}
-        self.relative: dict[Key, tuple[int, int, int]] = {}  # matrix offsets in a slot
-
-    def _plan(self, key: Key) -> list[tuple[str, int, int, int]]:
-        """Reads that fill a slot with gate|up|down: ``(path, file_offset, slot_offset,
-        nbytes)``, adjacent ranges merged so a contiguous expert is one read."""
-        plan = self.plans.get(key)
-        if plan is None:
-            merged: list[list] = []
-            at = 0
-            for ref in self.experts[key].matrices:
-                last = merged[-1] if merged else None
-                if last and last[0] == ref.path and last[1] + last[3] == ref.offset:
-                    last[3] += ref.nbytes
-                else:
-                    merged.append([ref.path, ref.offset, at, ref.nbytes])
-                at += ref.nbytes
-            plan = self.plans[key] = [tuple(p) for p in merged]
-        return plan
-
-    def claim(self, slot, key):
-        return -(-self.experts[key].nbytes // self.page_size)
-
-    release = claim
-
-    def fetch(self, slot, key):
-        base = memoryview(self.pool)[slot.index * self.slot_bytes :]
-        try:
-            for path, offset, at, nbytes in self._plan(key):
-                self.reader.readinto(path, offset, base[at : at + nbytes])
-        finally:
-            base.release()
-
-    def owners(self, slot, key):
-        base, pool = slot.index * self.slot_bytes, self.pool
-        rel = self.relative.get(key)
-        if rel is None:
-            gate, up, _ = self.experts[key].matrices
-            rel = self.relative[key] = (0, gate.nbytes, gate.nbytes + up.nbytes)
-        return [(pool, self.address, base + r) for r in rel]
-
-    def close(self, slots):
-        self.reader.close()  # the pool lives on in the views that still use it
-
-    def advise(self, key):
-        done = [self.reader.advise(r.path, r.offset, r.nbytes) for r in self.experts[key].matrices]
-        return all(done)
-
-
-class _PageTable:
-    """How many resident experts use each page of one file (no Python object per page)."""
-
-    def __init__(self, num_pages: int, most_sharing: int) -> None:
-        dtype = np.uint8 if most_sharing < 255 else np.uint16 if most_sharing < 65535 else np.uint32
-        self.count = np.zeros(num_pages, dtype)
-
-    def hold(self, first: int, end: int) -> int:
-        """One more user of pages ``[first, end)``; the number that had none."""
-        seg = self.count[first:end]
-        new = int(np.count_nonzero(seg == 0))
-        seg += 1
-        return new
-
-    def unhold(self, first: int, end: int) -> list[tuple[int, int]]:
-        """One user fewer; the runs of pages left with none."""
-        seg = self.count[first:end]
-        seg -= 1
-        return _zero_runs(seg, first)
-
-
-class _MapIO(_IO):
-    """One read-only mapping per file, pages counted per file in a :class:`_PageTable`."""
-
-    name = "mmap"
-
-    def __init__(self, pager: Pager, num_slots: int, slot_bytes: int) -> None:
-        super().__init__(pager, num_slots, slot_bytes)
-        self.maps: list[FileMap | None] = []
-        try:
-            for p in self.paths:
-                fd = os.open(p, _OPEN_FLAGS)
-                try:  # the mapping keeps its own descriptor
-                    self._record(fd, p)
-                    self.maps.append(FileMap(p, fd, 0, self.sizes[-1]) if self.sizes[-1] else None)
-                finally:
-                    os.close(fd)
-        except BaseException:
-            self.close([])
-            raise
-        smallest = min((r.nbytes for lay in self.experts.values() for r in lay.matrices
-                        if r.nbytes), default=1)  # fmt: skip
-        sharing = self.page_size // smallest + 2  # experts that can touch one page
-        self.tables = [_PageTable(-(-s // self.page_size), sharing) for s in self.sizes]
-        self.window = max(1, _MAP_WINDOW // self.page_size)  # pages the kernel may map at once
-        self.index = {p: i for i, p in enumerate(self.paths)}
-        self.where: dict[Key, list[tuple[int, int]]] = {}  # (file, offset) of each matrix
-
-    def claim(self, slot, key):
-        return sum(self.tables[f].hold(first, end) for f, first, end in self.spans[key])
-
-    def fetch(self, slot, key):
-        ps = self.page_size
-        for f, first, end in self.spans[key]:
-            self.maps[f].populate(first * ps, (end - first) * ps)
-
-    def advise(self, key):
-        ps = self.page_size
-        return all([self.maps[f].advise(first * ps, (end - first) * ps)
-                    for f, first, end in self.spans[key]])  # fmt: skip
-
-    def _drop(self, f: int, runs) -> None:
-        ps = self.page_size
-        for first, end in runs:
-            self.maps[f].drop(first * ps, (end - first) * ps)
-
-    def settle(self, slot, key):
-        # The kernel maps whole page-cache folios on a fault: drop what it mapped beyond.
-        w = self.window
-        if w == 1:
-            return
-        for f, first, end in self.spans[key]:
-            table = self.tables[f].count
-            lo, hi = first - first % w, min(-(-end // w) * w, len(table))
-            self._drop(f, _zero_runs(table[lo:first], lo) + _zero_runs(table[end:hi], end))
-
-    def release(self, slot, key):
-        freed = 0
-        for f, first, end in self.spans[key]:
-            runs = self.tables[f].unhold(first, end)
-            self._drop(f, runs)
-            freed += sum(e - s for s, e in runs)
-        return freed
-
-    def owners(self, slot, key):
-        where = self.where.get(key)
-        if where is None:
-            where = self.where[key] = [
-                (self.index[r.path], r.offset) for r in self.experts[key].matrices
-            ]
-        maps = self.maps
-        return [(maps[f].array, maps[f].address, offset) for f, offset in where]
-
-    def close(self, slots):
-        for m in self.maps:
-            if m is not None:
-                with contextlib.suppress(OSError):
-                    m.drop(0, m.length)  # live views re-fault from the file
-                m.close()
-
-
-class _ViewIO(_IO):
-    """A mapping per resident expert and page run, unmapped on eviction (Windows' way)."""
-
-    name = "view"
-
-    def __init__(self, pager: Pager, num_slots: int, slot_bytes: int) -> None:
-        super().__init__(pager, num_slots, slot_bytes)
-        self.fds: list[int] = []
-        self.lock = threading.Lock()
-        self.closed = False
-        try:
-            for p in self.paths:
-                self.fds.append(os.open(p, _OPEN_FLAGS))
-                self._record(self.fds[-1], p)
-        except BaseException:
-            self.close([])
-            raise
-        self.granularity = max(_VIEW_GRANULARITY, mmap.ALLOCATIONGRANULARITY)
-
-    def claim(self, slot, key):
-        return sum(end - first for _, first, end in self.spans[key])
-
-    def fetch(self, slot, key):
-        ps, maps = self.page_size, []
-        try:
-            for f, first, end in self.spans[key]:
-                start, stop = first * ps, min(end * ps, self.sizes[f])
-                offset = start - start % self.granularity
-                with self.lock:  # never map from a descriptor close() is closing
-                    if self.closed:
-                        raise ValueError("the Pager was closed during this load")
-                    m = FileMap(self.paths[f], self.fds[f], offset, stop - offset)
-                maps.append(m)
-                m.populate(start - offset, stop - start)
-                m.drop(0, start - offset)  # the kernel may have mapped the rounded-down part
-        except BaseException:
-            for m in maps:
-                m.close()
-            raise
-        slot.io = maps
-
-    def release(self, slot, key):
-        for m in slot.io or ():
-            m.close()  # views still alive (only after Pager.close) keep theirs
-        slot.io = None
-        return self.claim(slot, key)  # the same pages
-
-    def owners(self, slot, key):
-        out = []
-        for ref in self.experts[key].matrices:
-            for m in slot.io:
-                if m.path == ref.path and m.offset <= ref.offset <= m.offset + m.length:
-                    out.append((m.array, m.address, ref.offset - m.offset))
-                    break
-        return out
-
-    def close(self, slots):
-        for slot in slots:
-            for m in slot.io or ():
-                with contextlib.suppress(OSError):
-                    m.drop(0, m.length)  # live views re-fault from the file
-                m.close()
-            slot.io = None
-        with self.lock:
-            self.closed = True
-            fds, self.fds = self.fds, []
-        for fd in fds:
-            os.close(fd)
+from colibri.pager._cache import _EMPTY, _FAILED, _LOADING, _READY, _Cache, _Slot
+from colibri.pager._policies import CachePolicy, make_policy
+from colibri.pager._policy_base import Key
+from colibri.pager._replay import Trace
+from colibri.pager._stats import LayerStats, PagerStats, _faults
+from colibri.pager._views import ExpertBatch, _Pin, _Region
+
+__all__ = ["BudgetError", "FileChangedError", "Pager"]
 
 
 def _shutdown(cache: _Cache, backend: _IO, jobs: queue.Queue, workers: list) -> None:
@@ -748,9 +125,9 @@ class Pager:
         Page size (4, 32, 64, ... KiB; a power of two, at least the OS page for ``mmap`` and
         ``view``): the unit of residency, of I/O and of the budget.
     policy : str or CachePolicy
-        ``"adaptive"`` (default: measured best, never below LRU on the bench's traces),
-        ``"lru"``, ``"fifo"`` (the seed's), ``"lfu"``, ``"lrfu"``, ``"nextuse"``, ``"hot"``
-        (see :mod:`colibri.pager`).
+        ``"adaptive"`` (default: the smallest gap to Belady on the bench's traces, and never
+        more than a stake of hits behind LRU), ``"lru"``, ``"fifo"``, ``"lfu"``, ``"lrfu"``,
+        ``"nextuse"``, ``"hot"`` (see :mod:`colibri.pager`).
     policy_options : dict, optional
         Passed to the policy (``half_life`` for lrfu; ``counts``, ``hot_fraction`` for hot).
     io : str, optional
@@ -854,9 +231,12 @@ class Pager:
                            pool_bytes=num_slots * slot_bytes if io == "read" else 0)  # fmt: skip
         self._cache = _Cache(num_slots, stats)
         if io == "read":
-            self._io: _IO = _ReadIO(self, num_slots, slot_bytes, populate)
+            self._io: _IO = _ReadIO(
+                self.source, self.page_size, self._spans, num_slots, slot_bytes, populate
+            )
         else:
-            self._io = (_MapIO if io == "mmap" else _ViewIO)(self, num_slots, slot_bytes)
+            backend = _MapIO if io == "mmap" else _ViewIO
+            self._io = backend(self.source, self.page_size, self._spans)
         self._policy = make_policy(policy, num_slots, **(policy_options or {}))
         self._usage: dict[Key, int] = {}
         self.trace: Trace | None = Trace() if record_trace else None
@@ -899,7 +279,8 @@ class Pager:
             s = self._cache.stats
             snap = PagerStats(**{k: getattr(s, k) for k in s.__dataclass_fields__})
             snap.per_layer = {k: LayerStats(**vars(v)) for k, v in s.per_layer.items()}
-        snap.rss_file, snap.rss_anon = process_memory()
+        memory = process_memory()
+        snap.rss_file, snap.rss_anon = memory.file, memory.anon
         return snap
 
     def reset_stats(self) -> None:
@@ -1080,7 +461,7 @@ class Pager:
                     raise ValueError("this Pager was closed during the load")
                 whole = regions[address] = np.asarray(_Region(owner, address, pin))
             buffers.append(whole[at : at + ref.nbytes])
-        return ExpertWeights(layout, buffers)
+        return layout.weights(buffers)
 
     def load(self, layer: int, expert_ids) -> ExpertBatch:
         """Make the experts of one routing step resident and return views of their weights.
@@ -1114,12 +495,43 @@ class Pager:
         """
         self._check_open()
         keys = self._keys(layer, expert_ids, "load()")
+        layer = int(layer)
         if len(keys) > self.capacity:
             raise BudgetError(
                 f"load(): {len(keys)} unique experts requested but the budget holds "
                 f"{self.capacity} ({self.slot_bytes} bytes each); raise budget_bytes"
             )
         self._io.check(self._all_files if self._single_file else self._step_files(keys))
+        ready, wait, mine = self._claim(layer, keys)
+        fetched, error = self._read(mine)
+        waited, failed = self._await(wait)
+        done = ready + fetched + waited
+        if error is None:
+            error = failed  # this load's own read error, if any, comes first
+        if error is not None:
+            for slot in done:
+                self._cache.unpin(slot)
+            raise error
+        return ExpertBatch(layer, self._pin_views(done))
+
+    # The phases of a load. Each slot they pass on carries one pin of this load, which the
+    # next phase hands on, gives back, or turns into the views' pin.
+
+    def _claim(self, layer: int, keys: list[Key]) -> tuple[list[_Slot], list[_Slot], list[_Slot]]:
+        """Pin every expert of the step, under the lock: hits first, then a slot per miss.
+
+        Returns
+        -------
+        ready, wait, mine : list of _Slot
+            Hits whose expert is readable; hits another thread is still fetching; misses,
+            each in a slot of its own (the policy's victim evicted) that this load fetches.
+
+        Raises
+        ------
+        BudgetError
+            Every slot is pinned by live views; this load's pins are dropped and its slots
+            failed first.
+        """
         cache = self._cache
         step = set(keys)
         ready: list[_Slot] = []
@@ -1128,36 +540,22 @@ class Pager:
         with cache.lock:
             self._check_open()
             if self.trace is not None:
-                self.trace.steps.append((int(layer), tuple(e for _, e in keys)))
-            stats, per = cache.stats, self._layer(int(layer))
-            handled: set[Key] = set()
-
-            def hit(key: Key, slot: _Slot) -> None:
-                handled.add(key)
-                stats.hits += 1
-                per.hits += 1
-                self._policy.touch(key)
-                slot.pins += 1
-                if slot.prefetched:
-                    slot.prefetched = False
-                    stats.prefetch_hits += 1
-                if slot.state == _READY:
-                    ready.append(slot)
-                else:
-                    stats.inflight_waits += 1
-                    wait.append(slot)
-
-            self._policy.begin_step(int(layer), keys)
+                self.trace.steps.append((layer, tuple(e for _, e in keys)))
+            stats, per = cache.stats, self._layer(layer)
+            self._policy.begin_step(layer, keys)
+            missed = []
             for key in keys:
                 self._usage[key] = self._usage.get(key, 0) + 1
                 slot = cache.where.get(key)
-                if slot is not None:
-                    hit(key, slot)
-            for key in keys:
-                while key not in handled:
+                if slot is None:
+                    missed.append(key)
+                else:
+                    (ready if self._hit(slot, stats, per) else wait).append(slot)
+            for key in missed:
+                while True:
                     slot = cache.where.get(key)
                     if slot is not None:  # another thread loaded it while we waited
-                        hit(key, slot)
+                        (ready if self._hit(slot, stats, per) else wait).append(slot)
                         break
                     slot = self._take_slot(step)
                     if slot is not None:
@@ -1165,7 +563,6 @@ class Pager:
                         stats.misses += 1
                         per.misses += 1
                         mine.append(slot)
-                        handled.add(key)
                         break
                     # Every slot is pinned. Reads in progress (or queued prefetches) will
                     # free some; otherwise live views hold them all.
@@ -1181,31 +578,59 @@ class Pager:
                         "expert views; release ExpertBatch handles (or drop kept views) or "
                         "raise budget_bytes"
                     )
-            for x in mine:  # fetched right after the lock is released
-                x.reading = True
-        done: list[_Slot] = list(ready)
+            for slot in mine:  # fetched right after the lock is released
+                slot.reading = True
+        return ready, wait, mine
+
+    def _hit(self, slot: _Slot, stats: PagerStats, per: LayerStats) -> bool:
+        """Count a demand hit on ``slot`` and pin it (lock held); True if its expert is
+        readable, False if another thread is still fetching it."""
+        stats.hits += 1
+        per.hits += 1
+        self._policy.touch(slot.key)
+        slot.pins += 1
+        if slot.prefetched:
+            slot.prefetched = False
+            stats.prefetch_hits += 1
+        if slot.state == _READY:
+            return True
+        stats.inflight_waits += 1
+        return False
+
+    def _read(self, mine: list[_Slot]) -> tuple[list[_Slot], BaseException | None]:
+        """Fetch this load's misses in order (lock not held); after the first error the rest
+        are failed unread. Returns the slots fetched and that error (None if none)."""
+        fetched: list[_Slot] = []
         error: BaseException | None = None
         for slot in mine:
             if error is None:
                 try:
                     self._fetch(slot, slot.key)
-                    done.append(slot)
+                    fetched.append(slot)
                 except BaseException as exc:  # _fetch already failed the slot
                     error = exc
             else:
-                with cache.lock:
+                with self._cache.lock:
                     self._fail(slot, error)
+        return fetched, error
+
+    def _await(self, wait: list[_Slot]) -> tuple[list[_Slot], BaseException | None]:
+        """Wait for the hits other threads are fetching; a failed one's pin is dropped.
+        Returns the slots now readable and the first error (None if none)."""
+        readable: list[_Slot] = []
+        error: BaseException | None = None
         for slot in wait:
             slot.event.wait()
             if slot.error is None:
-                done.append(slot)
+                readable.append(slot)
             else:
                 error = error or slot.error
-                cache.unpin(slot)
-        if error is not None:
-            for slot in done:
-                cache.unpin(slot)
-            raise error
+                self._cache.unpin(slot)
+        return readable, error
+
+    def _pin_views(self, done: list[_Slot]) -> dict[int, ExpertWeights]:
+        """The experts' views by id, ascending; each adopts this load's pin on its slot. If
+        one cannot be made, the pins not yet adopted are dropped."""
         experts = {}
         try:
             while done:
@@ -1213,9 +638,9 @@ class Pager:
                 experts[slot.key[1]] = self._views(slot)  # adopts this call's pin
         except BaseException:
             for slot in done:
-                cache.unpin(slot)
+                self._cache.unpin(slot)
             raise
-        return ExpertBatch(int(layer), dict(sorted(experts.items())))
+        return dict(sorted(experts.items()))
 
     # -- prefetch -----------------------------------------------------------------------------
 

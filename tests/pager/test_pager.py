@@ -1,31 +1,42 @@
 """The Pager: budget, pinning, policies against replay and Belady, prefetch, lifecycle; every
 test that touches I/O runs on every backend (``io``)."""
 
+import errno
 import gc
-import itertools
 import os
 import subprocess
 import sys
 import textwrap
 import threading
 import time
-from functools import cache
 
 import numpy as np
 import pytest
 
 import colibri
 from _support.paging import held_pages, hook_io
+from colibri._units import process_memory
 from colibri.formats import open_weights
-from colibri.formats._io import HAS_MADVISE, FileChangedError
 from colibri.formats.raw import write_experts
-from colibri.pager import IO_BACKENDS, POLICIES, BudgetError, Pager, Trace, belady, replay
+from colibri.pager import (
+    DEFAULT_IO,
+    IO_BACKENDS,
+    POLICIES,
+    BudgetError,
+    FileChangedError,
+    HotSetPolicy,
+    Pager,
+    Trace,
+    belady,
+    replay,
+)
 
 L, E, I, H = 3, 8, 16, 32  # one expert: 3 * 16 * 32 * 2 = 3072 bytes -> one 4 KiB slot
 SLOT = 4096
+BACKENDS = [b for b in IO_BACKENDS if b != "mmap" or DEFAULT_IO == "mmap"]  # mmap needs madvise
 
 
-@pytest.fixture(params=[b for b in IO_BACKENDS if b != "mmap" or HAS_MADVISE])
+@pytest.fixture(params=BACKENDS)
 def io(request):
     return request.param
 
@@ -134,59 +145,50 @@ def test_hot_policy_from_saved_usage(weights):
             pager.load(layer, ids).release()
         usage = pager.usage()
         assert usage == trace.counts() and pager.trace.steps == trace.steps
-        pager.set_cache_policy("hot", counts=usage, hot_fraction=0.5)
+        hot = HotSetPolicy(7, counts=usage, hot_fraction=0.5)
+        pager.set_cache_policy(hot)
         assert pager.policy == "hot"
         pager.reset_stats()
         for layer, ids in trace:
             pager.load(layer, ids).release()
-        hot = pager._policy.hot
-        assert len(hot) == 3 and all(k in pager.resident() for k in hot)
+        assert len(hot.hot) == 3 and all(k in pager.resident() for k in hot.hot)
+    options = dict(counts=usage, hot_fraction=0.5)
+    with Pager(path, budget_bytes=7 * SLOT, page_size_kb=4, policy="hot",
+               policy_options=options) as pager:  # fmt: skip
+        for layer, ids in trace:
+            pager.load(layer, ids).release()
+        s = pager.stats
+    expected = replay(trace, 7, "hot", **options)
+    assert (s.hits, s.misses, s.evictions) == (expected.hits, expected.misses, expected.evictions)
+    assert expected.hits != replay(trace, 7, "lru").hits  # the hot set changed what hit
     with pytest.raises(ValueError, match="needs usage counts"):
         replay(trace, 7, "hot")
     with pytest.raises(ValueError, match="unknown cache policy 'nope'; available"):
         Pager(path, budget_bytes=7 * SLOT, page_size_kb=4).set_cache_policy("nope")
 
 
-def brute_force_optimum(trace, capacity):
-    steps = [[(lay, e) for e in ids] for lay, ids in trace.steps]
-
-    @cache
-    def best(i, resident):
-        if i == len(steps):
-            return 0
-        keys = steps[i]
-        hits = sum(k in resident for k in keys)
-        others = [k for k in resident if k not in keys]
-        need = max(0, len(resident) + sum(k not in resident for k in keys) - capacity)
-        return hits + max(
-            best(i + 1, frozenset((set(resident) - set(ev)) | set(keys)))
-            for ev in itertools.combinations(others, need)
-        )
-
-    return best(0, frozenset())
+def evicted_by(pager, layer, ids):
+    """Load ``ids`` of ``layer`` and return the keys that left the cache for them."""
+    before = set(pager.resident())
+    pager.load(layer, ids).release()
+    return sorted(before - set(pager.resident()))
 
 
-def test_belady_is_the_optimum():
-    rng = np.random.default_rng(1)
-    for _ in range(60):
-        trace = Trace(
-            (int(rng.integers(2)), rng.choice(5, size=int(rng.integers(1, 3)), replace=False))
-            for _ in range(9)
-        )
-        capacity = int(rng.integers(2, 5))
-        optimum = belady(trace, capacity).hits
-        assert optimum == brute_force_optimum(trace, capacity)
-        for policy in ("fifo", "lru", "lfu", "lrfu", "nextuse"):
-            assert replay(trace, capacity, policy).hits <= optimum
-
-
-def test_trace_save_load(tmp_path):
-    trace = random_trace(20)
-    trace.save(tmp_path / "t.json")
-    assert Trace.load(tmp_path / "t.json").steps == trace.steps
-    (tmp_path / "bad.json").write_text('{"nope": 1}')
-    with pytest.raises(ValueError, match="'steps' is missing"):
-        Trace.load(tmp_path / "bad.json")
+@pytest.mark.parametrize(
+    ("old", "new", "order"),
+    [("lru", "fifo", [1, 0, 2, 3]), ("fifo", "lru", [3, 1, 0, 2])],
+)
+def test_set_cache_policy_keeps_the_eviction_order(weights, old, new, order):
+    # 3, 1, 0, 2 in, then 3 again: LRU's order is 1, 0, 2, 3, FIFO's 3, 1, 0, 2. The new
+    # policy takes the residents in the old order, and misses alone (no hit reorders them
+    # under either) evict in that order
+    path, _ = weights
+    with Pager(path, budget_bytes=4 * SLOT, page_size_kb=4, policy=old) as pager:
+        for e in [3, 1, 0, 2, 3]:
+            pager.load(0, [e]).release()
+        pager.set_cache_policy(new)
+        assert pager.policy == new and pager.resident() == [(0, e) for e in range(4)]
+        assert [evicted_by(pager, 0, [e]) for e in (4, 5, 6, 7)] == [[(0, e)] for e in order]
 
 
 def test_views_kept_alive_stay_pinned_and_correct(io, weights):
@@ -316,6 +318,31 @@ def test_prefetch_in_flight_is_waited_for_not_read_twice(io, weights, monkeypatc
         assert (s.prefetched, s.prefetch_hits, s.inflight_waits, s.misses) == (2, 2, 2, 1)
 
 
+def test_a_failed_fetch_fails_the_load_waiting_for_it(io, weights, monkeypatch):
+    # a load finds expert 1 in flight (a prefetch) and waits; the prefetch fails: the load
+    # raises its error and keeps no pin, the slot is free again, and the pager stays usable
+    path, experts = weights
+    gate, broken = threading.Event(), [True]
+
+    def disk(kind, p, offset, length):
+        if kind in ("read", "populate") and broken[0]:
+            assert gate.wait(10), "the test never opened the gate"
+            raise OSError(errno.EIO, "Input/output error")
+
+    hook_io(monkeypatch, disk)
+    with Pager(path, budget_bytes=4 * SLOT, page_size_kb=4, io=io) as pager:
+        assert pager.prefetch(0, [1]) == 1
+        open_when(gate, lambda: pager.stats.inflight_waits == 1)
+        with pytest.raises(OSError, match="Input/output error"):
+            pager.load(0, [1])
+        s = pager.stats
+        assert (s.hits, s.prefetch_hits, s.inflight_waits, s.bytes_read) == (1, 1, 1, 0)
+        assert not pager.pinned() and not pager.resident() and s.resident_pages == 0
+        broken[0] = False
+        with pager.load(0, [0, 1, 2, 3]) as batch:  # every slot is free
+            check(batch, experts, 0)
+
+
 def test_prefetch_queue_is_bounded(io, weights, monkeypatch):
     path, _ = weights
     gate = threading.Event()
@@ -383,6 +410,61 @@ def test_drain_waits_for_queued_prefetches(io, weights):
         assert queued > 0 and pager.drain(timeout=30)
         assert not pager.pinned()
         assert pager.stats.prefetched == queued and len(pager.resident()) == queued
+
+
+def test_drain_returns_false_when_the_timeout_passes_first(io, weights, monkeypatch):
+    path, _ = weights
+    gate = threading.Event()
+    gate_fetches(monkeypatch, gate)  # the prefetch stays in flight until the gate opens
+    with Pager(path, budget_bytes=4 * SLOT, page_size_kb=4, io=io) as pager:
+        assert pager.prefetch(0, [1]) == 1
+        start = time.monotonic()
+        assert pager.drain(timeout=0.2) is False
+        assert time.monotonic() - start >= 0.2  # it waited the whole timeout
+        assert pager.pinned() == [(0, 1)]  # still in flight
+        gate.set()
+        assert pager.drain(timeout=30) is True
+        assert not pager.pinned() and pager.resident() == [(0, 1)]
+
+
+def serve(pager, trace, experts):
+    """Load every step of ``trace``, checking the bytes; the counters at the end."""
+    budget = pager.budget_bytes
+    for layer, ids in trace:
+        with pager.load(layer, ids) as batch:
+            check(batch, experts, layer)
+        s = pager.stats
+        assert s.resident_pages * s.page_size <= budget and s.pool_bytes <= budget
+    return s.hits, s.misses, s.evictions, s.bytes_read
+
+
+def test_populated_read_pool_serves_the_same_hits_within_the_budget(weights):
+    path, experts = weights
+    trace = random_trace(120, seed=6)
+    got = {}
+    for populate in (False, True):
+        with Pager(path, budget_bytes=6 * SLOT + 100, page_size_kb=4, io="read",
+                   policy="lru", populate=populate) as pager:  # fmt: skip
+            assert pager.stats.pool_bytes == 6 * SLOT
+            got[populate] = serve(pager, trace, experts)
+    assert got[True] == got[False] and got[True][2] > 0
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads RssAnon from /proc")
+def test_populate_commits_the_read_pool_at_once(weights):
+    path, _ = weights
+    budget = 64 << 20  # 1024 slots of 64 KiB
+    grown = {}
+    for populate in (False, True):
+        gc.collect()
+        before = process_memory().anon
+        pager = Pager(path, budget_bytes=budget, page_size_kb=64, io="read", populate=populate)
+        grown[populate] = process_memory().anon - before
+        assert pager.stats.pool_bytes == budget
+        pager.close()
+        del pager
+    # without populate the pool is committed as slots are used (calloc), with it at once
+    assert grown[False] < budget // 4 and grown[True] >= 0.9 * budget, grown
 
 
 def test_threads_share_one_pager(io, weights):
@@ -459,70 +541,33 @@ def test_streaming_8x_the_budget_keeps_peak_rss_bounded(tmp_path):
     assert after - before <= budget + (4 << 20), (before, after)
 
 
-hypothesis = pytest.importorskip("hypothesis")
-st = hypothesis.strategies
-
-
-@hypothesis.settings(max_examples=25, deadline=None)
-@hypothesis.given(
-    steps=st.lists(
-        st.tuples(st.integers(0, L - 1), st.lists(st.integers(0, E - 1), min_size=1, max_size=3)),
-        min_size=1,
-        max_size=40,
-    ),
-    capacity=st.integers(3, 8),
-    policy=st.sampled_from(sorted(set(POLICIES) - {"hot"})),
-    io=st.sampled_from([b for b in IO_BACKENDS if b != "mmap" or HAS_MADVISE]),
-)
-def test_property_pager_matches_replay_and_never_beats_belady(weights, steps, capacity, policy, io):
+def test_property_pager_matches_replay_and_never_beats_belady(weights):
+    hypothesis = pytest.importorskip("hypothesis")
+    st = hypothesis.strategies
     path, experts = weights
-    trace = Trace(steps)
-    with Pager(path, budget_bytes=capacity * SLOT, page_size_kb=4, policy=policy, io=io) as pager:
-        for layer, ids in trace:
-            with pager.load(layer, ids) as batch:
-                check(batch, experts, layer)
-            assert pager.stats.resident_bytes <= capacity * SLOT
-        hits = pager.stats.hits
-    assert hits == replay(trace, capacity, policy).hits <= belady(trace, capacity).hits
 
-
-def test_lru_and_fifo_evict_in_their_order():
-    # capacity 3; expert 0 is touched again before the fourth expert arrives
-    trace = Trace([(0, [0]), (0, [1]), (0, [2]), (0, [0]), (0, [3]), (0, [0]), (0, [1])])
-    lru, fifo = replay(trace, 3, "lru"), replay(trace, 3, "fifo")
-    # lru: 3 evicts 1 (0 was just used): hits 0, 0 -> then 1 misses
-    # fifo: 3 evicts 0 (first in): 0 misses again, 1 is evicted for it, 1 misses
-    assert (lru.hits, lru.misses) == (2, 5)
-    assert (fifo.hits, fifo.misses) == (1, 6)
-
-
-def zipf_iid(steps, experts, seed):
-    rng = np.random.default_rng(seed)
-    p = 1.0 / np.arange(1, experts + 1)
-    return Trace((0, rng.choice(experts, 2, replace=False, p=p / p.sum())) for _ in range(steps))
-
-
-def phases(steps, seed, length=150):
-    """Recency is all there is: two disjoint hot sets of 7 experts take turns."""
-    rng = np.random.default_rng(seed)
-    return Trace(
-        (0, 7 * ((s // length) % 2) + rng.choice(7, 2, replace=False)) for s in range(steps)
+    @hypothesis.settings(max_examples=25, deadline=None)
+    @hypothesis.given(
+        steps=st.lists(
+            st.tuples(
+                st.integers(0, L - 1), st.lists(st.integers(0, E - 1), min_size=1, max_size=3)
+            ),
+            min_size=1,
+            max_size=40,
+        ),
+        capacity=st.integers(3, 8),
+        policy=st.sampled_from(sorted(set(POLICIES) - {"hot"})),
+        io=st.sampled_from(BACKENDS),
     )
+    def pager_matches_replay(steps, capacity, policy, io):
+        trace = Trace(steps)
+        budget = capacity * SLOT
+        with Pager(path, budget_bytes=budget, page_size_kb=4, policy=policy, io=io) as pager:
+            for layer, ids in trace:
+                with pager.load(layer, ids) as batch:
+                    check(batch, experts, layer)
+                assert pager.stats.resident_bytes <= budget
+            hits = pager.stats.hits
+        assert hits == replay(trace, capacity, policy).hits <= belady(trace, capacity).hits
 
-
-@pytest.mark.parametrize("seed", [0, 1, 2])
-def test_adaptive_follows_the_better_of_recency_and_frequency(seed):
-    pop, turns = zipf_iid(3000, 40, seed), phases(3000, seed)
-    # popularity that lasts: frequency wins (+20%) and adaptive finds it
-    lru, lrfu = replay(pop, 8, "lru").hits, replay(pop, 8, "lrfu", half_life=64).hits
-    assert lrfu > 1.2 * lru and replay(pop, 8, "adaptive").hits > 1.15 * lru
-    # hot sets that take turns: old frequency misleads (-12%), adaptive stays with LRU
-    lru, lrfu = replay(turns, 8, "lru").hits, replay(turns, 8, "lrfu", half_life=64).hits
-    assert lrfu < 0.9 * lru and replay(turns, 8, "adaptive").hits >= 0.99 * lru
-
-
-def test_adaptive_options_are_checked():
-    with pytest.raises(ValueError, match="half_lives must be positive"):
-        replay(Trace([(0, [0])]), 2, "adaptive", half_lives=[0])
-    with pytest.raises(ValueError, match="memory must be >= 1"):
-        replay(Trace([(0, [0])]), 2, "adaptive", memory=0.5)
+    pager_matches_replay()

@@ -1,5 +1,8 @@
 """The mapped backends (``io="mmap"``, ``io="view"``): zero copy, pages in and out of RSS,
-shared boundary pages, views across eviction and close, changed files, injected faults."""
+shared boundary pages, views across eviction and close, changed files, injected faults.
+
+Most tests read what Linux says is mapped and resident (``/proc/self/maps``, ``smaps``,
+``status``, ``io``) and are marked ``linux``; the rest run everywhere."""
 
 import errno
 import gc
@@ -15,15 +18,15 @@ import tracemalloc
 import numpy as np
 import pytest
 
-import colibri.pager._pager
+import colibri.pager._backends
 from _support.paging import held_pages, hook_io, mapped_rss, mappings
 from colibri.formats import open_weights
-from colibri.formats._io import FileChangedError, FileMap
+from colibri.formats._io import FileMap
 from colibri.formats.raw import write_experts
-from colibri.pager import IO_BACKENDS, Pager, Trace, replay
+from colibri.pager import IO_BACKENDS, FileChangedError, Pager, Trace, replay
 
-pytestmark = pytest.mark.skipif(
-    not sys.platform.startswith("linux"), reason="reads /proc/self/maps and smaps"
+linux = pytest.mark.skipif(
+    not sys.platform.startswith("linux"), reason="reads /proc/self/maps, smaps, status or io"
 )
 
 L, E, I, H = 4, 16, 128, 128  # one expert: 3 * 128 * 128 * 2 = 96 KiB; 64 experts: 6 MiB
@@ -80,6 +83,7 @@ def assert_consistent(pager, io):
         assert mapped_rss(pager.source.files[0]) == s.resident_pages * pager.page_size
 
 
+@linux
 @pytest.mark.parametrize("io", MAPPED)
 def test_views_point_into_the_mapping_no_copy(io, weights):
     path, experts = weights
@@ -125,6 +129,7 @@ def run_trace(path, io, trace, capacity_bytes, page_size_kb, policy="lru"):
     return steps, digest.hexdigest(), capacity
 
 
+@linux
 @pytest.mark.parametrize("page_size_kb", [4, 64])
 def test_backends_give_identical_bytes_and_hit_miss_sequences(packed, page_size_kb):
     path, _ = packed
@@ -141,6 +146,7 @@ def test_backends_give_identical_bytes_and_hit_miss_sequences(packed, page_size_
     )
 
 
+@linux
 @pytest.mark.parametrize("io", MAPPED)
 @pytest.mark.parametrize("page_size_kb", [4, 64])
 def test_rss_follows_the_pages_held(io, page_size_kb, weights):
@@ -157,6 +163,7 @@ def test_rss_follows_the_pages_held(io, page_size_kb, weights):
     assert mapped_rss(path) == 0 and mappings(path) == []  # closed: nothing left mapped
 
 
+@linux
 @pytest.mark.parametrize("io", MAPPED)
 def test_shared_boundary_pages_are_counted_once_and_released_last(io, packed):
     path, experts = packed
@@ -184,6 +191,7 @@ def test_shared_boundary_pages_are_counted_once_and_released_last(io, packed):
             check(batch, experts, 0)
 
 
+@linux
 @pytest.mark.parametrize("io", MAPPED)
 def test_views_alive_across_eviction_and_close_read_the_right_bytes(io, packed):
     path, experts = packed
@@ -212,8 +220,9 @@ def test_views_alive_across_eviction_and_close_read_the_right_bytes(io, packed):
     assert mappings(path) == []  # the last view took the mapping with it
 
 
+@linux
 def test_view_backend_maps_at_64k_granularity_like_windows(weights, monkeypatch):
-    monkeypatch.setattr(colibri.pager._pager, "_VIEW_GRANULARITY", 65536)
+    monkeypatch.setattr(colibri.pager._backends, "_VIEW_GRANULARITY", 65536)
     path, experts = weights
     with Pager(path, budget_bytes=4 * EXPERT, page_size_kb=4, io="view") as pager:
         for layer, e in [(0, 1), (0, 2), (1, 5), (2, 7), (3, 3), (0, 1), (3, 15)]:
@@ -226,6 +235,7 @@ def test_view_backend_maps_at_64k_granularity_like_windows(weights, monkeypatch)
         assert pager.stats.evictions == 3  # fifo: (0, 1), (0, 2), (1, 5)
 
 
+@linux
 @pytest.mark.parametrize("io", MAPPED)
 def test_without_populate_read_the_pages_are_touched_instead(io, weights, monkeypatch):
     monkeypatch.setattr(FileMap, "_populate_works", True)  # restored after the test
@@ -244,6 +254,7 @@ def test_without_populate_read_the_pages_are_touched_instead(io, weights, monkey
     assert FileMap._populate_works is False
 
 
+@linux
 @pytest.mark.parametrize("io", IO_BACKENDS)
 def test_injected_eio_leaves_the_pager_consistent(io, weights, monkeypatch):
     path, experts = weights
@@ -305,6 +316,7 @@ def test_read_backend_turns_a_truncation_after_the_check_into_an_error(weights, 
         assert pager.resident() == [] and pager.stats.resident_pages == 0
 
 
+@linux
 @pytest.mark.parametrize("io", MAPPED)
 def test_truncation_between_the_check_and_the_mapping_raises_not_sigbus(io, tmp_path, monkeypatch):
     experts = make_experts(1, 4, I, H)
@@ -324,6 +336,7 @@ def test_truncation_between_the_check_and_the_mapping_raises_not_sigbus(io, tmp_
         assert mapped_rss(path) == 0
 
 
+@linux
 def test_faults_and_rss_in_the_stats(weights):
     path, _ = weights
     fd = os.open(path, os.O_RDONLY)
@@ -345,6 +358,7 @@ def test_bad_io_is_refused(weights):
         Pager(path, budget_bytes=4 * EXPERT, io="direct")
 
 
+@linux
 def test_threads_load_and_prefetch_through_one_mapping(weights):
     path, experts = weights
     errors = []
@@ -375,17 +389,21 @@ RSS_SCRIPT = textwrap.dedent(
     """
     import sys
     from colibri.pager import Pager
-    from colibri.pager._pager import process_memory
+    from colibri._units import process_memory
 
     path, budget, page_kb, io = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
     pager = Pager(path, budget_bytes=budget, page_size_kb=page_kb, policy="lru", io=io)
-    base = sum(process_memory())
+    def rss():
+        m = process_memory()
+        return m.file + m.anon
+
+    base = rss()
     worst = 0
     for layer in range(8):
         for e in range(16):
             with pager.load(layer, [e, (e + 5) % 16]) as b:
                 b[e].gate.sum(), b[e].down.sum()
-            worst = max(worst, sum(process_memory()) - base)
+            worst = max(worst, rss() - base)
     s = pager.stats
     assert s.bytes_read > 8 * budget, s
     print(worst, s.peak_resident_pages * s.page_size)
@@ -393,6 +411,7 @@ RSS_SCRIPT = textwrap.dedent(
 )
 
 
+@linux
 @pytest.mark.parametrize(("io", "page_size_kb"), [("mmap", 4), ("mmap", 64), ("view", 4)])
 def test_streaming_8x_the_budget_keeps_rss_within_it(tmp_path, io, page_size_kb):
     # 8 layers x 16 experts x 512 KiB = 64 MiB of experts; budget 8 MiB.
@@ -412,6 +431,7 @@ def test_streaming_8x_the_budget_keeps_rss_within_it(tmp_path, io, page_size_kb)
     assert worst <= budget + (4 << 20), (worst, budget)
 
 
+@linux
 def test_mmap_is_the_default_on_linux(weights):
     path, _ = weights
     assert colibri.pager.DEFAULT_IO == "mmap"
@@ -434,6 +454,7 @@ def _page_runs(source, key, page_size):
     return [(a, b - a) for a, b in runs]
 
 
+@linux
 @pytest.mark.parametrize("fixture", ["weights", "packed"])
 def test_a_miss_reads_exactly_the_missed_experts_pages(fixture, request, monkeypatch):
     """The mapping is MADV_RANDOM (no fault reads around), and a miss reads (WILLNEED) and
@@ -471,6 +492,7 @@ def _evict(path):
         os.close(fd)
 
 
+@linux
 @pytest.mark.skipif(not hasattr(os, "posix_fadvise"), reason="needs posix_fadvise")
 def test_a_cold_miss_reads_from_storage_only_its_pages(tmp_path):
     """Measured, not mocked: with the page cache emptied, loading experts reads from the
@@ -495,6 +517,7 @@ def test_a_cold_miss_reads_from_storage_only_its_pages(tmp_path):
     assert asked <= read <= 1.1 * asked, (read, asked)
 
 
+@linux
 @pytest.mark.parametrize("io", ["mmap", "read"])
 def test_advise_reads_ahead_without_touching_the_budget(weights, io, monkeypatch):
     """advise() hands exactly the missing experts' pages to the OS (WILLNEED) and nothing
@@ -535,6 +558,7 @@ def test_advise_reads_ahead_without_touching_the_budget(weights, io, monkeypatch
         pager.advise(0, [2])
 
 
+@linux
 @pytest.mark.skipif(not hasattr(os, "posix_fadvise"), reason="needs posix_fadvise")
 def test_an_advised_expert_loads_from_the_page_cache(tmp_path):
     """Measured: with the page cache emptied, advise() is where the device is read; the

@@ -1,0 +1,416 @@
+"""How a slot's expert becomes readable: the pager's I/O backends (``io=``).
+
+``"mmap"`` (default on Linux and macOS)
+    Every file is mapped read-only once; views are zero-copy arrays into the mapping (two
+    processes serving one file share one copy in the page cache). The pager keeps one counter
+    per page (a compact numpy array per file: how many resident experts use the page). Loading
+    an expert makes its pages resident (``MADV_POPULATE_READ``; without it ``MADV_WILLNEED``),
+    evicting it drops the pages no other resident expert uses (``MADV_DONTNEED``), so a page
+    shared by two experts is released with the last of them. The kernel may map more than
+    asked (it maps whole large folios of the page cache, up to 2 MiB, on a fault); right after
+    a load the pager drops again the pages around it that it does not hold.
+``"view"`` (default on Windows, where ``madvise`` is missing)
+    Each resident expert's page run is mapped as its own view (offset rounded down to
+    ``mmap.ALLOCATIONGRANULARITY``, 64 KiB on Windows) and unmapped when it is evicted. A
+    page shared by two experts is mapped, and counted, once per expert.
+``"read"``
+    Experts are copied with explicit positional reads (``os.preadv``) into one preallocated
+    pool of ``capacity`` slots. Never maps a file: use it for files that may change while in
+    use and for network file systems (a truncated file is a short read, not a ``SIGBUS``).
+
+Every backend has the same contract (:class:`_IO`): ``claim``/``release`` account an expert's
+pages when it enters or leaves a slot, ``fetch`` does the I/O, ``settle`` follows a
+successful fetch, ``owners`` says where each matrix lies for views.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import os
+import threading
+
+import numpy as np
+
+from colibri.formats import WeightSource
+from colibri.formats._base import ExpertLayout
+from colibri.formats._io import (
+    HAS_MADVISE,
+    OPEN_FLAGS,
+    FileChangedError,
+    FileMap,
+    FileReader,
+    check_same,
+    identity,
+)
+from colibri.pager._cache import _Slot
+from colibri.pager._policy_base import Key
+
+__all__ = ["DEFAULT_IO", "IO_BACKENDS"]
+
+Span = tuple[int, int, int]  # (file index, first page, end page): pages an expert touches
+
+#: The ``io=`` choices; the first one available is the default.
+IO_BACKENDS = ("mmap", "view", "read")
+DEFAULT_IO = "mmap" if HAS_MADVISE else "view"
+
+
+def _pmd_bytes() -> int:
+    """The largest unit the kernel maps a file in on a fault (a PMD-sized folio)."""
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/hpage_pmd_size") as f:
+            return int(f.read())
+    except (OSError, ValueError):
+        return 2 << 20
+
+
+_MAP_WINDOW = _pmd_bytes()
+#: Where ``io="view"`` mappings may start (64 KiB on Windows; tests set it to emulate that).
+_VIEW_GRANULARITY = mmap.ALLOCATIONGRANULARITY
+
+
+def _spans(layout: ExpertLayout, page_size: int, index: dict[str, int]) -> tuple[Span, ...]:
+    """The page runs ``(file, first, end)`` an expert's matrices touch, merged per file."""
+    runs: dict[int, list[list[int]]] = {}
+    for ref in layout.matrices:
+        if ref.nbytes:
+            first, end = ref.offset // page_size, -(-(ref.offset + ref.nbytes) // page_size)
+            runs.setdefault(index[ref.path], []).append([first, end])
+    out: list[Span] = []
+    for f, pieces in sorted(runs.items()):
+        pieces.sort()
+        merged = [pieces[0]]
+        for first, end in pieces[1:]:
+            if first <= merged[-1][1]:
+                merged[-1][1] = max(merged[-1][1], end)
+            else:
+                merged.append([first, end])
+        out += [(f, first, end) for first, end in merged]
+    return tuple(out)
+
+
+def _zero_runs(counts: np.ndarray, base: int) -> list[tuple[int, int]]:
+    """``[first, end)`` runs of zeros in ``counts``, offset by ``base``."""
+    zero = counts == 0
+    if not zero.any():
+        return []
+    if zero.all():
+        return [(base, base + len(counts))]
+    edges = np.diff(np.concatenate(([0], zero.view(np.int8), [0])))
+    starts, ends = np.flatnonzero(edges == 1), np.flatnonzero(edges == -1)
+    return [(base + int(s), base + int(e)) for s, e in zip(starts, ends, strict=True)]
+
+
+class _IO:
+    """A backend: how a slot's expert becomes readable. ``claim``/``release`` (lock held)
+    account pages; ``fetch`` (lock not held) does the I/O; ``settle`` (lock held) follows a
+    successful fetch; ``owners`` says where each matrix lies for views."""
+
+    name = ""
+
+    def __init__(
+        self, source: WeightSource, page_size: int, spans: dict[Key, tuple[Span, ...]]
+    ) -> None:
+        self.paths = source.files
+        self.page_size = page_size
+        self.spans = spans
+        self.experts = source.experts
+        self.sizes: list[int] = []
+        self.identities: list[tuple[int, int, int, int]] = []
+
+    def _record(self, fd: int, path: str) -> None:
+        """Remember what ``path`` (open as ``fd``) is; refuse a file already shorter than its
+        experts need."""
+        ident = identity(fd)
+        need = max(
+            (r.offset + r.nbytes for lay in self.experts.values() for r in lay.matrices
+             if r.path == path),
+            default=0,
+        )  # fmt: skip
+        if ident[2] < need:
+            raise FileChangedError(
+                f"Pager(): weight file {path!r} must hold {need} bytes as its header says "
+                f"(got {ident[2]}); it was truncated after it was opened"
+            )
+        self.identities.append(ident)
+        self.sizes.append(ident[2])
+
+    def check(self, files, where: str = "load()") -> None:
+        """:class:`FileChangedError` unless every file index in ``files`` is unchanged."""
+        for f in files:
+            check_same(self.paths[f], self.identities[f], where)
+
+    def claim(self, slot: _Slot, key: Key) -> int:
+        raise NotImplementedError
+
+    def fetch(self, slot: _Slot, key: Key) -> None:
+        raise NotImplementedError
+
+    def settle(self, slot: _Slot, key: Key) -> None:
+        pass
+
+    def release(self, slot: _Slot, key: Key) -> int:
+        raise NotImplementedError
+
+    def owners(self, slot: _Slot, key: Key) -> list[tuple[np.ndarray, int, int]]:
+        """``(owner array, its address, byte offset in it)`` of gate, up and down."""
+        raise NotImplementedError
+
+    def close(self, slots: list[_Slot]) -> None:
+        raise NotImplementedError
+
+    def advise(self, key: Key) -> bool:
+        """Start the OS reading ``key``'s bytes into its page cache; nothing is mapped or
+        held (False where this backend cannot)."""
+        return False
+
+
+class _ReadIO(_IO):
+    """Explicit reads into a pool of ``num_slots x slot_bytes`` bytes."""
+
+    name = "read"
+
+    def __init__(
+        self,
+        source: WeightSource,
+        page_size: int,
+        spans: dict[Key, tuple[Span, ...]],
+        num_slots: int,
+        slot_bytes: int,
+        populate: bool,
+    ) -> None:
+        super().__init__(source, page_size, spans)
+        self.slot_bytes = slot_bytes
+        self.reader = FileReader(self.paths)
+        try:
+            for p in self.paths:
+                self._record(self.reader.fileno(p), p)
+        except BaseException:
+            self.reader.close()
+            raise
+        self.pool = np.zeros(num_slots * slot_bytes, dtype=np.uint8)  # calloc: lazily committed
+        self.address = self.pool.ctypes.data
+        if populate:
+            self.pool[::4096] = 0
+        self.plans: dict[Key, list[tuple[str, int, int, int]]] = {}
+        self.relative: dict[Key, tuple[int, int, int]] = {}  # matrix offsets in a slot
+
+    def _plan(self, key: Key) -> list[tuple[str, int, int, int]]:
+        """Reads that fill a slot with gate|up|down: ``(path, file_offset, slot_offset,
+        nbytes)``, adjacent ranges merged so a contiguous expert is one read."""
+        plan = self.plans.get(key)
+        if plan is None:
+            merged: list[list] = []
+            at = 0
+            for ref in self.experts[key].matrices:
+                last = merged[-1] if merged else None
+                if last and last[0] == ref.path and last[1] + last[3] == ref.offset:
+                    last[3] += ref.nbytes
+                else:
+                    merged.append([ref.path, ref.offset, at, ref.nbytes])
+                at += ref.nbytes
+            plan = self.plans[key] = [tuple(p) for p in merged]
+        return plan
+
+    def claim(self, slot, key):
+        return -(-self.experts[key].nbytes // self.page_size)
+
+    release = claim
+
+    def fetch(self, slot, key):
+        base = memoryview(self.pool)[slot.index * self.slot_bytes :]
+        try:
+            for path, offset, at, nbytes in self._plan(key):
+                self.reader.readinto(path, offset, base[at : at + nbytes])
+        finally:
+            base.release()
+
+    def owners(self, slot, key):
+        base, pool = slot.index * self.slot_bytes, self.pool
+        rel = self.relative.get(key)
+        if rel is None:
+            gate, up, _ = self.experts[key].matrices
+            rel = self.relative[key] = (0, gate.nbytes, gate.nbytes + up.nbytes)
+        return [(pool, self.address, base + r) for r in rel]
+
+    def close(self, slots):
+        self.reader.close()  # the pool lives on in the views that still use it
+
+    def advise(self, key):
+        done = [self.reader.advise(r.path, r.offset, r.nbytes) for r in self.experts[key].matrices]
+        return all(done)
+
+
+class _PageTable:
+    """How many resident experts use each page of one file (no Python object per page)."""
+
+    def __init__(self, num_pages: int, most_sharing: int) -> None:
+        dtype = np.uint8 if most_sharing < 255 else np.uint16 if most_sharing < 65535 else np.uint32
+        self.count = np.zeros(num_pages, dtype)
+
+    def hold(self, first: int, end: int) -> int:
+        """One more user of pages ``[first, end)``; the number that had none."""
+        seg = self.count[first:end]
+        new = int(np.count_nonzero(seg == 0))
+        seg += 1
+        return new
+
+    def unhold(self, first: int, end: int) -> list[tuple[int, int]]:
+        """One user fewer; the runs of pages left with none."""
+        seg = self.count[first:end]
+        seg -= 1
+        return _zero_runs(seg, first)
+
+
+class _MapIO(_IO):
+    """One read-only mapping per file, pages counted per file in a :class:`_PageTable`."""
+
+    name = "mmap"
+
+    def __init__(
+        self, source: WeightSource, page_size: int, spans: dict[Key, tuple[Span, ...]]
+    ) -> None:
+        super().__init__(source, page_size, spans)
+        self.maps: list[FileMap | None] = []
+        try:
+            for p in self.paths:
+                fd = os.open(p, OPEN_FLAGS)
+                try:  # the mapping keeps its own descriptor
+                    self._record(fd, p)
+                    self.maps.append(FileMap(p, fd, 0, self.sizes[-1]) if self.sizes[-1] else None)
+                finally:
+                    os.close(fd)
+        except BaseException:
+            self.close([])
+            raise
+        smallest = min((r.nbytes for lay in self.experts.values() for r in lay.matrices
+                        if r.nbytes), default=1)  # fmt: skip
+        sharing = self.page_size // smallest + 2  # experts that can touch one page
+        self.tables = [_PageTable(-(-s // self.page_size), sharing) for s in self.sizes]
+        self.window = max(1, _MAP_WINDOW // self.page_size)  # pages the kernel may map at once
+        self.index = {p: i for i, p in enumerate(self.paths)}
+        self.where: dict[Key, list[tuple[int, int]]] = {}  # (file, offset) of each matrix
+
+    def claim(self, slot, key):
+        return sum(self.tables[f].hold(first, end) for f, first, end in self.spans[key])
+
+    def fetch(self, slot, key):
+        ps = self.page_size
+        for f, first, end in self.spans[key]:
+            self.maps[f].populate(first * ps, (end - first) * ps)
+
+    def advise(self, key):
+        ps = self.page_size
+        return all([self.maps[f].advise(first * ps, (end - first) * ps)
+                    for f, first, end in self.spans[key]])  # fmt: skip
+
+    def _drop(self, f: int, runs) -> None:
+        ps = self.page_size
+        for first, end in runs:
+            self.maps[f].drop(first * ps, (end - first) * ps)
+
+    def settle(self, slot, key):
+        # The kernel maps whole page-cache folios on a fault: drop what it mapped beyond.
+        w = self.window
+        if w == 1:
+            return
+        for f, first, end in self.spans[key]:
+            table = self.tables[f].count
+            lo, hi = first - first % w, min(-(-end // w) * w, len(table))
+            self._drop(f, _zero_runs(table[lo:first], lo) + _zero_runs(table[end:hi], end))
+
+    def release(self, slot, key):
+        freed = 0
+        for f, first, end in self.spans[key]:
+            runs = self.tables[f].unhold(first, end)
+            self._drop(f, runs)
+            freed += sum(e - s for s, e in runs)
+        return freed
+
+    def owners(self, slot, key):
+        where = self.where.get(key)
+        if where is None:
+            where = self.where[key] = [
+                (self.index[r.path], r.offset) for r in self.experts[key].matrices
+            ]
+        maps = self.maps
+        return [(maps[f].array, maps[f].address, offset) for f, offset in where]
+
+    def close(self, slots):
+        for m in self.maps:
+            if m is not None:
+                with contextlib.suppress(OSError):
+                    m.drop(0, m.length)  # live views re-fault from the file
+                m.close()
+
+
+class _ViewIO(_IO):
+    """A mapping per resident expert and page run, unmapped on eviction (Windows' way)."""
+
+    name = "view"
+
+    def __init__(
+        self, source: WeightSource, page_size: int, spans: dict[Key, tuple[Span, ...]]
+    ) -> None:
+        super().__init__(source, page_size, spans)
+        self.fds: list[int] = []
+        self.lock = threading.Lock()
+        self.closed = False
+        try:
+            for p in self.paths:
+                self.fds.append(os.open(p, OPEN_FLAGS))
+                self._record(self.fds[-1], p)
+        except BaseException:
+            self.close([])
+            raise
+        self.granularity = max(_VIEW_GRANULARITY, mmap.ALLOCATIONGRANULARITY)
+
+    def claim(self, slot, key):
+        return sum(end - first for _, first, end in self.spans[key])
+
+    def fetch(self, slot, key):
+        ps, maps = self.page_size, []
+        try:
+            for f, first, end in self.spans[key]:
+                start, stop = first * ps, min(end * ps, self.sizes[f])
+                offset = start - start % self.granularity
+                with self.lock:  # never map from a descriptor close() is closing
+                    if self.closed:
+                        raise ValueError("the Pager was closed during this load")
+                    m = FileMap(self.paths[f], self.fds[f], offset, stop - offset)
+                maps.append(m)
+                m.populate(start - offset, stop - start)
+                m.drop(0, start - offset)  # the kernel may have mapped the rounded-down part
+        except BaseException:
+            for m in maps:
+                m.close()
+            raise
+        slot.io = maps
+
+    def release(self, slot, key):
+        for m in slot.io or ():
+            m.close()  # views still alive (only after Pager.close) keep theirs
+        slot.io = None
+        return self.claim(slot, key)  # the same pages
+
+    def owners(self, slot, key):
+        out = []
+        for ref in self.experts[key].matrices:
+            for m in slot.io:
+                if m.path == ref.path and m.offset <= ref.offset <= m.offset + m.length:
+                    out.append((m.array, m.address, ref.offset - m.offset))
+                    break
+        return out
+
+    def close(self, slots):
+        for slot in slots:
+            for m in slot.io or ():
+                with contextlib.suppress(OSError):
+                    m.drop(0, m.length)  # live views re-fault from the file
+                m.close()
+            slot.io = None
+        with self.lock:
+            self.closed = True
+            fds, self.fds = self.fds, []
+        for fd in fds:
+            os.close(fd)
