@@ -27,12 +27,13 @@ def _table(header: list[str], rows: list[list[str]], widths: list[int]) -> nodes
     head, body = nodes.thead(), nodes.tbody()
     group += head
     group += body
-    for target, cells in ((head, [header]), (body, rows)):
+    for target, cells, code in ((head, [header], False), (body, rows, True)):
         for cells_row in cells:
             row = nodes.row()
-            for text in cells_row:
+            for i, text in enumerate(cells_row):
                 entry = nodes.entry()
-                entry += nodes.paragraph(text="", children=[nodes.literal(text=text)])
+                child = nodes.literal(text, text) if code and i == 0 else nodes.Text(text)
+                entry += nodes.paragraph("", "", child)
                 row += entry
             target += row
     return table
@@ -45,7 +46,7 @@ class Routers(SphinxDirective):
         from colibri.integrations.transformers import supported_routers
 
         rows = [[kind, ", ".join(classes.split())] for kind, classes in supported_routers().items()]
-        return [_table(["routing implementation", "transformers router classes"], rows, [1, 3])]
+        return [_table(["routing implementation", "transformers router classes"], rows, [30, 70])]
 
 
 class Differences(SphinxDirective):
