@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from colibri._units import parse_size
+from colibri._validate import check_int
 from colibri.integrations.transformers._checkpoint import Checkpoint, CheckpointError, layer_index
 from colibri.integrations.transformers._experts import (
     Paging,
@@ -230,6 +231,8 @@ def from_pretrained(
             f"from_pretrained(): read_ahead must be one of {READ_AHEAD_MODES} (got {read_ahead!r})"
         )
     budget_bytes = parse_size(budget, "from_pretrained(): budget")
+    if num_threads is not None:
+        check_int("from_pretrained(): num_threads", num_threads, 1)
     checkpoint = Checkpoint(path)
     config = _config(checkpoint)
     torch_dtype = _torch_dtype(config, checkpoint, dtype)
@@ -266,7 +269,7 @@ def from_pretrained(
             page(name, module, paging)
         paging.resident_bytes = _load_resident(model, checkpoint, plan, torch_dtype)
         model.eval()
-        patch(model, routing_threads=num_threads)
+        patch(model, num_threads=num_threads)
         if partition is not None:
             _partition(model, partition, topk_groups)
         layers = paged_layers(paging)

@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from colibri._validate import check_int
 from colibri.integrations.transformers._families import _KINDS, UnsupportedRouterError, _Kind
 from colibri.integrations.transformers._match import _classify, _family
 
@@ -64,14 +65,14 @@ class _Routing:
         top_k: int,
         options: dict[str, Any],
         tensors: dict[str, Callable[[Any], torch.Tensor]],
-        routing_threads: int | None,
+        num_threads: int | None,
         module: Any = None,
     ) -> None:
         self.num_experts = num_experts
         self.top_k = top_k
         self.options = dict(options)
         self.tensors = tensors
-        self.routing_threads = routing_threads
+        self.num_threads = num_threads
         self._ctx: Any = None
         self._key: tuple | None = None
         if module is not None:  # build now: colibri validates the options at patch time
@@ -80,7 +81,7 @@ class _Routing:
     def __deepcopy__(self, memo: dict) -> _Routing:
         # a copied model gets its own context, built from its own tensors on first use
         return _Routing(
-            self.num_experts, self.top_k, self.options, self.tensors, self.routing_threads
+            self.num_experts, self.top_k, self.options, self.tensors, self.num_threads
         )
 
     def _refresh(self, live: dict[str, torch.Tensor]) -> None:
@@ -92,8 +93,8 @@ class _Routing:
         options = dict(self.options)
         for name, tensor in live.items():
             options[name] = tensor.detach().to("cpu").float().numpy().copy()
-        if self.routing_threads is not None:
-            options["routing_threads"] = self.routing_threads
+        if self.num_threads is not None:
+            options["routing_threads"] = self.num_threads
         self._ctx = colibri.init(self.num_experts, self.top_k, ids_dtype="int64", **options)
         self._key = key
 
@@ -176,7 +177,7 @@ def supported_routers() -> dict[str, str]:
 def patch(
     model: torch.nn.Module,
     *,
-    routing_threads: int | None = None,
+    num_threads: int | None = None,
     skip_unsupported: bool = False,
 ) -> list[PatchedRouter]:
     """Route every MoE block of ``model`` with colibri.
@@ -186,7 +187,7 @@ def patch(
     model : torch.nn.Module
         A loaded transformers model (any head: ``AutoModelForCausalLM``, base model,
         vision-language model...), on the CPU.
-    routing_threads : int, optional
+    num_threads : int, optional
         Threads for colibri's routing (default: colibri's default).
     skip_unsupported : bool
         Leave routers colibri cannot reproduce (e.g. PhiMoE's sparsemixer) on
@@ -205,6 +206,8 @@ def patch(
     ValueError
         The model has no MoE router colibri knows, or lives off the CPU.
     """
+    if num_threads is not None:
+        check_int("patch(): num_threads", num_threads, 1)
     plan: list[tuple[str, Any, _Kind, tuple]] = []
     problems: list[str] = []
     for name, module in model.named_modules():
@@ -245,7 +248,7 @@ def patch(
     for name, module, _, (num_experts, top_k, options, tensors) in plan:
         try:
             routing = _Routing(
-                int(num_experts), int(top_k), options, tensors, routing_threads, module
+                int(num_experts), int(top_k), options, tensors, num_threads, module
             )
         except (TypeError, ValueError) as err:
             raise UnsupportedRouterError(

@@ -289,8 +289,8 @@ def test_deepcopy_of_a_patched_model_routes_with_its_own_weights():
 
 
 @pytest.mark.parametrize("threads", ["one", "more than the default"])
-def test_routing_threads_is_passed_to_colibri(monkeypatch, threads):
-    """Every router's colibri context is built with ``patch(routing_threads=n)``'s n, read
+def test_num_threads_is_passed_to_colibri(monkeypatch, threads):
+    """Every router's colibri context is built with ``patch(num_threads=n)``'s n, read
     back from the contexts (the default is max_threads(), so "more" is never it), and the
     routing is transformers' whatever n is; 0 is refused at patch time."""
     import colibri
@@ -305,7 +305,7 @@ def test_routing_threads_is_passed_to_colibri(monkeypatch, threads):
 
     monkeypatch.setattr(colibri, "init", recording_init)  # public: what patch() builds with
     model = build_model("olmoe")
-    records = patch(model, routing_threads=n)
+    records = patch(model, num_threads=n)
     randomise_routers(model, [r.name for r in records])
     input_ids = torch.randint(3, 96, (2, 9), generator=torch.Generator().manual_seed(5))
     calls, _, _ = _run(model, records, input_ids)
@@ -316,8 +316,8 @@ def test_routing_threads_is_passed_to_colibri(monkeypatch, threads):
     unpatch(model)
     ref_calls, _, _ = _run(model, records, input_ids)
     _assert_same_routing(ref_calls, calls, ordered=True)
-    with pytest.raises(UnsupportedRouterError, match="routing_threads"):
-        patch(model, routing_threads=0)
+    with pytest.raises(ValueError, match=r"patch\(\): num_threads must be >= 1 \(got 0\)"):
+        patch(model, num_threads=0)
     assert patched_routers(model) == []
 
 
