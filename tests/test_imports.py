@@ -234,3 +234,39 @@ def test_packages_import_no_cycle(graph):
     assert not found, "import cycles between colibri's packages:\n" + "\n".join(
         _describe(units, c) for c in found
     )
+
+
+def _private_part(target: str) -> str | None:
+    """The package whose private inside ``target`` reaches (``colibri.layer._ffn`` ->
+    ``colibri.layer``), or None: top-level private modules (``colibri._units``) are shared
+    leaves, meant for every package."""
+    parts = target.split(".")
+    for i in range(2, len(parts)):
+        if parts[i].startswith("_"):
+            return ".".join(parts[:i])
+    return None
+
+
+def test_no_package_reaches_into_another_ones_privates():
+    """A package uses another one through its public names only: ``colibri.layer._ffn`` is
+    layer's own business, ``colibri.layer.simd_path`` is for everyone. A compiled module's
+    ``.pxd`` is its C interface, for other compiled modules to ``cimport``."""
+    modules = _sources()
+    c_interfaces = {n for n, paths in modules.items() if any(p.suffix == ".pxd" for p in paths)}
+    wrong = []
+    for name, paths in modules.items():
+        for path in paths:
+            package = name if _is_package(path) else name.rpartition(".")[0]
+            imports = (
+                _python_imports(path, package) if path.suffix == ".py" else _cython_imports(path)
+            )
+            for base, names, line in imports:
+                if base != "colibri" and not base.startswith("colibri."):
+                    continue
+                for target in [base] + [f"{base}.{n}" for n in names]:
+                    if target in c_interfaces or target.rpartition(".")[0] in c_interfaces:
+                        continue
+                    owner = _private_part(target)
+                    if owner is not None and not (name + ".").startswith(owner + "."):
+                        wrong.append(f"{path.relative_to(SOURCE.parent)}:{line} imports {target}")
+    assert not wrong, "private names used across packages:\n  " + "\n  ".join(sorted(set(wrong)))

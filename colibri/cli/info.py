@@ -17,8 +17,7 @@ def run(_args: argparse.Namespace) -> int:
     import numpy as np
 
     import colibri
-    from colibri import _core
-    from colibri.layer import _ffn
+    from colibri import _core, layer
 
     build = _core.build_info()  # routing's kernels; the expert kernels' paths from layer
     print(f"colibri {colibri.__version__} (distribution colibri-moe)")
@@ -35,8 +34,8 @@ def run(_args: argparse.Namespace) -> int:
     )
     print(f"simd {build['simd']}")
     print(
-        f"simd path {colibri.simd_path()} (cpu {_ffn.detected_path()}, COLIBRI_SIMD="
-        f"{os.environ.get('COLIBRI_SIMD')}; expert kernel {_ffn.ffn_path()})"
+        f"simd path {colibri.simd_path()} (cpu {layer.detected_path()}, COLIBRI_SIMD="
+        f"{os.environ.get('COLIBRI_SIMD')}; expert kernel {layer.ffn_path()})"
     )
     print(f"include {colibri.get_include()}")
     return 0

@@ -19,9 +19,9 @@ from collections.abc import Iterable, Mapping
 import numpy as np
 
 from colibri import _groups
+from colibri._files import FileReader
 from colibri._validate import check_page_size_kb
 from colibri.formats._base import WeightSource
-from colibri.formats._io import FileReader
 from colibri.formats._open import open_weights
 from colibri.formats.raw import RawWriter
 

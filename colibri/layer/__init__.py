@@ -17,7 +17,7 @@ from colibri.formats import ExpertWeights
 from colibri.layer._dispatch import DispatchPlan, combine, dispatch, gather
 from colibri.layer._engine import KERNEL_MAX_ROWS, ExpertStore, run_experts
 from colibri.layer._expert import activation_function, expert_ffn
-from colibri.layer._ffn import simd_path
+from colibri.layer._ffn import detected_path, ffn_path, simd_path
 from colibri.layer._moe import InMemoryExperts, MoELayer
 
 __all__ = [
@@ -29,8 +29,10 @@ __all__ = [
     "MoELayer",
     "activation_function",
     "combine",
+    "detected_path",
     "dispatch",
     "expert_ffn",
+    "ffn_path",
     "gather",
     "run_experts",
     "simd_path",

@@ -32,9 +32,7 @@ import threading
 
 import numpy as np
 
-from colibri.formats import WeightSource
-from colibri.formats._base import ExpertLayout
-from colibri.formats._io import (
+from colibri._files import (
     HAS_MADVISE,
     OPEN_FLAGS,
     FileChangedError,
@@ -43,6 +41,7 @@ from colibri.formats._io import (
     check_same,
     identity,
 )
+from colibri.formats import ExpertLayout, WeightSource
 from colibri.pager._cache import _Slot
 from colibri.pager._policy_base import Key
 

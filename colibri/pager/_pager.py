@@ -44,10 +44,10 @@ import weakref
 import numpy as np
 
 from colibri._errors import BudgetError
+from colibri._files import HAS_MADVISE, FileChangedError
 from colibri._units import process_memory
 from colibri._validate import check_page_size_kb
 from colibri.formats import ExpertWeights, WeightSource, open_weights
-from colibri.formats._io import HAS_MADVISE, FileChangedError
 from colibri.pager._backends import (
     _IO,
     DEFAULT_IO,

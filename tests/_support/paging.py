@@ -6,7 +6,7 @@ import mmap
 import os
 import re
 
-from colibri.formats._io import MADV_POPULATE_READ, FileMap, FileReader
+from colibri._files import MADV_POPULATE_READ, FileMap, FileReader
 
 _KINDS = {mmap.MADV_DONTNEED: "drop"} if hasattr(mmap, "MADV_DONTNEED") else {}
 if hasattr(mmap, "MADV_WILLNEED"):

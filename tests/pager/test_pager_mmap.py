@@ -20,8 +20,8 @@ import pytest
 
 import colibri.pager._backends
 from _support.paging import held_pages, hook_io, mapped_rss, mappings
+from colibri._files import FileMap
 from colibri.formats import open_weights
-from colibri.formats._io import FileMap
 from colibri.formats.raw import write_experts
 from colibri.pager import IO_BACKENDS, FileChangedError, Pager, Trace, replay
 

@@ -80,9 +80,7 @@ class _Routing:
 
     def __deepcopy__(self, memo: dict) -> _Routing:
         # a copied model gets its own context, built from its own tensors on first use
-        return _Routing(
-            self.num_experts, self.top_k, self.options, self.tensors, self.num_threads
-        )
+        return _Routing(self.num_experts, self.top_k, self.options, self.tensors, self.num_threads)
 
     def _refresh(self, live: dict[str, torch.Tensor]) -> None:
         key = tuple((name, id(t), t._version, t.dtype) for name, t in sorted(live.items()))
@@ -247,9 +245,7 @@ def patch(
     routings = []
     for name, module, _, (num_experts, top_k, options, tensors) in plan:
         try:
-            routing = _Routing(
-                int(num_experts), int(top_k), options, tensors, num_threads, module
-            )
+            routing = _Routing(int(num_experts), int(top_k), options, tensors, num_threads, module)
         except (TypeError, ValueError) as err:
             raise UnsupportedRouterError(
                 f"{name or '<model>'} ({type(module).__name__}, family "

@@ -9,15 +9,15 @@ file and uses ``seek`` + ``readinto``. A short read is retried; end of file rais
 
 :class:`FileMap` (``io="mmap"`` and ``io="view"``): a read-only shared mapping of a range of
 one file, handed out as a numpy ``uint8`` array. The mapping is ``MADV_RANDOM``: a page fault
-reads its own page, never the device's readahead window around it (8 MiB here, which made a
-cold expert cost twice its bytes). ``populate`` makes a range resident: ``MADV_WILLNEED``
-reads exactly that range, then ``MADV_POPULATE_READ`` (Linux >= 5.14, which reports an I/O
-error or a truncated file as ``OSError`` instead of a ``SIGBUS`` on first access; elsewhere a
-read of one byte per OS page) maps it, ``drop`` takes pages out of the process
-(``MADV_DONTNEED``: page-table entries go, the page cache keeps its copy, the next access
-re-faults from the file). ``close`` unmaps, unless views are still alive: then the mapping
-lives until the last view dies (never a ``BufferError``, never memory pulled from under a
-view).
+reads its own page, never the device's readahead window around it (several MiB on many
+devices: a cold expert would cost more than its own bytes). ``populate`` makes a range
+resident: ``MADV_WILLNEED`` reads exactly that range, then ``MADV_POPULATE_READ`` (Linux >=
+5.14, which reports an I/O error or a truncated file as ``OSError`` instead of a ``SIGBUS``
+on first access; elsewhere a read of one byte per OS page) maps it, ``drop`` takes pages out
+of the process (``MADV_DONTNEED``: page-table entries go, the page cache keeps its copy, the
+next access re-faults from the file). ``close`` unmaps, unless views are still alive: then
+the mapping lives until the last view dies (never a ``BufferError``, never memory pulled
+from under a view).
 
 Fault injection: every syscall that moves file bytes goes through :meth:`FileReader._pread`
 or :meth:`FileMap._advise`; tests replace these to inject ``EIO`` and short reads.
