@@ -20,10 +20,9 @@ def spin_briefly() -> None:
     """Have OpenMP's idle threads sleep soon (``GOMP_SPINCOUNT=1000``) unless the user chose.
 
     torch's OpenMP workers spin for a while after each of its operations; on a machine with
-    as many cores as threads, colibri's kernel that runs next shares a core with a spinner.
-    Measured on 2 cores: a torch ``linear`` right before a layer's expert kernel added
-    0.39 ms to it by default, 0.11 ms with 1000 spins. Takes effect only before torch loads
-    its OpenMP (then it is too late, and nothing is changed)."""
+    as many cores as threads, colibri's kernel that runs next shares a core with a spinner
+    (bench/README.md has the figures). Takes effect only before torch loads its OpenMP (then
+    it is too late, and nothing is changed)."""
     if "torch" not in sys.modules:
         os.environ.setdefault("GOMP_SPINCOUNT", "1000")
 

@@ -1,8 +1,8 @@
 """``colibri demo``: a real transformers MoE checkpoint, generated from under a memory budget.
 
 On first run it writes, once, into a cache folder (``~/.cache/colibri``) a Qwen3-MoE
-checkpoint shaped like the seed's model: 26 routed experts per layer, top-2, attention with 16
-query / 4 key-value heads, norms, embeddings, random bfloat16 weights, sharded safetensors as
+checkpoint with 26 routed experts per layer, top-2, attention with 16 query / 4 key-value
+heads, norms, embeddings, random bfloat16 weights, sharded safetensors as
 ``save_pretrained`` writes them, and a byte-level BPE tokenizer trained locally with the
 ``tokenizers`` library (nothing is downloaded). Then it generates with the routed experts paged
 from those files under a budget of 1/8 of their size (``colibri generate``'s figures: prefill
@@ -32,7 +32,7 @@ TOP_K = 2
 
 @dataclass(frozen=True)
 class DemoShape:
-    """The demo model's shape (defaults: the seed's routing, 2.9 GiB of bf16 experts)."""
+    """The demo model's shape (defaults: 26 experts top-2, 2.9 GiB of bf16 experts)."""
 
     layers: int = 15
     hidden: int = 1024

@@ -84,7 +84,7 @@ def _sweep(mpath: str, data: str) -> None:
                 os.unlink(stale)
 
 
-def dtype_name(dtype: np.dtype) -> str:
+def stored_dtype(dtype: np.dtype) -> str:
     """Stored name of a numpy dtype (``float16 -> "F16"``, ``bfloat16 -> "BF16"``)."""
     dtype = np.dtype(dtype)
     for name in DTYPE_SIZES:
@@ -129,8 +129,9 @@ class RawWriter:
         self._offset = 0
 
     def add(self, layer: int, expert: int, matrices: Iterable[tuple[str, tuple, object]]) -> None:
-        """Append one expert: ``matrices`` are ``(dtype_name, shape, bytes_like)`` for gate, up,
-        down in that order (``dtype_name`` may be a GGUF quantization, stored as raw blocks)."""
+        """Append one expert: ``matrices`` are ``(stored dtype, shape, bytes_like)`` for gate,
+        up, down in that order (the stored dtype, ``"F16"``..., may be a GGUF quantization,
+        stored as raw blocks)."""
         key = (int(layer), int(expert))
         if key in self._keys:
             raise ValueError(f"layer {layer} expert {expert} was added twice")
@@ -262,7 +263,7 @@ def write_experts(
                     f"write_experts(): layer {layer} expert {expert} needs gate [I, H], up [I, H],"
                     f" down [H, I] (got {gate.shape}, {up.shape}, {down.shape})"
                 )
-            w.add(layer, expert, [(dtype_name(m.dtype), m.shape, m) for m in (gate, up, down)])
+            w.add(layer, expert, [(stored_dtype(m.dtype), m.shape, m) for m in (gate, up, down)])
     return w.path
 
 

@@ -3,6 +3,9 @@
 A router kind pairs the fingerprint of a transformers routing method with the colibri
 options it maps to (``configure``) and the forward that replaces it; routers that are
 recognised but cannot be expressed are listed with the reason.
+
+One file although over 600 lines: it is a table, one entry per routing implementation of
+transformers, read top to bottom; splitting it would scatter the catalogue.
 """
 
 from __future__ import annotations
