@@ -147,7 +147,7 @@ def run_experts(
     ValueError
         An id outside ``[0, E)`` other than a negative one.
     """
-    T, k = ids.shape
+    T, k = _check(x, ids, weights, out)
     plan = _Plan(ids, num_experts, num_threads)
     active = plan.active
     if not len(active):
@@ -163,26 +163,60 @@ def run_experts(
     start = 0
     while start < len(active):
         part = active[start : start + chunk]
-        try:
-            loading = store.load(layer, part)
-            batch = loading.__enter__()
-        except BudgetError:
-            if chunk == 1:
-                raise
-            chunk //= 2  # views kept elsewhere hold slots: load fewer at a time
-            continue
-        try:
-            if next_layer is not None:
-                guess, next_layer = next_layer(), None
-                if guess is not None:
-                    store.advise(*guess)
-            fused += _run_chunk(batch, part, plan, x, k, flat_weights, out, activation,
-                                kernel_act, num_threads, fallback)  # fmt: skip
-        finally:
-            del batch  # no view of the chunk outlives it: the store may reuse its slots
-            loading.__exit__(None, None, None)
+        with contextlib.ExitStack() as held:
+            try:
+                batch = held.enter_context(store.load(layer, part))
+            except BudgetError:
+                if chunk == 1:
+                    raise
+                chunk //= 2  # views kept elsewhere hold slots: load fewer at a time
+                continue
+            try:
+                if next_layer is not None:
+                    guess, next_layer = next_layer(), None
+                    if guess is not None:
+                        store.advise(*guess)
+                fused += _run_chunk(batch, part, plan, x, k, flat_weights, out, activation,
+                                    kernel_act, num_threads, fallback)  # fmt: skip
+            finally:
+                del batch  # no view of the chunk outlives it: the store may reuse its slots
         start += len(part)
     return fused
+
+
+def _check(x: np.ndarray, ids: np.ndarray, weights: np.ndarray, out: np.ndarray) -> tuple:
+    """``(T, k)``, or a ValueError naming the argument that does not fit."""
+    if not isinstance(x, np.ndarray) or x.ndim != 2 or x.dtype not in (np.float32, np.float64):
+        raise ValueError(
+            f"run_experts(): x must be a [T, H] float32 or float64 numpy array (got "
+            f"{getattr(x, 'dtype', type(x).__name__)} of shape {np.shape(x)})"
+        )
+    if not x.flags.c_contiguous:
+        raise ValueError("run_experts(): x must be C-contiguous (np.ascontiguousarray(x))")
+    ids = np.asarray(ids)
+    if ids.ndim != 2 or ids.shape[0] != x.shape[0] or ids.dtype.kind not in "iu":
+        raise ValueError(
+            f"run_experts(): ids must be integer [{x.shape[0]}, k] (got {ids.dtype} of shape "
+            f"{ids.shape})"
+        )
+    if np.shape(weights) != ids.shape or np.asarray(weights).dtype != np.float32:
+        raise ValueError(
+            f"run_experts(): weights must be float32 {list(ids.shape)} like ids (got "
+            f"{np.asarray(weights).dtype} of shape {np.shape(weights)})"
+        )
+    if (
+        not isinstance(out, np.ndarray)
+        or out.shape != x.shape
+        or out.dtype != x.dtype
+        or not out.flags.writeable
+        or not out.flags.c_contiguous
+    ):
+        raise ValueError(
+            f"run_experts(): out must be a writable C-contiguous {x.dtype} array of shape "
+            f"{list(x.shape)} like x (got {getattr(out, 'dtype', type(out).__name__)} of "
+            f"shape {np.shape(out)})"
+        )
+    return ids.shape
 
 
 def _run_chunk(batch, part, plan, x, k, flat_weights, out, activation, kernel_act, num_threads,
