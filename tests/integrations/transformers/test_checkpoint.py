@@ -209,12 +209,45 @@ def test_stats_add_up_to_the_routing(saved):
 
 
 def test_prediction_recall_is_measured(saved):
+    """The scores of both guesses equal a count made independently: at each call of layer l,
+    layer l+1's router (called as a module) on layer l's input gives the gate guess, the
+    experts layer l+1 used at its previous call the previous guess; both are scored against
+    what layer l+1 then uses."""
     folder, _, budget = saved("qwen2_moe")
     model = from_pretrained(folder, budget=4 * budget, page_size_kb=4, read_ahead="gate")
+    layers = sorted(model.colibri.modules)
+    routers = {l: model.get_submodule(f"model.layers.{l}.mlp.gate") for l in layers}
+    guesses, used_last, want = {}, {}, {"gate": [0, 0, 0], "previous": [0, 0, 0]}
+
+    def recorder(layer):
+        def record(module, args):
+            used = set(torch.unique(args[1]).tolist())
+            for mode in ("gate", "previous"):
+                guess = guesses.pop((mode, layer), None)
+                if guess is not None:
+                    counts = want[mode]
+                    counts[0] += len(used)
+                    counts[1] += len(guess)
+                    counts[2] += len(guess & used)
+            nxt = layers.index(layer) + 1
+            if nxt < len(layers):
+                with torch.no_grad():
+                    out = routers[layers[nxt]](args[0])
+                ids = next(t for t in out if not t.is_floating_point())
+                guesses[("gate", layers[nxt])] = set(torch.unique(ids).tolist())
+                if layers[nxt] in used_last:
+                    guesses[("previous", layers[nxt])] = used_last[layers[nxt]]
+            used_last[layer] = used
+
+        return record
+
+    for layer, module in model.colibri.modules.items():
+        module.register_forward_pre_hook(recorder(layer))
     model.generate(_inputs(6), do_sample=False, max_new_tokens=6, pad_token_id=0)
-    gate, previous = model.colibri.prediction["gate"], model.colibri.prediction["previous"]
-    assert gate.used > 0 and 0 <= gate.correct <= gate.used
-    assert previous.used > 0 and 0 <= previous.recall <= 1
+    for mode, (used, predicted, correct) in want.items():
+        got = model.colibri.prediction[mode]
+        assert (got.used, got.predicted, got.correct) == (used, predicted, correct), mode
+        assert used > 0 and 0 < correct < used  # a real guess: right often, not always
     assert model.colibri.stats.advised > 0  # read ahead into the page cache, no slot taken
 
 
