@@ -21,7 +21,7 @@ def ffn(
     kind: int,
     act: int,
     y: np.ndarray,
-    threads: int,
+    num_threads: int,
     path: str | None = None,
 ) -> None: ...
 def ffn_sum(
@@ -33,7 +33,7 @@ def ffn_sum(
     rows: np.ndarray,
     scale: np.ndarray,
     y: np.ndarray,
-    threads: int,
+    num_threads: int,
     path: str | None = None,
 ) -> None: ...
-def read_pass(words: np.ndarray, threads: int = 0) -> int: ...
+def read_pass(words: np.ndarray, num_threads: int = 0) -> int: ...

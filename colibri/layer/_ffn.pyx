@@ -128,7 +128,7 @@ cdef int _weights(colibri_ffn_t *f, const uint16_t[:, :] gate, const uint16_t[:,
 
 
 def ffn(const float[:, :] x, const uint16_t[:, :] gate, const uint16_t[:, :] up,
-        const uint16_t[:, :] down, int kind, int act, float[:, :] y, int threads, path=None):
+        const uint16_t[:, :] down, int kind, int act, float[:, :] y, int num_threads, path=None):
     """y = down @ (act(gate @ x.T) * (up @ x.T)), transposed: the fused kernel.
 
     x [n, H] float32 (rows contiguous), gate/up [I, H] and down [H, I] uint16 bits of
@@ -159,16 +159,16 @@ def ffn(const float[:, :] x, const uint16_t[:, :] gate, const uint16_t[:, :] up,
     f.h = h
     if split:
         f.xs = <uint16_t *>(h + <size_t>f.n * f.I)
-    if threads < 1:
-        threads = colibri_max_threads()
+    if num_threads < 1:
+        num_threads = colibri_max_threads()
     with nogil:
-        colibri_ffn_run(&f, threads)
+        colibri_ffn_run(&f, num_threads)
     free(h)
 
 
 def ffn_sum(const float[:, :] x, list experts, int kind, int act,
             const int64_t[::1] bounds, const int64_t[::1] rows, const float[::1] scale,
-            float[:, :] y, int threads, path=None):
+            float[:, :] y, int num_threads, path=None):
     """y[rows[i]] += scale[i] * ffn_j(x[rows[i]]) for i in [bounds[j], bounds[j + 1]): a
     layer's experts in one call, two passes on the pool for all of them (decoding).
 
@@ -199,8 +199,8 @@ def ffn_sum(const float[:, :] x, list experts, int kind, int act,
             raise ValueError(f"ffn_sum(): row {rows[i]} outside x's {T} rows")
     if count == 0:
         return
-    if threads < 1:
-        threads = colibri_max_threads()
+    if num_threads < 1:
+        num_threads = colibri_max_threads()
     fs = <colibri_ffn_t *>malloc(count * sizeof(colibri_ffn_t))
     first = <int32_t *>malloc((count + 1) * sizeof(int32_t))
     xg = <float *>malloc((total * H + 1) * sizeof(float))
@@ -244,7 +244,7 @@ def ffn_sum(const float[:, :] x, list experts, int kind, int act,
             for i in range(total):
                 for k in range(H):
                     xg[i * H + k] = x[rows[i], k]
-            colibri_ffn_run_many(fs, <int32_t>count, first, threads)
+            colibri_ffn_run_many(fs, <int32_t>count, first, num_threads)
             for i in range(total):
                 for k in range(H):
                     y[rows[i], k] += scale[i] * yg[i * H + k]
@@ -284,13 +284,13 @@ cdef extern from *:
     uint64_t colibri_read_pass(const uint64_t *p, int64_t n, int threads) noexcept nogil
 
 
-def read_pass(const uint64_t[::1] words, int threads=0):
+def read_pass(const uint64_t[::1] words, int num_threads=0):
     """Read every word of ``words`` once (their wrapping sum): the memory floor for benches."""
     cdef uint64_t total
-    if threads < 1:
-        threads = colibri_max_threads()
+    if num_threads < 1:
+        num_threads = colibri_max_threads()
     if words.shape[0] == 0:
         return 0
     with nogil:
-        total = colibri_read_pass(&words[0], words.shape[0], threads)
+        total = colibri_read_pass(&words[0], words.shape[0], num_threads)
     return total
