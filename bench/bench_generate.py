@@ -8,7 +8,7 @@ min-max:
 - colibri (``from_pretrained``, experts paged) at budgets of 12.5/25/50/100% of the expert
   bytes, with the page cache warm, cold (files evicted with ``posix_fadvise(DONTNEED)``
   before the run) and emptied after every token (what a model bigger than RAM lives through),
-  for each prefetch mode asked for;
+  for each read-ahead mode asked for;
 - transformers with everything resident (the speed ceiling);
 - transformers + accelerate disk offload (``device_map="auto"``, ``max_memory``,
   ``offload_folder``) at the 25% budget;
@@ -18,11 +18,11 @@ min-max:
 
 "read/token" is what the process read from storage (``/proc/self/io`` ``read_bytes``) per
 decoded token; for colibri "asked" is what the pager fetched (the missed experts' pages, plus
-prefetches) and "read/asked" their ratio.
+read-ahead) and "read/asked" their ratio.
 
     python bench/bench_generate.py --lock /tmp/colibri-quiet.lock --repeat 3
     python bench/bench_generate.py --shape olmoe         # 64 experts, top-8
-    python bench/bench_generate.py --budgets 0.25 --cache warm --prefetch off,gate --peers ""
+    python bench/bench_generate.py --budgets 0.25 --cache warm --read-ahead off,gate --peers ""
 """
 
 from __future__ import annotations
@@ -315,7 +315,7 @@ def _repeat(spec: dict, args) -> dict:
 
 
 _HEADER = (
-    "| engine | budget | cache | prefetch | setting | decode tok/s | peak RSS GiB (load) "
+    "| engine | budget | cache | read-ahead | setting | decode tok/s | peak RSS GiB (load) "
     "| read/token MiB | asked/token MiB | read/asked | hit rate (Belady) "
     "| recall gate / previous | load avg |\n" + "| --- " * 13 + "|"
 )
@@ -435,7 +435,7 @@ def main(argv=None) -> int:
     parser.add_argument("--cache-dir", default=os.path.expanduser("~/.cache/colibri"))
     parser.add_argument("--budgets", default="0.125,0.25,0.5,1.0", help="fractions of experts")
     parser.add_argument("--cache", default="warm,cold,emptied", help="page cache states")
-    parser.add_argument("--prefetch", default="gate", help="colibri modes (off,gate,previous)")
+    parser.add_argument("--read-ahead", default="gate", help="colibri modes (off,gate,previous)")
     parser.add_argument("--peers", default="resident,offload,llama", help="the other engines")
     parser.add_argument("--policy", default="adaptive")
     parser.add_argument("--page-size-kb", type=int, default=64)
@@ -491,7 +491,7 @@ def main(argv=None) -> int:
     rows = []
     for fraction in [float(x) for x in args.budgets.split(",") if x]:
         for cache in args.cache.split(","):
-            for prefetch in args.prefetch.split(","):
+            for prefetch in args.read_ahead.split(","):
                 spec = dict(base, engine="colibri", budget=int((expert_bytes + slack) * fraction),
                             fraction=fraction, cache=cache, prefetch=prefetch)  # fmt: skip
                 rows.append(_show(_repeat(spec, args), args))
@@ -503,7 +503,7 @@ def main(argv=None) -> int:
             for value in values:
                 for cache in ("warm", "emptied") if knob == "page_size_kb" else ("warm",):
                     spec = dict(base, engine="colibri", budget=int((expert_bytes + slack) / 4),
-                                fraction=0.25, cache=cache, prefetch=args.prefetch.split(",")[0],
+                                fraction=0.25, cache=cache, prefetch=args.read_ahead.split(",")[0],
                                 **dict(default, **{knob: value}))  # fmt: skip
                     rows.append(_show(_repeat(spec, args), args))
     with tempfile.TemporaryDirectory() as offload:

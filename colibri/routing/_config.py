@@ -22,13 +22,13 @@ def _expert_vector(name: str, value: Any, num_experts: int) -> np.ndarray | None
     if value is None:
         return None
     if hasattr(value, "__dlpack__") and not isinstance(value, np.ndarray):
-        from colibri._dlpack import import_host
+        from colibri._dlpack import bf16_to_float32, import_host
 
         if getattr(value, "requires_grad", False):
             value = value.detach()
         array, dtype = import_host(value)
         if dtype == "bfloat16":
-            array = (array.astype(np.uint32) << 16).view(np.float32)
+            array = bf16_to_float32(array)
     else:
         array = np.asarray(value)
     if array.dtype.kind != "f":
