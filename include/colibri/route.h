@@ -116,17 +116,59 @@ static inline float colibri_root_p(float v, float p)
     return p == 2.0f ? sqrtf(v) : powf(v, 1.0f / p);
 }
 
-/* Bytes of per-thread scratch one row needs (aligned to 64); colibri_route_row lays it out. */
+/* Most rows one colibri_route_block call routes (colibri_block_rows says how many). */
+#define COLIBRI_BLOCK_MAX_ROWS 16
+
+/* One thread's scratch, written once here: byte offsets of its areas from its start (each
+ * 4-aligned when the start is) and its size. colibri_route_row carves the row's areas, the
+ * batch driver the block's results, and colibri_scratch_bytes is .bytes. */
+typedef struct {
+    size_t row;           /* float [E]: the decoded row (colibri_load_row's buffer) */
+    size_t scores;        /* float [E]: scores (the softmax of colibri_weights without them) */
+    size_t keys;          /* float [E]: selection keys */
+    size_t grouped;       /* float [E]: keys in group order */
+    size_t cand_keys;     /* float [E + 4]: candidates' keys, padded to whole vectors */
+    size_t cand;          /* int32 [E + 4]: candidates' ids, likewise */
+    size_t group_scores;  /* float [G] */
+    size_t group_runners; /* float [G]: each group's second key */
+    size_t kept_scores;   /* float [G + 1]: the kept groups, plus one spare slot */
+    size_t kept;          /* int32 [G + 1] */
+    size_t top_keys;      /* float [k + 1]: the top k, plus one spare slot */
+    size_t top;           /* int32 [k + 1] */
+    size_t block_ids;     /* int32 [16 k], at a multiple of 64: a block's results (batch) */
+    size_t block_weights; /* float [16 k] */
+    size_t bytes;         /* all of it, a multiple of 64 */
+} colibri_scratch_t;
+
+static inline colibri_scratch_t colibri_scratch_layout(const colibri_router_t *r)
+{
+    const size_t E = (size_t)r->num_experts, k = (size_t)r->top_k;
+    const size_t G = (size_t)(r->num_groups > 1 ? r->num_groups : 1);
+    colibri_scratch_t s;
+    size_t at = 0;
+    s.row = at, at += 4 * E;
+    s.scores = at, at += 4 * E;
+    s.keys = at, at += 4 * E;
+    s.grouped = at, at += 4 * E;
+    s.cand_keys = at, at += 4 * (E + 4);
+    s.cand = at, at += 4 * (E + 4);
+    s.group_scores = at, at += 4 * G;
+    s.group_runners = at, at += 4 * G;
+    s.kept_scores = at, at += 4 * (G + 1);
+    s.kept = at, at += 4 * (G + 1);
+    s.top_keys = at, at += 4 * (k + 1);
+    s.top = at, at += 4 * (k + 1);
+    at = (at + 63) & ~(size_t)63;
+    s.block_ids = at, at += 4 * COLIBRI_BLOCK_MAX_ROWS * k;
+    s.block_weights = at, at += 4 * COLIBRI_BLOCK_MAX_ROWS * k;
+    s.bytes = (at + 63) & ~(size_t)63;
+    return s;
+}
+
+/* Bytes of one thread's scratch (a multiple of 64): colibri_scratch_layout(r).bytes. */
 static inline size_t colibri_scratch_bytes(const colibri_router_t *r)
 {
-    size_t E = (size_t)r->num_experts, G = (size_t)(r->num_groups > 1 ? r->num_groups : 1);
-    size_t k = (size_t)r->top_k;
-    size_t bytes = 4
-                   * (4 * E           /* decoded row, scores, keys, keys in group order */
-                      + 2 * (E + 4)   /* candidates: keys and ids, padded to whole vectors */
-                      + 4 * G + 2     /* group scores and runner-up keys, kept groups */
-                      + 2 * (k + 1)); /* top-k values and ids, plus one spare slot */
-    return (bytes + 63) & ~(size_t)63;
+    return colibri_scratch_layout(r).bytes;
 }
 
 /* Ask for bytes [p, p + n) to be brought into the cache (a hint; no effect without SSE).
@@ -1376,7 +1418,8 @@ static inline int colibri_weights(const colibri_router_t *r, const float *x, con
     int32_t j;
     int normalized = 0;
     const int have_scores = scores != NULL;
-    float *softmax = (float *)scratch + E; /* the scores area, free when scores == NULL */
+    /* the scratch's scores area, free when scores == NULL */
+    float *softmax = (float *)((char *)scratch + colibri_scratch_layout(r).scores);
 
     /* Weights from the unbiased scores of the chosen experts. */
     if (have_scores) {
@@ -1469,17 +1512,19 @@ static inline int colibri_route_row(const colibri_router_t *r, const float *x, v
 {
     const int32_t E = r->num_experts, k = r->top_k;
     const int32_t G = r->num_groups > 1 ? r->num_groups : 1;
-    float *scores = (float *)scratch + E; /* the first E floats hold the decoded row */
-    float *keys = scores + E;
-    float *grouped = keys + E;
-    float *cv = grouped + E;
-    int32_t *cand = (int32_t *)(cv + E + 4);
-    float *gscore = (float *)(cand + E + 4);
-    float *grunner = gscore + G;
-    float *gval = grunner + G;
-    int32_t *gid = (int32_t *)(gval + G + 1);
-    float *tval = (float *)(gid + G + 1);
-    int32_t *tid = (int32_t *)(tval + k + 1);
+    const colibri_scratch_t s = colibri_scratch_layout(r);
+    char *mem = (char *)scratch;
+    float *scores = (float *)(mem + s.scores);
+    float *keys = (float *)(mem + s.keys);
+    float *grouped = (float *)(mem + s.grouped);
+    float *cv = (float *)(mem + s.cand_keys);
+    int32_t *cand = (int32_t *)(mem + s.cand);
+    float *gscore = (float *)(mem + s.group_scores);
+    float *grunner = (float *)(mem + s.group_runners);
+    float *gval = (float *)(mem + s.kept_scores);
+    int32_t *gid = (int32_t *)(mem + s.kept);
+    float *tval = (float *)(mem + s.top_keys);
+    int32_t *tid = (int32_t *)(mem + s.top);
     int32_t e, j, g, c = 0;
     int nan = 0;
     float bound = -INFINITY;
