@@ -339,7 +339,7 @@ EXP_SWEEP = r"""
 #include <stdio.h>
 #include "colibri/route.h"
 
-/* colibri_exp16 (roundscale, scalef) against plain C's colibri_exp (magic-number
+/* colibri_exp_avx512 (roundscale, scalef) against plain C's colibri_exp (magic-number
  * rounding, two power-of-two scalings): every float of magnitude in [2^-24, 2^8) (where the
  * answers vary), and every 61st bit pattern elsewhere. Prints the count of differing answers. */
 __attribute__((target("avx512f"))) int main(void)
@@ -353,7 +353,7 @@ __attribute__((target("avx512f"))) int main(void)
         __m512i bits = _mm512_add_epi32(_mm512_set1_epi32((int32_t)b), lane);
         float x[16], y[16];
         _mm512_storeu_ps(x, _mm512_castsi512_ps(bits));
-        _mm512_storeu_ps(y, colibri_exp16(_mm512_castsi512_ps(bits)));
+        _mm512_storeu_ps(y, colibri_exp_avx512(_mm512_castsi512_ps(bits)));
         for (int i = 0; i < 16; i++) {
             float want = colibri_exp(x[i]);
             if (x[i] != x[i]) /* NaN: the clamps keep it in C, max/min drop it: never routed */
@@ -370,8 +370,8 @@ __attribute__((target("avx512f"))) int main(void)
 
 @pytest.mark.slow
 @pytest.mark.skipif(not HOST_WIDE["avx512"], reason="this CPU (or build) has no AVX-512F")
-def test_exp16_gives_plain_c_bits_for_every_float_in_range(tmp_path):
-    """colibri_exp16 computes n with roundscale and scales with scalef (fewer operations
+def test_exp_avx512_gives_plain_c_bits_for_every_float_in_range(tmp_path):
+    """colibri_exp_avx512 computes n with roundscale and scales with scalef (fewer operations
     than the 4-lane code); the answers must stay plain C's, bit for bit (a full 2^32 sweep of
     the header's first version of this found no difference either)."""
     if HOST_CC is None:
