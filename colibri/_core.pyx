@@ -34,22 +34,23 @@ cdef extern from "colibri/pool.h" nogil:
     void colibri_pool_run(colibri_chunk_fn fn, void *arg, int32_t chunks, int threads) noexcept
 
 
-# Work per thread below which another thread costs more than it saves (waking one costs a
-# few microseconds here), and a row's cost by path, in ns (measured, 2-core VM).
+# Work per thread below which another thread costs more than it saves (waking one costs
+# microseconds), and a row's cost by path, in ns: linear in E, fitted to measured costs
+# (the figures: commit 1ac02ef).
 cdef double THREAD_WORK_NS = 5000.0
 # Chunks per thread of a batch: the caller and its helpers claim them as they go, so a helper
-# that starts late leaves its second chunk to the caller (T=65536, E=64, k=2, 2 threads:
-# 1,063 us with one chunk per thread, 843 us with two).
+# that starts late leaves its second chunk to the caller instead of holding the whole call
+# back (the figures: commit e463d6d).
 cdef Py_ssize_t CHUNKS_PER_THREAD = 2
 
 
 cdef Py_ssize_t _rows_per_thread(const colibri_router_t *r) noexcept:
-    """Rows worth one more thread: ~150 for plain top-2 at E=64, 16 for DeepSeek-V3."""
+    """Rows worth one more thread: fewer the costlier a row (16 at least)."""
     cdef double row_ns
     if colibri_rows8_eligible(r):
-        row_ns = 10.0 + 0.35 * r.num_experts  # E=64: ~30 ns
+        row_ns = 10.0 + 0.35 * r.num_experts  # plain top-2: the 8-row and block paths
     else:
-        row_ns = 40.0 + 1.5 * r.num_experts  # E=64, k=8: ~140 ns; DeepSeek-V3: ~420 ns
+        row_ns = 40.0 + 1.5 * r.num_experts  # scores, groups, top-k candidates
     return max(16, <Py_ssize_t>(THREAD_WORK_NS / row_ns))
 
 # Option names to route.h's codes, from its enums: Config validates against these keys.
@@ -201,8 +202,8 @@ cdef void _route_span(const RowJob *job, Py_ssize_t start, Py_ssize_t stop, char
     cdef float *row_w = <float *>(scratch + job.scratch.block_weights)
     cdef const float *row
     cdef int status
-    # rows whose elements are contiguous are fetched about 2 KiB ahead (E=64, k=8: 15%
-    # faster, E=256: 20%); the block path gains only on long rows
+    # rows whose elements are contiguous are fetched about 2 KiB ahead (hardware prefetchers
+    # alone leave long rows waiting); the block path gains only on long rows
     cdef size_t row_bytes = job.E * job.x_itemsize if job.xs1 == 1 else 0
     cdef Py_ssize_t ahead = max(8, 2048 // max(row_bytes, 1))
     cdef bint direct = (not job.ids64 and job.ids_s1 == 1 and job.ids_s0 == k
@@ -278,7 +279,7 @@ cdef class Router:
     Built by :class:`colibri.Context`; use ``ctx.route``.
     """
     cdef colibri_router_t r
-    cdef colibri_router_t _r_one  # r for one token: 4 lanes (a lone AVX-512 call costs ~70 ns)
+    cdef colibri_router_t _r_one  # r for one token: 4 lanes (a lone AVX-512 call costs more)
     cdef readonly int num_experts
     cdef readonly int top_k
     cdef readonly int routing_threads

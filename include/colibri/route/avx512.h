@@ -150,8 +150,8 @@ COLIBRI_AVX512_FN static inline void colibri_fold_avx512(__m512 *a, __m512 *b, _
     *m2 = _mm512_permutexvar_ps(order, b[0]);
 }
 
-/* colibri_sigmoid_keys, 16 logits at a time (2x at E=256: the score pass dominates
- * DeepSeek-V3 routing); the SSE2 code takes the last E mod 16. */
+/* colibri_sigmoid_keys, 16 logits at a time (the score pass dominates DeepSeek-V3
+ * routing); the SSE2 code takes the last E mod 16. */
 COLIBRI_AVX512_FN static inline int colibri_sigmoid_keys_avx512(const float *x, int32_t E,
                                                                 const float *bias, int on_logits,
                                                                 float *scores, float *keys)
@@ -212,7 +212,7 @@ COLIBRI_AVX512_FN static inline int colibri_route_block_avx512(const colibri_rou
         return -1;
     _mm512_storeu_ps(first, m1);
     _mm512_storeu_ps(second, m2);
-    if (E <= 64) { /* one span holds both values: no claim loop (1.1x a row) */
+    if (E <= 64) { /* one span holds both values: no claim loop */
         for (i = 0; i < 16; i++) {
             uint64_t k1, k2;
             colibri_span_masks_avx512(x + i * stride, E, _mm512_set1_ps(first[i]),

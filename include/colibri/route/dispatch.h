@@ -75,7 +75,7 @@ static inline void colibri_row_sqrtsoftplus(const colibri_router_t *r, const flo
 }
 
 /* colibri_top2_values / colibri_top2_ids of a row of r's experts, 16 lanes wide where r
- * allows and E >= 16 (E=26: 20% faster, E=256: 25%; E=8 is faster on 4 lanes). */
+ * allows and E >= 16 (below that, 4 lanes are faster). */
 static inline int colibri_row_top2_values(const colibri_router_t *r, const float *x, float *first,
                                           float *second)
 {
