@@ -20,7 +20,7 @@ from colibri._route cimport (COLIBRI_BF16, COLIBRI_F16, COLIBRI_F32, COLIBRI_F64
                              colibri_cpu_has_avx2, colibri_cpu_has_avx512, colibri_load_row,
                              colibri_block_rows, colibri_prefetch, colibri_route_block,
                              colibri_route_row, colibri_router_t, colibri_rows8_eligible,
-                             colibri_scratch_bytes)
+                             colibri_scratch_layout, colibri_scratch_t)
 
 import threading
 
@@ -34,22 +34,23 @@ cdef extern from "colibri/pool.h" nogil:
     void colibri_pool_run(colibri_chunk_fn fn, void *arg, int32_t chunks, int threads) noexcept
 
 
-# Work per thread below which another thread costs more than it saves (waking one costs a
-# few microseconds here), and a row's cost by path, in ns (measured, 2-core VM).
+# Work per thread below which another thread costs more than it saves (waking one costs
+# microseconds), and a row's cost by path, in ns: linear in E, fitted to measured costs
+# (the figures: commit 1ac02ef).
 cdef double THREAD_WORK_NS = 5000.0
 # Chunks per thread of a batch: the caller and its helpers claim them as they go, so a helper
-# that starts late leaves its second chunk to the caller (T=65536, E=64, k=2, 2 threads:
-# 1,063 us with one chunk per thread, 843 us with two).
+# that starts late leaves its second chunk to the caller instead of holding the whole call
+# back (the figures: commit e463d6d).
 cdef Py_ssize_t CHUNKS_PER_THREAD = 2
 
 
 cdef Py_ssize_t _rows_per_thread(const colibri_router_t *r) noexcept:
-    """Rows worth one more thread: ~150 for plain top-2 at E=64, 16 for DeepSeek-V3."""
+    """Rows worth one more thread: fewer the costlier a row (16 at least)."""
     cdef double row_ns
     if colibri_rows8_eligible(r):
-        row_ns = 10.0 + 0.35 * r.num_experts  # E=64: ~30 ns
+        row_ns = 10.0 + 0.35 * r.num_experts  # plain top-2: the 8-row and block paths
     else:
-        row_ns = 40.0 + 1.5 * r.num_experts  # E=64, k=8: ~140 ns; DeepSeek-V3: ~420 ns
+        row_ns = 40.0 + 1.5 * r.num_experts  # scores, groups, top-k candidates
     return max(16, <Py_ssize_t>(THREAD_WORK_NS / row_ns))
 
 # Option names to route.h's codes, from its enums: Config validates against these keys.
@@ -134,7 +135,7 @@ ctypedef struct RowJob:
     float *w                    # out weights, first element
     int64_t w_s0, w_s1
     Py_ssize_t k, E
-    size_t scratch_bytes
+    colibri_scratch_t scratch   # one thread's scratch: route.h's layout
     bint rows8                  # route blocks of rows (colibri_route_block)
     Py_ssize_t block            # rows per block: colibri_block_rows
 
@@ -194,12 +195,12 @@ cdef void _route_span(const RowJob *job, Py_ssize_t start, Py_ssize_t stop, char
     The first failing row and its status go to bad_row / bad_code (left alone if none); the
     rows before it are routed and counted."""
     cdef Py_ssize_t t = start, i, k = job.k
-    cdef int32_t *row_ids = <int32_t *>(scratch + job.scratch_bytes)
-    cdef float *row_w = <float *>(scratch + job.scratch_bytes + 16 * k * 4)
+    cdef int32_t *row_ids = <int32_t *>(scratch + job.scratch.block_ids)
+    cdef float *row_w = <float *>(scratch + job.scratch.block_weights)
     cdef const float *row
     cdef int status
-    # rows whose elements are contiguous are fetched about 2 KiB ahead (E=64, k=8: 15%
-    # faster, E=256: 20%); the block path gains only on long rows
+    # rows whose elements are contiguous are fetched about 2 KiB ahead (hardware prefetchers
+    # alone leave long rows waiting); the block path gains only on long rows
     cdef size_t row_bytes = job.E * job.x_itemsize if job.xs1 == 1 else 0
     cdef Py_ssize_t ahead = max(8, 2048 // max(row_bytes, 1))
     cdef bint direct = (not job.ids64 and job.ids_s1 == 1 and job.ids_s0 == k
@@ -230,7 +231,7 @@ cdef void _route_span(const RowJob *job, Py_ssize_t start, Py_ssize_t stop, char
         if row_bytes and t + ahead < stop:
             colibri_prefetch(job.x + (t + ahead) * job.xs0 * job.x_itemsize, row_bytes)
         row = colibri_load_row(job.x + t * job.xs0 * job.x_itemsize, job.x_dtype, job.xs1,
-                               <int32_t>job.E, <float *>scratch)
+                               <int32_t>job.E, <float *>(scratch + job.scratch.row))
         status = colibri_route_row(job.router, row, scratch, row_ids, row_w)
         if status != COLIBRI_OK:
             bad_row[0] = t
@@ -245,7 +246,7 @@ cdef void _uncount_span(const RowJob *job, Py_ssize_t start, Py_ssize_t stop, ch
                         int64_t *counts, int64_t *pairs) noexcept nogil:
     """Take back the counts of rows [start, stop), read from the results (a failed call)."""
     cdef Py_ssize_t t, j, k = job.k
-    cdef int32_t *row_ids = <int32_t *>scratch
+    cdef int32_t *row_ids = <int32_t *>(scratch + job.scratch.block_ids)
     cdef char *ids_row
     for t in range(start, stop):
         ids_row = job.ids + t * job.ids_s0 * job.ids_itemsize
@@ -275,7 +276,7 @@ cdef class Router:
     Built by :class:`colibri.Context`; use ``ctx.route``.
     """
     cdef colibri_router_t r
-    cdef colibri_router_t _r_one  # r for one token: 4 lanes (a lone AVX-512 call costs ~70 ns)
+    cdef colibri_router_t _r_one  # r for one token: 4 lanes (a lone AVX-512 call costs more)
     cdef readonly int num_experts
     cdef readonly int top_k
     cdef readonly int routing_threads
@@ -288,7 +289,7 @@ cdef class Router:
     cdef object _coactivation    # [chunks, >= E * E] int64, pairs (low, high) only
     cdef Py_ssize_t _counts_stride, _pairs_stride  # rows padded: no cache line shared
     cdef readonly int64_t tokens_routed
-    cdef size_t _scratch_bytes
+    cdef colibri_scratch_t _scratch  # one thread's scratch: route.h's layout
 
     def _configure(self, config):
         """Copy a :class:`colibri.Config` (already validated) into the C router."""
@@ -355,7 +356,7 @@ cdef class Router:
         self.r.use_avx2 = colibri_cpu_has_avx2() if use_avx2 is None else use_avx2
         self._r_one = self.r
         self._r_one.use_avx512 = 0
-        self._scratch_bytes = colibri_scratch_bytes(&self.r)
+        self._scratch = colibri_scratch_layout(&self.r)
         self.collect_stats = config.collect_stats
         self._stats_lock = threading.Lock()
         # each thread's rows start on their own cache lines (8 int64 = 64 bytes), else two
@@ -494,12 +495,11 @@ cdef class Router:
         job.w_s1 = w_t.steps[w_t.ndim - 1]
         job.k = self.top_k
         job.E = self.num_experts
-        job.scratch_bytes = self._scratch_bytes
+        job.scratch = self._scratch
         job.rows8 = (colibri_rows8_eligible(&self.r) and x.dtype == FLOAT32 and xs1 == 1
                      and (<uintptr_t>x.data) % 4 == 0)
         job.block = colibri_block_rows(job.router)
-        # scratch, then 16 rows of ids and weights (the block path)
-        cdef size_t slot = (self._scratch_bytes + <size_t>self.top_k * 128 + 63) & ~(<size_t>63)
+        cdef size_t slot = self._scratch.bytes  # one chunk's scratch
         cdef Py_ssize_t chunks = 1, c, bad = T
         cdef int status = COLIBRI_OK
         cdef char stack_scratch[8192]

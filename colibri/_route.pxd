@@ -1,4 +1,5 @@
-# Declarations of include/colibri/route.h, once: the router struct, its enums and kernels.
+# Declarations of include/colibri/route.h, once: the router struct, its enums, the scratch
+# layout and the kernels.
 # A routing option is a field of Config (routing/_config.py), of colibri_router_t (route.h
 # and here) and of the kernel; Router._configure (_core.pyx) copies Config into the struct.
 
@@ -26,6 +27,23 @@ cdef extern from "colibri/route.h" nogil:
         int32_t use_avx512
         int32_t use_avx2
 
+    ctypedef struct colibri_scratch_t:
+        size_t row
+        size_t scores
+        size_t keys
+        size_t grouped
+        size_t cand_keys
+        size_t cand
+        size_t group_scores
+        size_t group_runners
+        size_t kept_scores
+        size_t kept
+        size_t top_keys
+        size_t top
+        size_t block_ids
+        size_t block_weights
+        size_t bytes
+
     enum:
         COLIBRI_SOFTMAX
         COLIBRI_SIGMOID
@@ -41,6 +59,7 @@ cdef extern from "colibri/route.h" nogil:
         COLIBRI_ROW_ALL_NEG_INF
         COLIBRI_ROW_SHORT
 
+    colibri_scratch_t colibri_scratch_layout(const colibri_router_t *r) noexcept
     size_t colibri_scratch_bytes(const colibri_router_t *r) noexcept
     void colibri_prefetch(const void *p, size_t n) noexcept
     int colibri_cpu_has_avx512() noexcept

@@ -378,16 +378,6 @@ static inline float colibri_act(int act, float g)
     }
 }
 
-/* float32 to bfloat16 bits, nearest even (NaN kept NaN). */
-static inline uint16_t colibri_float_to_bf16(float v)
-{
-    uint32_t b;
-    memcpy(&b, &v, sizeof b);
-    if ((b & 0x7fffffffu) > 0x7f800000u)
-        return (uint16_t)((b >> 16) | 0x40u);
-    return (uint16_t)((b + 0x7fffu + ((b >> 16) & 1u)) >> 16);
-}
-
 /* v as hi + lo, both bfloat16: hi = bf16(v), lo = bf16(v - hi) (|v - hi - lo| <= 2^-17 |v|). */
 static inline void colibri_split_bf16(float v, uint16_t *hi, uint16_t *lo)
 {
