@@ -25,7 +25,8 @@ python3 - "${repaired[0]}" <<'PY'
 import sys, zipfile
 names = zipfile.ZipFile(sys.argv[1]).namelist()
 assert any("libgomp" in n for n in names), "the OpenMP runtime was not vendored"
-for need in ("colibri/py.typed", "colibri/_core.pyi", "colibri/include/colibri/route.h"):
+for need in ("colibri/py.typed", "colibri/_core.pyi", "colibri/include/colibri/route.h",
+             "colibri/include/colibri/route/rows.h"):
     assert need in names, f"{need} missing from the wheel"
 assert not any(n.endswith((".pyx", ".pxd")) for n in names), "Cython sources in the wheel"
 print(f"wheel contents ok ({len(names)} files)")

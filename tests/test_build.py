@@ -1,6 +1,7 @@
 """The build: OpenMP compiled in, headers shipped, the CLI answers."""
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -19,9 +20,20 @@ def test_openmp_is_compiled_in():
 
 
 def test_headers_are_installed():
+    """Every header the public ones include, transitively (route.h pulls in route/*.h), is
+    installed where colibri.get_include() says: a C caller's build finds them all."""
     include = colibri.get_include()
-    for name in ("route.h", "dlpack.h", "half.h"):
-        assert os.path.isfile(os.path.join(include, "colibri", name))
+    todo, seen = ["colibri/route.h", "colibri/ffn.h", "colibri/dlpack.h", "colibri/half.h"], set()
+    while todo:
+        name = todo.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        path = os.path.join(include, name)
+        assert os.path.isfile(path), f"{name} is not installed"
+        with open(path) as f:
+            todo += re.findall(r'^#\s*include\s+"(colibri/[^"]+)"', f.read(), re.MULTILINE)
+    assert "colibri/route/rows.h" in seen and "colibri/pool.h" in seen
 
 
 def test_info_command(tmp_path):

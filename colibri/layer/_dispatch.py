@@ -29,7 +29,12 @@ from colibri.layer import _rows
 
 __all__ = ["DispatchPlan", "combine", "dispatch", "gather"]
 
-_KINDS = {"float32": 0, "float64": 0, "float16": 1, "bfloat16": 2}
+_KINDS = {
+    "float32": _rows.KIND_PLAIN,
+    "float64": _rows.KIND_PLAIN,
+    "float16": _rows.KIND_FLOAT16,
+    "bfloat16": _rows.KIND_BFLOAT16,
+}
 _STORAGE = {
     "float32": np.float32,
     "float64": np.float64,

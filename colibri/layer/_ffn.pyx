@@ -20,6 +20,12 @@ cdef extern from "colibri/cpu.h" nogil:
     int colibri_path_runs(int path) noexcept
 
 
+cdef extern from "colibri/half.h" nogil:
+    enum:
+        COLIBRI_W_F16
+        COLIBRI_W_BF16
+
+
 cdef extern from "colibri/ffn.h" nogil:
     ctypedef struct colibri_ffn_t:
         int32_t n, H, I
@@ -48,7 +54,7 @@ cdef extern from "colibri/ffn.h" nogil:
 PATHS = tuple(colibri_path_names[i].decode() for i in range(COLIBRI_PATH_COUNT))
 MAX_ROWS = COLIBRI_FFN_MAX_ROWS
 ACTIVATIONS = {"silu": 0, "gelu_tanh": 1, "gelu": 2, "relu": 3}
-WEIGHT_KINDS = {"float16": 1, "bfloat16": 2}
+WEIGHT_KINDS = {"float16": COLIBRI_W_F16, "bfloat16": COLIBRI_W_BF16}
 
 
 def simd_env_check():

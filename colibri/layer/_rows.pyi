@@ -14,16 +14,16 @@ def build_plan(
     num_threads: int,
     counts: np.ndarray,
     offsets: np.ndarray,
-    sorted_slots: np.ndarray,
+    sorted_assignments: np.ndarray,
     inverse: np.ndarray,
 ) -> None: ...
 def gather_rows(
-    src: np.ndarray, sorted_slots: np.ndarray, top_k: int, num_threads: int, dst: np.ndarray
+    src: np.ndarray, sorted_assignments: np.ndarray, top_k: int, num_threads: int, dst: np.ndarray
 ) -> None: ...
 def gather_rows_float32(
     src: np.ndarray,
     src_kind: int,
-    sorted_slots: np.ndarray,
+    sorted_assignments: np.ndarray,
     top_k: int,
     num_threads: int,
     dst: np.ndarray,

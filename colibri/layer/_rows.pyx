@@ -1,8 +1,8 @@
-"""Dispatch and combine kernels: group token slots by expert, gather rows, combine outputs.
+"""Dispatch and combine kernels: group assignments by expert, gather rows, combine outputs.
 
-A *slot* is one (token, choice) pair of the routing result ``ids [T, k]``, numbered
-``s = t * k + j``. ``build_plan`` is a stable counting sort of the ``T * k`` slots by
-expert: per-thread histograms over contiguous chunks of slots, a prefix sum across
+An *assignment* is one (token, choice) pair of the routing result ``ids [T, k]``, numbered
+``a = t * k + j``. ``build_plan`` is a stable counting sort of the ``T * k`` assignments by
+expert: per-thread histograms over contiguous chunks of assignments, a prefix sum across
 (expert, chunk), then a parallel scatter in which each thread writes its own chunk in
 order. The result is unique (stable), so it does not depend on the thread count.
 
@@ -22,15 +22,18 @@ cdef extern from "colibri/pool.h" nogil:
     void colibri_pool_run(colibri_chunk_fn fn, void *arg, int32_t chunks, int threads) noexcept
 
 cdef extern from "colibri/half.h" nogil:
+    enum:
+        COLIBRI_W_F16
+        COLIBRI_W_BF16
     float colibri_bf16_to_float(uint16_t h) noexcept
     float colibri_half_to_float_fast(uint16_t h) noexcept
     uint16_t colibri_float_to_bf16(float f) noexcept
     uint16_t colibri_float_to_half(float f) noexcept
 
-# How 16-bit storage is read and written (uint16_t carries both half formats).
+# How 16-bit storage is read and written (uint16_t carries both half formats): half.h's.
 KIND_PLAIN = 0
-KIND_FLOAT16 = 1
-KIND_BFLOAT16 = 2
+KIND_FLOAT16 = COLIBRI_W_F16
+KIND_BFLOAT16 = COLIBRI_W_BF16
 
 ctypedef fused index_t:
     int32_t
@@ -48,7 +51,7 @@ ctypedef fused dst_t:
 
 # Less work than this per thread is not worth waking a thread (wake-up costs microseconds,
 # milliseconds on a busy machine).
-cdef Py_ssize_t MIN_SLOTS_PER_CHUNK = 16384
+cdef Py_ssize_t MIN_ASSIGNMENTS_PER_CHUNK = 16384
 cdef Py_ssize_t MIN_BYTES_PER_THREAD = 1 << 18
 
 # A chunk callback learns its arrays' element types from these tags (one branch per chunk).
@@ -70,8 +73,8 @@ cdef struct Job:
     Py_ssize_t width       # elements per row (bytes for gather_rows)
     Py_ssize_t chunks
     Py_ssize_t top_k
-    Py_ssize_t n           # slots: T * k
-    const int64_t *slots   # sorted_slots (gather) or inverse (combine)
+    Py_ssize_t n           # assignments: T * k
+    const int64_t *assignments   # sorted_assignments (gather) or inverse (combine)
     const float *weights   # [T, k] (combine)
     double *scratch        # one row of `width` doubles per chunk (combine)
 
@@ -84,7 +87,7 @@ cdef struct PlanJob:
     Py_ssize_t chunks
     int64_t *starts        # [chunks, E] histograms, then each chunk's next row per expert
     int64_t *first_bad     # [chunks]
-    int64_t *sorted_slots
+    int64_t *sorted_assignments
     int64_t *inverse
 
 
@@ -122,7 +125,7 @@ cdef void _hist_span(const index_t *flat, PlanJob *p, int32_t c) noexcept nogil:
 
 
 cdef void _hist_chunk(void *arg, int32_t c) noexcept nogil:
-    """Chunk c's histogram of expert ids (and its first out-of-range slot)."""
+    """Chunk c's histogram of expert ids (and its first out-of-range assignment)."""
     cdef PlanJob *p = <PlanJob *>arg
     if p.wide:
         _hist_span(<const int64_t *>p.ids, p, c)
@@ -137,12 +140,12 @@ cdef void _scatter_span(const index_t *flat, PlanJob *p, int32_t c) noexcept nog
     for s in range(lo, hi):
         row = hist[flat[s]]
         hist[flat[s]] = row + 1
-        p.sorted_slots[row] = s
+        p.sorted_assignments[row] = s
         p.inverse[s] = row
 
 
 cdef void _scatter_chunk(void *arg, int32_t c) noexcept nogil:
-    """Chunk c's slots to their rows, in order (stable)."""
+    """Chunk c's assignments to their rows, in order (stable)."""
     cdef PlanJob *p = <PlanJob *>arg
     if p.wide:
         _scatter_span(<const int64_t *>p.ids, p, c)
@@ -155,19 +158,19 @@ def build_plan(
     Py_ssize_t num_experts,
     Py_ssize_t block_size,
     int num_threads,
-    int64_t[::1] counts,             # OUT [E]      slots per expert
-    int64_t[::1] offsets,            # OUT [E + 1]  start of each expert's (padded) rows
-    int64_t[::1] sorted_slots,       # OUT [N]      slot of each row; padding rows = T * k
-    int64_t[::1] inverse,            # OUT [T * k]  row of each slot
+    int64_t[::1] counts,              # OUT [E]      assignments per expert
+    int64_t[::1] offsets,             # OUT [E + 1]  start of each expert's (padded) rows
+    int64_t[::1] sorted_assignments,  # OUT [N]      assignment of each row; padding = T * k
+    int64_t[::1] inverse,             # OUT [T * k]  row of each assignment
 ):
-    """Stable counting sort of the slots of ``ids`` by expert (see the module docstring).
+    """Stable counting sort of the assignments of ``ids`` by expert (see the module docstring).
 
-    Raises ValueError naming the first slot whose id is outside ``[0, num_experts)``.
+    Raises ValueError naming the first assignment whose id is outside ``[0, num_experts)``.
     """
     cdef Py_ssize_t k = ids.shape[1]
     cdef Py_ssize_t n = ids.shape[0] * k
     cdef Py_ssize_t E = num_experts
-    cdef Py_ssize_t num_chunks = min(<Py_ssize_t>num_threads, n // MIN_SLOTS_PER_CHUNK)
+    cdef Py_ssize_t num_chunks = min(<Py_ssize_t>num_threads, n // MIN_ASSIGNMENTS_PER_CHUNK)
     if num_chunks < 1:
         num_chunks = 1
     cdef const index_t* flat = &ids[0, 0] if n > 0 else NULL
@@ -187,7 +190,7 @@ def build_plan(
     job.chunks = num_chunks
     job.starts = starts
     job.first_bad = first_bad
-    job.sorted_slots = &sorted_slots[0] if sorted_slots.shape[0] > 0 else NULL
+    job.sorted_assignments = &sorted_assignments[0] if sorted_assignments.shape[0] > 0 else NULL
     job.inverse = &inverse[0] if n > 0 else NULL
     try:
         # 1. Per-chunk histograms (and the first out-of-range id of each chunk).
@@ -200,7 +203,7 @@ def build_plan(
                     f"expert id {flat[s]} at token {s // k}, choice {s % k} is out of range "
                     f"[0, {E}): ids must come from a router over {E} experts"
                 )
-        # 2. Prefix sums: expert e's rows start at offsets[e]; chunk c's slots of e
+        # 2. Prefix sums: expert e's rows start at offsets[e]; chunk c's assignments of e
         #    follow those of chunks 0..c-1. Padding rows get the sentinel n.
         total = 0
         with nogil:
@@ -214,10 +217,10 @@ def build_plan(
                 counts[e] = count
                 padded = (count + block_size - 1) // block_size * block_size
                 for p in range(total + count, total + padded):
-                    sorted_slots[p] = n
+                    sorted_assignments[p] = n
                 total = total + padded
             offsets[E] = total
-            # 3. Scatter: each chunk writes its slots in order (stable).
+            # 3. Scatter: each chunk writes its assignments in order (stable).
             colibri_pool_run(_scatter_chunk, &job, <int32_t>num_chunks, <int>num_chunks)
     finally:
         free(starts)
@@ -229,7 +232,7 @@ cdef void _gather_bytes_chunk(void *arg, int32_t c) noexcept nogil:
     cdef Py_ssize_t i, s
     cdef uint8_t *row
     for i in range(c * j.rows // j.chunks, (c + 1) * j.rows // j.chunks):
-        s = j.slots[i]
+        s = j.assignments[i]
         row = <uint8_t *>j.dst + i * j.width
         if s >= j.n:
             memset(row, 0, j.width)
@@ -239,12 +242,12 @@ cdef void _gather_bytes_chunk(void *arg, int32_t c) noexcept nogil:
 
 def gather_rows(
     const uint8_t[:, ::1] src,        # IN  [T, H * itemsize] hidden states as bytes
-    const int64_t[::1] sorted_slots,  # IN  [N]
+    const int64_t[::1] sorted_assignments,  # IN  [N]
     Py_ssize_t top_k,
     int num_threads,
     uint8_t[:, ::1] dst,              # OUT [N, H * itemsize]; padding rows zeroed
 ):
-    """Copy the token row of each slot into expert order (same dtype, byte copy)."""
+    """Copy the token row of each assignment into expert order (same dtype, byte copy)."""
     cdef Py_ssize_t rows = dst.shape[0]
     cdef Py_ssize_t width = dst.shape[1]
     cdef int threads = _threads_for(rows * width, num_threads)
@@ -258,7 +261,7 @@ def gather_rows(
     job.chunks = threads
     job.top_k = top_k
     job.n = src.shape[0] * top_k
-    job.slots = &sorted_slots[0]
+    job.assignments = &sorted_assignments[0]
     with nogil:
         colibri_pool_run(_gather_bytes_chunk, &job, threads, threads)
 
@@ -268,7 +271,7 @@ cdef void _gather_float32_span(const src_t *src, const Job *j, int32_t c) noexce
     cdef float *out
     cdef const src_t *row
     for i in range(c * j.rows // j.chunks, (c + 1) * j.rows // j.chunks):
-        s = j.slots[i]
+        s = j.assignments[i]
         out = <float *>j.dst + i * H
         if s >= j.n:
             memset(out, 0, H * sizeof(float))
@@ -291,7 +294,7 @@ cdef void _gather_float32_chunk(void *arg, int32_t c) noexcept nogil:
 def gather_rows_float32(
     const src_t[:, ::1] src,          # IN  [T, H]
     int src_kind,
-    const int64_t[::1] sorted_slots,  # IN  [N]
+    const int64_t[::1] sorted_assignments,  # IN  [N]
     Py_ssize_t top_k,
     int num_threads,
     float[:, ::1] dst,                # OUT [N, H]; padding rows zeroed
@@ -312,7 +315,7 @@ def gather_rows_float32(
     job.chunks = threads
     job.top_k = top_k
     job.n = src.shape[0] * top_k
-    job.slots = &sorted_slots[0]
+    job.assignments = &sorted_assignments[0]
     with nogil:
         colibri_pool_run(_gather_float32_chunk, &job, threads, threads)
 
@@ -330,7 +333,7 @@ cdef void _combine_span(const src_t *src, dst_t *out, const Job *j, int32_t c) n
             for h in range(H):
                 acc64[h] = 0.0
             for i in range(k):
-                row = j.slots[t * k + i]
+                row = j.assignments[t * k + i]
                 w = j.weights[t * k + i]
                 for h in range(H):
                     acc64[h] = acc64[h] + <double>w * src[row * H + h]
@@ -340,7 +343,7 @@ cdef void _combine_span(const src_t *src, dst_t *out, const Job *j, int32_t c) n
             for h in range(H):
                 acc[h] = 0.0
             for i in range(k):
-                row = j.slots[t * k + i]
+                row = j.assignments[t * k + i]
                 w = j.weights[t * k + i]
                 for h in range(H):
                     acc[h] = acc[h] + w * _load(src[row * H + h], j.src_kind)
@@ -370,7 +373,7 @@ cdef void _combine_chunk(void *arg, int32_t c) noexcept nogil:
 def combine_rows(
     const src_t[:, ::1] expert_out,   # IN  [N, H] expert outputs in expert order
     int src_kind,
-    const int64_t[::1] inverse,       # IN  [T * k] row of each slot
+    const int64_t[::1] inverse,       # IN  [T * k] row of each assignment
     const float[:, ::1] weights,      # IN  [T, k]
     int num_threads,
     dst_t[:, ::1] out,                # OUT [T, H]
@@ -402,7 +405,7 @@ def combine_rows(
     job.width = H
     job.chunks = threads
     job.top_k = k
-    job.slots = &inverse[0] if k > 0 else NULL
+    job.assignments = &inverse[0] if k > 0 else NULL
     job.weights = &weights[0, 0] if k > 0 else NULL
     job.scratch = scratch
     try:
@@ -423,7 +426,7 @@ cdef inline int _threads_for(Py_ssize_t work_bytes, int num_threads) noexcept no
 
 cdef inline float _load(src_t v, int kind) noexcept nogil:
     if src_t is uint16_t:
-        if kind == 2:
+        if kind == COLIBRI_W_BF16:
             return colibri_bf16_to_float(v)
         return colibri_half_to_float_fast(v)
     else:
@@ -432,7 +435,7 @@ cdef inline float _load(src_t v, int kind) noexcept nogil:
 
 cdef inline void _store(dst_t *a, double v, int kind) noexcept nogil:
     if dst_t is uint16_t:
-        if kind == 2:
+        if kind == COLIBRI_W_BF16:
             a[0] = colibri_float_to_bf16(<float>v)
         else:
             a[0] = colibri_float_to_half(<float>v)

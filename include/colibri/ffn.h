@@ -40,7 +40,6 @@
 #define COLIBRI_FFN_NEON 1
 #endif
 
-enum { COLIBRI_W_F16 = 1, COLIBRI_W_BF16 = 2 };
 enum {
     COLIBRI_ACT_SILU = 0,
     COLIBRI_ACT_GELU_TANH = 1,

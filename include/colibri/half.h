@@ -9,6 +9,9 @@
 #include <stdint.h>
 #include <string.h>
 
+/* Which half format 16-bit storage holds, wherever colibri reads or writes it. */
+enum { COLIBRI_W_F16 = 1, COLIBRI_W_BF16 = 2 };
+
 static inline float colibri_bits_to_float(uint32_t bits)
 {
     float f;
