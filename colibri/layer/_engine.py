@@ -193,13 +193,21 @@ def _check(x: np.ndarray, ids: np.ndarray, weights: np.ndarray, out: np.ndarray)
         )
     if not x.flags.c_contiguous:
         raise ValueError("run_experts(): x must be C-contiguous (np.ascontiguousarray(x))")
-    ids = np.asarray(ids)
-    if ids.ndim != 2 or ids.shape[0] != x.shape[0] or ids.dtype.kind not in "iu":
+    if (
+        not isinstance(ids, np.ndarray)
+        or ids.ndim != 2
+        or ids.shape[0] != x.shape[0]
+        or ids.dtype.kind not in "iu"
+    ):
         raise ValueError(
-            f"run_experts(): ids must be integer [{x.shape[0]}, k] (got {ids.dtype} of shape "
-            f"{ids.shape})"
+            f"run_experts(): ids must be an integer [{x.shape[0]}, k] numpy array (got "
+            f"{getattr(ids, 'dtype', type(ids).__name__)} of shape {np.shape(ids)})"
         )
-    if np.shape(weights) != ids.shape or np.asarray(weights).dtype != np.float32:
+    if (
+        not isinstance(weights, np.ndarray)
+        or weights.shape != ids.shape
+        or weights.dtype != np.float32
+    ):
         raise ValueError(
             f"run_experts(): weights must be float32 {list(ids.shape)} like ids (got "
             f"{np.asarray(weights).dtype} of shape {np.shape(weights)})"

@@ -151,8 +151,8 @@ def test_an_expert_out_of_range_is_named():
     [
         (dict(x=np.zeros((3, H), np.float16)), "x must be a"),
         (dict(x=np.zeros((H, 3), np.float32).T), "x must be C-contiguous"),
-        (dict(ids=np.zeros((2, K), np.int64)), r"ids must be integer \[3, k\]"),
-        (dict(ids=np.zeros((3, K), np.float32)), "ids must be integer"),
+        (dict(ids=np.zeros((2, K), np.int64)), r"ids must be an integer \[3, k\]"),
+        (dict(ids=np.zeros((3, K), np.float32)), "ids must be an integer"),
         (dict(weights=np.zeros((3, K), np.float64)), "weights must be float32"),
         (dict(weights=np.zeros((3, K + 1), np.float32)), "weights must be float32"),
         (dict(out=np.zeros((3, H), np.float64)), "out must be a writable"),

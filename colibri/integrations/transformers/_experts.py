@@ -281,7 +281,9 @@ def experts_forward(
         token_t = torch.from_numpy(tokens)
         slot_t = torch.from_numpy(assignments % ids.shape[1])
         x_e = hidden_states[token_t]
-        gate, up, down = (_torch_view(m, w.dtype, hidden_states) for m in w)
+        with warnings.catch_warnings():  # torch warns: the pager's arrays are read-only
+            warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+            gate, up, down = (_torch_view(m, w.dtype, hidden_states) for m in w)
         if gate.dtype != x_e.dtype:  # a model run in another dtype than stored: a copy
             gate, up, down = gate.to(x_e.dtype), up.to(x_e.dtype), down.to(x_e.dtype)
         h = F.linear(self.act_fn(F.linear(x_e, gate)) * F.linear(x_e, up), down)
@@ -291,23 +293,21 @@ def experts_forward(
     guess = None
     if nxt is not None and paging.read_ahead != "off" and not paging.holds_all:
         guess = lambda: paging.predictor.guess(nxt, hidden_states)  # noqa: E731
-    with warnings.catch_warnings():  # torch warns once: the pager's arrays are read-only
-        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
-        fused = run_experts(
-            pager,
-            state.layer,
-            x,
-            ids_np,
-            weights.detach().float().numpy(),
-            sums,
-            num_experts=state.num_experts,
-            activation=state.activation or "silu",
-            num_threads=paging.num_threads,
-            fallback=fallback,
-            kernel=state.activation is not None and hidden_states.dtype in _KERNEL_DTYPES,
-            read_ahead=paging.read_ahead != "off",
-            next_layer=guess,
-        )
+    fused = run_experts(
+        pager,
+        state.layer,
+        x,
+        ids_np,
+        weights.detach().float().numpy(),
+        sums,
+        num_experts=state.num_experts,
+        activation=state.activation or "silu",
+        num_threads=paging.num_threads,
+        fallback=fallback,
+        kernel=state.activation is not None and hidden_states.dtype in _KERNEL_DTYPES,
+        read_ahead=paging.read_ahead != "off",
+        next_layer=guess,
+    )
     if fused:
         out += torch.from_numpy(sums).to(out.dtype)
     return out
