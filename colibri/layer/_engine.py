@@ -1,4 +1,4 @@
-"""The expert engine: one MoE layer's routed experts, from the routing result to the output.
+"""The expert engine: one MoE layer's routed experts, from the routing result to their sum.
 
 ::
 
@@ -7,16 +7,18 @@
         ├─ read ahead: the step's later chunks, then the next layer's guess (store.advise)
         ├─ load chunks of at most store.capacity experts (halved while the store is short)
         │     per expert: rows <= KERNEL_MAX_ROWS and float16/bfloat16 weights
-        │                    ──► the fused kernel: every such expert of a chunk in one call
-        │                 otherwise ──► the front end's fallback (torch, jax) or numpy BLAS
+        │                    ──► the fused kernel: every such expert of a chunk in one call,
+        │                        weighted sums added in ascending expert order (float32)
+        │                 otherwise ──► the front end's fallback (torch, jax), which adds
+        │                        them to its own output, or numpy (BLAS) into expert-ordered
+        │                        rows, combined at the end in fixed k order
         ▼
-    out[t] += weights[t, j] * expert(x[t]), experts in ascending id order
+    y [T, H]: what colibri computed, for the front end to add to its own
 
 Every front end (:class:`colibri.MoELayer`, the transformers integration) runs its experts
 through :func:`run_experts`; what they add is converting tensors once and, optionally, a
 fallback in their own framework and a guess of the next layer's experts. The result does not
-depend on the budget, the chunking or the thread count: each expert's contribution is added
-in ascending expert order, the fused kernel's in float32.
+depend on the budget, the chunking or the thread count.
 """
 
 from __future__ import annotations
@@ -90,7 +92,6 @@ def run_experts(
     x: np.ndarray,
     ids: np.ndarray,
     weights: np.ndarray,
-    out: np.ndarray,
     *,
     num_experts: int,
     activation: str | Callable = "silu",
@@ -99,8 +100,8 @@ def run_experts(
     kernel: bool = True,
     read_ahead: bool = True,
     next_layer: NextLayer | None = None,
-) -> int:
-    """Add one MoE layer's routed experts to ``out``; returns how many the fused kernel ran.
+) -> np.ndarray | None:
+    """One MoE layer's routed experts: ``sum_j weights[t, j] * expert_{ids[t, j]}(x[t])``.
 
     Parameters
     ----------
@@ -113,20 +114,18 @@ def run_experts(
         Each row's experts; negative ids choose no expert.
     weights : [T, k] float32
         The routing weight of each choice.
-    out : [T, H] like ``x``
-        Accumulated into: ``out[t] += weights[t, j] * expert_{ids[t, j]}(x[t])``.
     num_experts : int
         ``E``; an id in ``[E, ...)`` raises ``ValueError`` naming the token.
     activation : str or callable
         The gate activation (``"silu"``, ``"gelu"``, ``"gelu_tanh"``, ``"relu"``, or a callable
         on float numpy arrays, which the fused kernel cannot take).
     num_threads : int
-        Threads of the fused kernel (0: colibri's default).
+        Threads of colibri's kernels (0: colibri's default).
     fallback : Fallback, optional
-        Computes the experts the fused kernel does not take; default: numpy (BLAS) into
-        ``out``.
+        Computes the experts the fused kernel does not take and adds them to the front end's
+        own output; default: numpy (BLAS), into the result.
     kernel : bool
-        False: every expert goes to the fallback (so does ``COLIBRI_EXPERT_KERNEL=0``).
+        False: no expert takes the fused kernel (nor with ``COLIBRI_EXPERT_KERNEL=0``).
     read_ahead : bool
         Hand the experts of a step's later chunks to ``store.advise`` before loading the
         first one, so that they are read while earlier chunks compute.
@@ -136,30 +135,29 @@ def run_experts(
 
     Returns
     -------
-    int
-        Experts the fused kernel computed (into ``out``; the fallback's went where it put
-        them).
+    y : [T, H] or None
+        The weighted sum of the experts colibri computed: those of the fused kernel (float32,
+        added in ascending expert order) and, without a ``fallback``, the others (``x``'s
+        dtype, combined in fixed k order). None when every expert went to the fallback.
 
     Raises
     ------
     BudgetError
         The store cannot hold even one expert now.
     ValueError
-        An id outside ``[0, E)`` other than a negative one.
+        A wrong argument, or an id outside ``[0, E)`` other than a negative one; the message
+        names it.
     """
-    T, k = _check(x, ids, weights, out)
+    T, k = _check(x, ids, weights)
     plan = _Plan(ids, num_experts, num_threads)
     active = plan.active
-    if not len(active):
-        return 0
     kernel_act = None
     if kernel and isinstance(activation, str) and x.dtype == np.float32 and kernel_enabled():
         kernel_act = KERNEL_ACTIVATIONS.get(activation)
+    sums = _Sums(x, weights, plan, fallback is None, num_threads)
     chunk = max(1, min(int(store.capacity), len(active)))
     if read_ahead and chunk < len(active):  # read while the first chunks compute
         store.advise(layer, active[chunk:])
-    flat_weights = weights.reshape(-1)
-    fused = 0
     start = 0
     while start < len(active):
         part = active[start : start + chunk]
@@ -176,15 +174,14 @@ def run_experts(
                     guess, next_layer = next_layer(), None
                     if guess is not None:
                         store.advise(*guess)
-                fused += _run_chunk(batch, part, plan, x, k, flat_weights, out, activation,
-                                    kernel_act, num_threads, fallback)  # fmt: skip
+                _run_chunk(batch, part, sums, activation, kernel_act, fallback)
             finally:
                 del batch  # no view of the chunk outlives it: the store may reuse its slots
         start += len(part)
-    return fused
+    return sums.result()
 
 
-def _check(x: np.ndarray, ids: np.ndarray, weights: np.ndarray, out: np.ndarray) -> tuple:
+def _check(x: np.ndarray, ids: np.ndarray, weights: np.ndarray) -> tuple:
     """``(T, k)``, or a ValueError naming the argument that does not fit."""
     if not isinstance(x, np.ndarray) or x.ndim != 2 or x.dtype not in (np.float32, np.float64):
         raise ValueError(
@@ -207,53 +204,22 @@ def _check(x: np.ndarray, ids: np.ndarray, weights: np.ndarray, out: np.ndarray)
         not isinstance(weights, np.ndarray)
         or weights.shape != ids.shape
         or weights.dtype != np.float32
+        or not weights.flags.c_contiguous
     ):
         raise ValueError(
-            f"run_experts(): weights must be float32 {list(ids.shape)} like ids (got "
-            f"{np.asarray(weights).dtype} of shape {np.shape(weights)})"
-        )
-    if (
-        not isinstance(out, np.ndarray)
-        or out.shape != x.shape
-        or out.dtype != x.dtype
-        or not out.flags.writeable
-        or not out.flags.c_contiguous
-    ):
-        raise ValueError(
-            f"run_experts(): out must be a writable C-contiguous {x.dtype} array of shape "
-            f"{list(x.shape)} like x (got {getattr(out, 'dtype', type(out).__name__)} of "
-            f"shape {np.shape(out)})"
+            f"run_experts(): weights must be C-contiguous float32 {list(ids.shape)} like ids "
+            f"(got {getattr(weights, 'dtype', type(weights).__name__)} of shape "
+            f"{np.shape(weights)})"
         )
     return ids.shape
 
 
-def _run_chunk(batch, part, plan, x, k, flat_weights, out, activation, kernel_act, num_threads,
-               fallback) -> int:  # fmt: skip
-    """One loaded chunk: decode-size experts in one fused-kernel call, the rest one by one."""
-    fused = []
-    for e in part:
-        e = int(e)
-        expert = batch[e]
-        assignments = plan.assignments(e)
-        bits = None
-        if kernel_act is not None and len(assignments) <= KERNEL_MAX_ROWS:
-            bits = _kernel_bits(expert)
-        if bits is not None:
-            fused.append((bits, KERNEL_KINDS[expert.dtype], assignments))
-        elif fallback is not None:
-            fallback(e, expert, assignments // k, assignments)
-        else:
-            _numpy_expert(x, expert, assignments, k, flat_weights, out, activation, num_threads)
-    if fused:
-        _fused_sum(x, fused, k, flat_weights, out, kernel_act, num_threads)
-    return len(fused)
-
-
 class _Plan:
     """Each active expert's assignments ``a = t * k + j``, grouped by expert in ascending id
-    order, token order within an expert (``_rows.build_plan``: a stable counting sort)."""
+    order, token order within an expert (``_rows.build_plan``: a stable counting sort), and
+    where each assignment's row is (``inverse``)."""
 
-    __slots__ = ("active", "counts", "offsets", "sorted")
+    __slots__ = ("active", "counts", "inverse", "k", "offsets", "sorted")
 
     def __init__(self, ids: np.ndarray, num_experts: int, num_threads: int) -> None:
         ids = np.ascontiguousarray(ids)
@@ -264,16 +230,90 @@ class _Plan:
             ids = np.where(ids < 0, num_experts, ids)
             buckets += 1
         n = ids.size
+        self.k = ids.shape[1]
         self.counts = np.empty(buckets, np.int64)
         self.offsets = np.empty(buckets + 1, np.int64)
         self.sorted = np.empty(n, np.int64)
+        self.inverse = np.empty(n, np.int64)
         _rows.build_plan(ids, buckets, 1, _rows.resolve_threads(num_threads or None),
-                         self.counts, self.offsets, self.sorted, np.empty(n, np.int64))  # fmt: skip
+                         self.counts, self.offsets, self.sorted, self.inverse)  # fmt: skip
         self.active = np.flatnonzero(self.counts[:num_experts])
 
-    def assignments(self, expert: int) -> np.ndarray:
-        start = self.offsets[expert]
-        return self.sorted[start : start + self.counts[expert]]
+    def rows(self, expert: int) -> slice:
+        """Where ``expert``'s assignments are in ``sorted`` (its rows in expert order)."""
+        start = int(self.offsets[expert])
+        return slice(start, start + int(self.counts[expert]))
+
+
+class _Sums:
+    """What colibri computes of a layer, kept so that no chunking changes a bit: the fused
+    kernel's weighted sums (float32, added in ascending expert order) and the numpy experts'
+    outputs in expert order (combined in fixed k order at the end)."""
+
+    def __init__(self, x, weights, plan, numpy_experts, num_threads) -> None:
+        self.x, self.weights, self.plan, self.num_threads = x, weights, plan, num_threads
+        self.flat_weights = weights.reshape(-1)
+        self.numpy_experts = numpy_experts  # no fallback: the others are colibri's too
+        self.fused: np.ndarray | None = None
+        self.rows: np.ndarray | None = None  # [T * k, H] numpy experts' outputs, expert order
+
+    def fuse(self, group: list, act: str) -> None:
+        """Every decode-size expert of a chunk in one fused-kernel call (one kind per call)."""
+        if self.fused is None:
+            self.fused = np.zeros(self.x.shape, np.float32)
+        k = self.plan.k
+        for kind in sorted({f[1] for f in group}):
+            same = [f for f in group if f[1] == kind]
+            assignments = np.concatenate([f[2] for f in same])
+            bounds = np.zeros(len(same) + 1, np.int64)
+            np.cumsum([len(f[2]) for f in same], out=bounds[1:])
+            _ffn.ffn_sum(self.x, [f[0] for f in same], kind, _ffn.ACTIVATIONS[act], bounds,
+                         assignments // k, self.flat_weights[assignments], self.fused,
+                         self.num_threads)  # fmt: skip
+
+    def compute(self, expert: ExpertWeights, rows: slice, activation) -> None:
+        """One expert in numpy (BLAS; float16/bfloat16 weights through the kernel up to its
+        capacity), into its rows in expert order."""
+        if self.rows is None:
+            self.rows = np.zeros((self.plan.sorted.size, self.x.shape[1]), self.x.dtype)
+        tokens = self.plan.sorted[rows] // self.plan.k
+        self.rows[rows] = gated_ffn(self.x[tokens], expert, activation,
+                                    num_threads=self.num_threads)  # fmt: skip
+
+    def result(self) -> np.ndarray | None:
+        combined = None
+        if self.rows is not None:
+            combined = np.empty_like(self.x)
+            _rows.combine_rows(self.rows, _rows.KIND_PLAIN, self.plan.inverse, self.weights,
+                               _rows.resolve_threads(self.num_threads or None), combined,
+                               _rows.KIND_PLAIN)  # fmt: skip
+        if self.fused is None:
+            return combined
+        if combined is not None:
+            self.fused += combined
+        return self.fused
+
+
+def _run_chunk(batch, part, sums: _Sums, activation, kernel_act, fallback) -> None:
+    """One loaded chunk: decode-size experts in one fused-kernel call, the rest one by one."""
+    plan = sums.plan
+    fused = []
+    for e in part:
+        e = int(e)
+        expert = batch[e]
+        rows = plan.rows(e)
+        bits = None
+        if kernel_act is not None and rows.stop - rows.start <= KERNEL_MAX_ROWS:
+            bits = _kernel_bits(expert)
+        if bits is not None:
+            fused.append((bits, KERNEL_KINDS[expert.dtype], plan.sorted[rows]))
+        elif fallback is not None:
+            assignments = plan.sorted[rows]
+            fallback(e, expert, assignments // plan.k, assignments)
+        else:
+            sums.compute(expert, rows, activation)
+    if fused:
+        sums.fuse(fused, kernel_act)
 
 
 def _kernel_bits(expert: ExpertWeights) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
@@ -285,25 +325,3 @@ def _kernel_bits(expert: ExpertWeights) -> tuple[np.ndarray, np.ndarray, np.ndar
     if any(b.ndim != 2 or (b.shape[1] > 1 and b.strides[1] != 2) for b in bits):
         return None
     return bits
-
-
-def _fused_sum(x, fused, k, flat_weights, out, act, num_threads) -> None:
-    """Every decode-size expert of a chunk in one fused-kernel call (one kind per call)."""
-    for kind in sorted({f[1] for f in fused}):
-        group = [f for f in fused if f[1] == kind]
-        assignments = np.concatenate([f[2] for f in group])
-        bounds = np.zeros(len(group) + 1, np.int64)
-        np.cumsum([len(f[2]) for f in group], out=bounds[1:])
-        _ffn.ffn_sum(x, [f[0] for f in group], kind, _ffn.ACTIVATIONS[act], bounds,
-                     assignments // k, flat_weights[assignments], out, num_threads)  # fmt: skip
-
-
-def _numpy_expert(x, expert, assignments, k, flat_weights, out, activation, num_threads) -> None:
-    """The default fallback: numpy (BLAS) GEMMs in ``x``'s dtype, added into ``out``."""
-    tokens = assignments // k
-    y = gated_ffn(x[tokens], expert, activation, num_threads=num_threads)
-    y *= flat_weights[assignments, None]
-    if len(tokens) > 1 and np.any(tokens[1:] == tokens[:-1]):  # a router that repeats
-        np.add.at(out, tokens, y)
-    else:
-        out[tokens] += y

@@ -303,10 +303,10 @@ class MoELayer:
                 f"{tuple(weights.shape)}; expected [{x.shape[0]}, k] each"
             )
         threads = self.num_threads or 0
-        out = np.zeros_like(x)
         store = self.experts if self.experts is not None else _Unstored(self.num_experts)
-        fallback = None
+        fallback = out = None
         if self.expert_fn is not None:
+            out = np.zeros_like(x)
             fallback = _user_experts(self.expert_fn, x, weights.reshape(-1), out, hidden)
         if np.any(ids < 0):
             bad = np.argwhere(ids < 0)[0]
@@ -314,13 +314,12 @@ class MoELayer:
                 f"MoELayer(): the router chose expert {ids[tuple(bad)]} for token {bad[0]}; "
                 f"expert ids must be in [0, {self.num_experts})"
             )
-        run_experts(
+        routed = run_experts(
             store,
             self.layer,
             x,
             ids,
-            weights,
-            out,
+            np.ascontiguousarray(weights),
             num_experts=self.num_experts,
             activation=self.activation,
             num_threads=threads,
@@ -328,6 +327,8 @@ class MoELayer:
             kernel=self.expert_fn is None,
             read_ahead=self.read_ahead,
         )
+        if out is None:
+            out = routed if routed is not None else np.zeros_like(x)
         if self.shared_expert is not None:
             shared = gated_ffn(x, self.shared_expert, self.activation, num_threads=threads)
             if self.shared_expert_gate is not None:

@@ -274,7 +274,6 @@ def experts_forward(
         ids_np = np.where(valid, ids_np, -1)
     paging.predictor.observe(state.layer, np.unique(ids_np[valid]))
     x = hidden_states.detach().float().numpy()  # no copy for float32
-    sums = np.zeros_like(x)
     out = torch.zeros_like(hidden_states)
 
     def fallback(e: int, w: ExpertWeights, tokens: np.ndarray, assignments: np.ndarray) -> None:
@@ -293,13 +292,12 @@ def experts_forward(
     guess = None
     if nxt is not None and paging.read_ahead != "off" and not paging.holds_all:
         guess = lambda: paging.predictor.guess(nxt, hidden_states)  # noqa: E731
-    fused = run_experts(
+    sums = run_experts(
         pager,
         state.layer,
         x,
         ids_np,
         weights.detach().float().numpy(),
-        sums,
         num_experts=state.num_experts,
         activation=state.activation or "silu",
         num_threads=paging.num_threads,
@@ -308,6 +306,6 @@ def experts_forward(
         read_ahead=paging.read_ahead != "off",
         next_layer=guess,
     )
-    if fused:
+    if sums is not None:  # the fused kernel's experts, summed in float32
         out += torch.from_numpy(sums).to(out.dtype)
     return out
