@@ -302,18 +302,18 @@ class MoELayer:
                 f"MoELayer(): the router returned ids {tuple(ids.shape)} and weights "
                 f"{tuple(weights.shape)}; expected [{x.shape[0]}, k] each"
             )
-        threads = self.num_threads or 0
-        store = self.experts if self.experts is not None else _Unstored(self.num_experts)
-        fallback = out = None
-        if self.expert_fn is not None:
-            out = np.zeros_like(x)
-            fallback = _user_experts(self.expert_fn, x, weights.reshape(-1), out, hidden)
         if np.any(ids < 0):
             bad = np.argwhere(ids < 0)[0]
             raise ValueError(
                 f"MoELayer(): the router chose expert {ids[tuple(bad)]} for token {bad[0]}; "
                 f"expert ids must be in [0, {self.num_experts})"
             )
+        threads = self.num_threads or 0
+        store = self.experts if self.experts is not None else _Unstored(self.num_experts)
+        fallback = out = None
+        if self.expert_fn is not None:
+            out = np.zeros_like(x)
+            fallback = _user_experts(self.expert_fn, x, weights.reshape(-1), out, hidden)
         routed = run_experts(
             store,
             self.layer,
@@ -341,7 +341,8 @@ def _user_experts(expert_fn, x, flat_weights, out, like):
     """The engine's fallback around a user's ``expert_fn`` (rows in the caller's framework)."""
 
     def run(e: int, weights: Any, tokens: np.ndarray, assignments: np.ndarray) -> None:
-        y, _ = import_host(expert_fn(e, to_caller(x[tokens], like), weights))
+        y = compute_rows(*float_host(expert_fn(e, to_caller(x[tokens], like), weights),
+                                     f"expert_fn({e})'s result", "MoELayer"))  # fmt: skip
         if y.shape != (len(tokens), x.shape[1]):
             raise ValueError(
                 f"expert_fn({e}) returned shape {tuple(y.shape)}; "

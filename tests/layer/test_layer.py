@@ -405,3 +405,21 @@ def test_jax_input_and_expert_fn():
     np.testing.assert_allclose(
         np.asarray(out), reference(torch.from_numpy(x), w).numpy(), rtol=1e-4, atol=1e-4
     )
+
+
+def test_expert_fn_may_answer_in_bfloat16():
+    """An expert_fn returning bfloat16 (torch) is read as the values it holds, not as raw
+    bits, and one returning a non-float dtype is refused by name."""
+    w = make_weights(15)
+    x = torch.randn(5, H, generator=torch.Generator().manual_seed(16))
+
+    def torch_expert(e, rows, _):
+        h = torch.nn.functional.silu(rows @ w["gate"][e].T) * (rows @ w["up"][e].T)
+        return (h @ w["down"][e].T).to(torch.bfloat16)
+
+    out = MoELayer(w["router"], None, K, expert_fn=torch_expert)(x)
+    want = reference(x, w)
+    torch.testing.assert_close(out.double(), want, rtol=2**-7, atol=2**-7 * want.abs().max())
+    layer = MoELayer(w["router"], None, K, expert_fn=lambda e, rows, _: rows.int())
+    with pytest.raises(ValueError, match=r"expert_fn\(\d+\)'s result must be float32"):
+        layer(x)
