@@ -74,8 +74,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     parser.add_argument(
         "--threads", type=int, default=1,
-        help="torch and routing threads (default 1: the other core reads experts ahead; two "
-        "torch threads ran 6x slower here when other work shared the cores)",
+        help="torch and routing threads (default 1: the other core reads experts ahead, and "
+        "two torch threads stall whenever other work shares the cores; bench/README.md)",
     )  # fmt: skip
     parser.add_argument("--batch-size", type=int, default=1, help="sequences (tokens) per step")
     parser.add_argument(
