@@ -166,12 +166,7 @@ COLIBRI_AVX2_FN static inline int colibri_top2_values_avx2(const float *x, int32
         m2 = _mm_cvtss_f32(s);
     }
     int nan = _mm256_movemask_ps(unordered);
-    for (; e < E; e++) {
-        float v = x[e];
-        nan |= v != v;
-        m2 = v > m2 ? (v > m1 ? m1 : v) : m2;
-        m1 = v > m1 ? v : m1;
-    }
+    nan |= colibri_top2_values_from(x, e, E, &m1, &m2);
     *first = m1;
     *second = m2;
     return nan;
@@ -192,10 +187,7 @@ COLIBRI_AVX2_FN static inline void colibri_top2_ids_avx2(const float *x, int32_t
             k1 |= (uint64_t)(uint32_t)_mm256_movemask_ps(_mm256_cmp_ps(v, v1, _CMP_EQ_OQ)) << e;
             k2 |= (uint64_t)(uint32_t)_mm256_movemask_ps(_mm256_cmp_ps(v, v2, _CMP_EQ_OQ)) << e;
         }
-        for (; e < n; e++) {
-            k1 |= (uint64_t)(span[e] == m1) << e;
-            k2 |= (uint64_t)(span[e] == m2) << e;
-        }
+        colibri_span_masks_from(span, e, n, m1, m2, &k1, &k2);
         if (colibri_top2_claim(k1, k2, base, &i1, &i2))
             break;
     }

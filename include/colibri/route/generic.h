@@ -194,21 +194,44 @@ static inline void colibri_sqrtsoftplus_row_generic(const float *x, int32_t E, f
 /* The two largest values of x[0..E), E >= 2, into *first >= *second (equal when tied, -inf
  * when absent); returns nonzero when x holds a NaN. The SIMD versions: each lane keeps its
  * best two, merged at the end: no branch per element. */
+/* x[e..E) folded into the best two so far, *m1 >= *m2, element by element (the SIMD paths'
+ * tails too); returns whether one of them is a NaN. */
+static inline int colibri_top2_values_from(const float *x, int32_t e, int32_t E, float *m1,
+                                           float *m2)
+{
+    int nan = 0;
+    float a = *m1, b = *m2;
+    for (; e < E; e++) {
+        float v = x[e];
+        nan |= v != v;
+        b = v > b ? (v > a ? a : v) : b;
+        a = v > a ? v : a;
+    }
+    *m1 = a;
+    *m2 = b;
+    return nan;
+}
+
 static inline int colibri_top2_values_generic(const float *x, int32_t E, float *first,
                                               float *second)
 {
-    int32_t e;
-    int nan = 0;
-    float m1 = -INFINITY, m2 = -INFINITY;
-    for (e = 0; e < E; e++) {
-        float v = x[e];
-        nan |= v != v;
-        m2 = v > m2 ? (v > m1 ? m1 : v) : m2;
-        m1 = v > m1 ? v : m1;
+    *first = -INFINITY;
+    *second = -INFINITY;
+    return colibri_top2_values_from(x, 0, E, first, second);
+}
+
+/* Bits e..n of span's equality masks: bit i of *k1 (*k2) set when span[i] == m1 (m2); the
+ * SIMD paths take the tail of a span this way. */
+static inline void colibri_span_masks_from(const float *span, int32_t e, int32_t n, float m1,
+                                           float m2, uint64_t *k1, uint64_t *k2)
+{
+    uint64_t a = *k1, b = *k2;
+    for (; e < n; e++) {
+        a |= (uint64_t)(span[e] == m1) << e;
+        b |= (uint64_t)(span[e] == m2) << e;
     }
-    *first = m1;
-    *second = m2;
-    return nan;
+    *k1 = a;
+    *k2 = b;
 }
 
 /* The ids of the top two of x[0..E) (no NaN), given their values m1 >= m2: the first
@@ -217,15 +240,11 @@ static inline int colibri_top2_values_generic(const float *x, int32_t E, float *
 static inline void colibri_top2_ids_generic(const float *x, int32_t E, float m1, float m2,
                                             int32_t *ids)
 {
-    int32_t base, e, i1 = -1, i2 = -1;
+    int32_t base, i1 = -1, i2 = -1;
     for (base = 0; base < E; base += 64) {
-        const float *span = x + base;
         int32_t n = E - base < 64 ? E - base : 64;
         uint64_t k1 = 0, k2 = 0;
-        for (e = 0; e < n; e++) {
-            k1 |= (uint64_t)(span[e] == m1) << e;
-            k2 |= (uint64_t)(span[e] == m2) << e;
-        }
+        colibri_span_masks_from(x + base, 0, n, m1, m2, &k1, &k2);
         if (colibri_top2_claim(k1, k2, base, &i1, &i2))
             break;
     }

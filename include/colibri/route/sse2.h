@@ -132,12 +132,7 @@ static inline int colibri_top2_values(const float *x, int32_t E, float *first, f
         m2 = _mm_cvtss_f32(b);
         nan = _mm_movemask_ps(unordered);
     }
-    for (; e < E; e++) {
-        float v = x[e];
-        nan |= v != v;
-        m2 = v > m2 ? (v > m1 ? m1 : v) : m2;
-        m1 = v > m1 ? v : m1;
-    }
+    nan |= colibri_top2_values_from(x, e, E, &m1, &m2);
     *first = m1;
     *second = m2;
     return nan;
@@ -171,10 +166,7 @@ static inline void colibri_top2_ids(const float *x, int32_t E, float m1, float m
             k1 |= (uint64_t)(uint32_t)_mm_movemask_ps(_mm_cmpeq_ps(v, v1)) << e;
             k2 |= (uint64_t)(uint32_t)_mm_movemask_ps(_mm_cmpeq_ps(v, v2)) << e;
         }
-        for (; e < n; e++) {
-            k1 |= (uint64_t)(span[e] == m1) << e;
-            k2 |= (uint64_t)(span[e] == m2) << e;
-        }
+        colibri_span_masks_from(span, e, n, m1, m2, &k1, &k2);
         if (colibri_top2_claim(k1, k2, base, &i1, &i2))
             break;
     }
