@@ -189,8 +189,8 @@ class _ReadIO(_IO):
             raise
         self.pool = np.zeros(num_slots * slot_bytes, dtype=np.uint8)  # calloc: lazily committed
         self.address = self.pool.ctypes.data
-        if populate:
-            self.pool[::4096] = 0
+        if populate:  # a non-zero byte a page: the kernel may drop zero-filled pages again
+            self.pool[:: mmap.PAGESIZE] = 1
         self.plans: dict[Key, list[tuple[str, int, int, int]]] = {}
         self.relative: dict[Key, tuple[int, int, int]] = {}  # matrix offsets in a slot
 
