@@ -103,12 +103,10 @@ def _prefetch_loop(pager_ref: weakref.ref, jobs: queue.Queue) -> None:
             with pager._cache.lock:
                 pager._fail(slot, ValueError("the Pager was closed before this prefetch ran"))
         else:
-            try:
-                pager._fetch(slot, key)
-            except BaseException:  # stored on the slot; a waiting load() raises it
-                pass
-            else:
-                pager._cache.unpin(slot)  # the loader's pin
+            # the loader's pin goes with the slot turning ready (or failing): drain() never
+            # sees a ready slot still pinned; an error is stored on the slot for load()
+            with contextlib.suppress(BaseException):
+                pager._fetch(slot, key, release=True)
         del pager
 
 
@@ -402,8 +400,10 @@ class Pager:
         stats.resident_bytes -= slot.nbytes
         slot.pages = 0
 
-    def _fetch(self, slot: _Slot, key: Key) -> None:
-        """Make ``key`` readable in ``slot`` (lock not held); mark it ready or failed."""
+    def _fetch(self, slot: _Slot, key: Key, *, release: bool = False) -> None:
+        """Make ``key`` readable in ``slot`` (lock not held); mark it ready or failed. With
+        ``release``, the loader's pin is dropped in the same step as it turns ready (a
+        failure drops it always)."""
         cache = self._cache
         faults = _faults()
         start = time.perf_counter()
@@ -432,6 +432,8 @@ class Pager:
                 s.major_faults += major
             slot.event.set()
             cache.changed.notify_all()
+            if release:
+                cache.unpin(slot)
 
     def _fail(self, slot: _Slot, exc: BaseException) -> None:
         """A fetch into ``slot`` failed or was abandoned: forget the expert, give its pages

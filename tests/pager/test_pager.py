@@ -412,6 +412,26 @@ def test_drain_waits_for_queued_prefetches(io, weights):
         assert pager.stats.prefetched == queued and len(pager.resident()) == queued
 
 
+def test_drain_returns_with_the_prefetches_pins_given_back(io, weights, monkeypatch):
+    """A prefetched slot turns ready and loses the prefetch's pin in one step: however late
+    the prefetch thread runs after reading, drain() never returns between the two."""
+    from colibri.pager._cache import _Cache
+
+    unpin = _Cache.unpin
+
+    def late_unpin(self, slot):  # the prefetch thread descheduled right after its read
+        if threading.current_thread() is not threading.main_thread():
+            time.sleep(0.3)
+        unpin(self, slot)
+
+    monkeypatch.setattr(_Cache, "unpin", late_unpin)
+    path, _ = weights
+    with Pager(path, budget_bytes=4 * SLOT, page_size_kb=4, io=io) as pager:
+        assert pager.prefetch(0, [1, 2]) == 2
+        assert pager.drain(timeout=30)
+        assert pager.pinned() == [] and pager.resident() == [(0, 1), (0, 2)]
+
+
 def test_drain_returns_false_when_the_timeout_passes_first(io, weights, monkeypatch):
     path, _ = weights
     gate = threading.Event()
