@@ -15,6 +15,7 @@ import pytest
 import colibri
 from colibri import BudgetError, Pager, UsageStats
 from colibri.formats.raw import write_experts
+from colibri.layer import run_experts
 
 E, K, L, I, H = 16, 2, 2, 8, 12
 SECONDS = 1.5
@@ -310,3 +311,42 @@ def test_close_waits_for_a_mapping_being_made(weights, monkeypatch):
         finally:
             os.close(fd)
     assert result and _documented(result[0]), result
+
+
+def test_threads_wait_for_slots_other_threads_pin(weights):
+    """Three threads generating on one pager whose budget holds one expert: each waits for the
+    slot the others pin while they compute (never a BudgetError about views it does not hold),
+    and every result is the serial one."""
+    path, _ = weights
+    rng = np.random.default_rng(3)
+    tokens = [
+        (int(rng.integers(L)), rng.standard_normal((2, H)).astype(np.float32),
+         np.stack([rng.choice(E, K, replace=False) for _ in range(2)]),
+         rng.random((2, K)).astype(np.float32))
+        for _ in range(30)
+    ]  # fmt: skip
+    with Pager(path, budget_bytes=1 << 30, page_size_kb=4) as probe:
+        slot = probe.slot_bytes
+    with Pager(path, budget_bytes=slot, page_size_kb=4, wait_timeout=5.0) as pager:
+        assert pager.capacity == 1
+        expected = [run_experts(pager, *t, num_experts=E) for t in tokens]
+        results: dict[int, list] = {}
+        errors: list[BaseException] = []
+
+        def generate(n):
+            try:
+                results[n] = [run_experts(pager, *t, num_experts=E) for t in tokens]
+            except BaseException as error:  # noqa: BLE001 - reported below
+                errors.append(error)
+
+        threads = [threading.Thread(target=generate, args=(n,)) for n in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(JOIN)
+        assert not any(t.is_alive() for t in threads)
+        assert errors == []
+        for n in range(3):
+            for got, want in zip(results[n], expected, strict=True):
+                np.testing.assert_array_equal(got, want)
+        assert pager.pinned() == []

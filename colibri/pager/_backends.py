@@ -20,7 +20,14 @@
 
 Every backend has the same contract (:class:`_IO`): ``claim``/``release`` account an expert's
 pages when it enters or leaves a slot, ``fetch`` does the I/O, ``settle`` follows a
-successful fetch, ``owners`` says where each matrix lies for views.
+successful fetch, ``owners`` says where each matrix lies for views, ``faulted`` whether a
+mapping an expert is read through met the end of its file.
+
+Files that shrink under a mapping: each mapping is registered with colibri's ``SIGBUS`` guard
+(:mod:`colibri._guard`, POSIX) for as long as it is mapped. A read of a page the file no
+longer holds then reads zeros instead of killing the process, and the guard marks the
+mapping; the pager checks the mark when a fetch or an :class:`~colibri.pager.ExpertBatch`
+ends and raises :class:`FileChangedError`.
 """
 
 from __future__ import annotations
@@ -29,9 +36,11 @@ import contextlib
 import mmap
 import os
 import threading
+import weakref
 
 import numpy as np
 
+from colibri import _guard
 from colibri._files import (
     HAS_MADVISE,
     OPEN_FLAGS,
@@ -86,6 +95,15 @@ def _spans(layout: ExpertLayout, page_size: int, index: dict[str, int]) -> tuple
                 merged.append([first, end])
         out += [(f, first, end) for first, end in merged]
     return tuple(out)
+
+
+def _guarded(m: FileMap) -> int:
+    """Register ``m``'s mapping with the ``SIGBUS`` guard until it is unmapped (its array, which
+    every view holds, dies first); the guard's index, -1 when unguarded."""
+    index = _guard.register(m.address, m.length)
+    if index >= 0:
+        weakref.finalize(m.array, _guard.unregister, index)
+    return index
 
 
 def _zero_runs(counts: np.ndarray, base: int) -> list[tuple[int, int]]:
@@ -154,6 +172,11 @@ class _IO:
     def owners(self, slot: _Slot, key: Key) -> list[tuple[np.ndarray, int, int]]:
         """``(owner array, its address, byte offset in it)`` of gate, up and down."""
         raise NotImplementedError
+
+    def faulted(self, slot: _Slot, key: Key) -> str | None:
+        """The path of a file whose mapping ``key`` is read through read past the file's end
+        (the guard put zeros there), or None."""
+        return None
 
     def close(self, slots: list[_Slot]) -> None:
         raise NotImplementedError
@@ -271,12 +294,15 @@ class _MapIO(_IO):
     ) -> None:
         super().__init__(source, page_size, spans)
         self.maps: list[FileMap | None] = []
+        self.guards: list[int] = []  # the SIGBUS guard's index of each file's mapping
         try:
             for p in self.paths:
                 fd = os.open(p, OPEN_FLAGS)
                 try:  # the mapping keeps its own descriptor
                     self._record(fd, p)
-                    self.maps.append(FileMap(p, fd, 0, self.sizes[-1]) if self.sizes[-1] else None)
+                    m = FileMap(p, fd, 0, self.sizes[-1]) if self.sizes[-1] else None
+                    self.maps.append(m)
+                    self.guards.append(-1 if m is None else _guarded(m))
                 finally:
                     os.close(fd)
         except BaseException:
@@ -335,6 +361,12 @@ class _MapIO(_IO):
         maps = self.maps
         return [(maps[f].array, maps[f].address, offset) for f, offset in where]
 
+    def faulted(self, slot, key):
+        for f, _, _ in self.spans[key]:
+            if _guard.faulted(self.guards[f]):
+                return self.paths[f]
+        return None
+
     def close(self, slots):
         for m in self.maps:
             if m is not None:
@@ -377,17 +409,17 @@ class _ViewIO(_IO):
                     if self.closed:
                         raise ValueError("the Pager was closed during this load")
                     m = FileMap(self.paths[f], self.fds[f], offset, stop - offset)
-                maps.append(m)
+                maps.append((m, _guarded(m)))
                 m.populate(start - offset, stop - start)
                 m.drop(0, start - offset)  # the kernel may have mapped the rounded-down part
         except BaseException:
-            for m in maps:
+            for m, _ in maps:
                 m.close()
             raise
         slot.io = maps
 
     def release(self, slot, key):
-        for m in slot.io or ():
+        for m, _ in slot.io or ():
             m.close()  # views still alive (only after Pager.close) keep theirs
         slot.io = None
         return self.claim(slot, key)  # the same pages
@@ -395,15 +427,21 @@ class _ViewIO(_IO):
     def owners(self, slot, key):
         out = []
         for ref in self.experts[key].matrices:
-            for m in slot.io:
+            for m, _ in slot.io:
                 if m.path == ref.path and m.offset <= ref.offset <= m.offset + m.length:
                     out.append((m.array, m.address, ref.offset - m.offset))
                     break
         return out
 
+    def faulted(self, slot, key):
+        for m, index in slot.io or ():
+            if _guard.faulted(index):
+                return m.path
+        return None
+
     def close(self, slots):
         for slot in slots:
-            for m in slot.io or ():
+            for m, _ in slot.io or ():
                 with contextlib.suppress(OSError):
                     m.drop(0, m.length)  # live views re-fault from the file
                 m.close()

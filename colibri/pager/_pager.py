@@ -27,13 +27,22 @@ pins and the prefetch thread, ``_backends`` the I/O, ``_views`` what a load hand
 ``_stats`` the counters. This module is over 600 lines because it is one class, a third of
 it docstrings: the public API, and the slot protocol (claim, fetch, fail, evict) that
 ``load``, ``prefetch`` and ``close`` share under one lock, which reads best in one place.
-``load`` runs in phases: ``_claim`` (pin the hits, give each miss a slot), ``_read`` (fetch
-the misses), ``_await`` (the hits other threads are fetching), ``_pin_views``.
+``load`` runs in phases: ``_claim`` (pin the hits, give each miss a slot), ``_fetch`` each
+miss, ``_await`` (the hits other threads are fetching), ``_pin_views``; whatever interrupts
+it (an error, ``KeyboardInterrupt``), ``_abandon`` fails the misses not yet read and drops
+every pin the load still holds, so no slot is left loading or pinned for ever.
+
+Waiting: a load that finds every slot pinned by other threads (their views, their loads,
+queued prefetches) waits for them, up to ``wait_timeout`` seconds, as it does for an expert
+another thread is reading; a load whose own thread pins the slots gets the
+:class:`BudgetError` at once (waiting would never end).
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
+import functools
 import mmap
 import os
 import queue
@@ -46,7 +55,7 @@ import numpy as np
 from colibri._errors import BudgetError
 from colibri._files import HAS_MADVISE, FileChangedError
 from colibri._units import process_memory
-from colibri._validate import check_page_size_kb
+from colibri._validate import check_float, check_page_size_kb
 from colibri.formats import ExpertWeights, WeightSource, open_weights
 from colibri.pager._backends import (
     _IO,
@@ -57,7 +66,7 @@ from colibri.pager._backends import (
     _spans,
     _ViewIO,
 )
-from colibri.pager._cache import _EMPTY, _FAILED, _LOADING, _READY, _Cache, _Slot
+from colibri.pager._cache import _EMPTY, _FAILED, _LOADING, _READY, PREFETCH, _Cache, _Slot
 from colibri.pager._policies import CachePolicy, make_policy
 from colibri.pager._policy_base import Key
 from colibri.pager._replay import Trace
@@ -102,12 +111,20 @@ def _prefetch_loop(pager_ref: weakref.ref, jobs: queue.Queue) -> None:
         if pager.closed:
             with pager._cache.lock:
                 pager._fail(slot, ValueError("the Pager was closed before this prefetch ran"))
+                pager._cache.unpin(slot, PREFETCH)
         else:
-            # the loader's pin goes with the slot turning ready (or failing): drain() never
+            # the prefetch's pin goes with the slot turning ready (or failing): drain() never
             # sees a ready slot still pinned; an error is stored on the slot for load()
             with contextlib.suppress(BaseException):
-                pager._fetch(slot, key, release=True)
+                pager._fetch(slot, key, release=PREFETCH)
         del pager
+
+
+def _check_batch(pager_ref: weakref.ref, slots: list[_Slot]) -> None:
+    """An ExpertBatch's release: its experts were read from their files, not from zeros."""
+    pager = pager_ref()
+    if pager is not None:
+        pager._check_guards(slots, "ExpertBatch")
 
 
 class Pager:
@@ -139,6 +156,13 @@ class Pager:
         ``io="read"`` only: commit the whole pool now (one write per OS page), so that first
         reads into a slot pay no zero-fill page faults. The process's RSS then starts at the
         pool size, which is still within the budget. Default: committed as slots are used.
+    wait_timeout : float
+        Seconds a load waits for slots other threads pin, or for an expert another thread
+        is reading, before it raises (:class:`BudgetError`, ``TimeoutError``).
+
+    Slots: ``budget_bytes // slot_bytes``, and never more than the experts the files hold (a
+    larger budget, such as ``2**62`` for "no limit", is left unused; see
+    ``stats.usable_bytes``).
 
     Raises
     ------
@@ -184,8 +208,10 @@ class Pager:
         prefetch_queue: int = 64,
         record_trace: bool = False,
         populate: bool = False,
+        wait_timeout: float = 60.0,
     ) -> None:
         page_size_kb = check_page_size_kb(page_size_kb, "Pager(): ")
+        self.wait_timeout = check_float("Pager(): wait_timeout", wait_timeout, positive=True)
         if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, (int, np.integer)):
             raise TypeError(f"Pager(): budget_bytes must be an int (got {budget_bytes!r})")
         if prefetch_queue < 1:
@@ -216,7 +242,7 @@ class Pager:
         self._single_file = len(self._all_files) == 1
         most = max(sum(end - first for _, first, end in s) for s in self._spans.values())
         slot_bytes = max(most, 1) * self.page_size
-        num_slots = self.budget_bytes // slot_bytes
+        num_slots = min(self.budget_bytes // slot_bytes, len(self._spans))
         if num_slots < 1:
             largest = self.source.max_expert_nbytes
             raise BudgetError(
@@ -226,6 +252,7 @@ class Pager:
             )
         self._slot_bytes = slot_bytes
         stats = PagerStats(io=io, page_size=self.page_size, budget_bytes=self.budget_bytes,
+                           usable_bytes=num_slots * slot_bytes,
                            pool_bytes=num_slots * slot_bytes if io == "read" else 0)  # fmt: skip
         self._cache = _Cache(num_slots, stats)
         if io == "read":
@@ -287,7 +314,8 @@ class Pager:
             old = self._cache.stats
             self._cache.stats = PagerStats(
                 io=old.io, page_size=old.page_size, budget_bytes=old.budget_bytes,
-                pool_bytes=old.pool_bytes, resident_bytes=old.resident_bytes,
+                usable_bytes=old.usable_bytes, pool_bytes=old.pool_bytes,
+                resident_bytes=old.resident_bytes,
                 peak_resident_bytes=old.resident_bytes, resident_pages=old.resident_pages,
                 peak_resident_pages=old.resident_pages,
             )  # fmt: skip
@@ -363,27 +391,54 @@ class Pager:
             return None
         self._policy.remove(victim)
         slot = cache.where.pop(victim)
-        self._forget(slot)
+        try:
+            self._forget(slot)
+        except BaseException:  # interrupted while giving pages back: the slot is not lost
+            slot.state, slot.key = _EMPTY, None
+            cache.free.append(slot.index)
+            raise
         cache.stats.evictions += 1
         self._layer(victim[0]).evictions += 1
         slot.state, slot.key = _EMPTY, None
         return slot
 
-    def _assign(self, slot: _Slot, key: Key) -> None:
+    def _claimable(self, step: set[Key], need: int) -> bool:
+        """Whether ``need`` slots can be taken now: free ones, or unpinned loaded experts
+        outside ``step`` (lock held)."""
+        cache = self._cache
+        have = len(cache.free)
+        if have >= need:
+            return True
+        for key, slot in cache.where.items():
+            if slot.pins == 0 and slot.state == _READY and key not in step:
+                have += 1
+                if have >= need:
+                    return True
+        return False
+
+    def _assign(self, slot: _Slot, key: Key, holder: int) -> None:
+        """Put ``key`` in the free ``slot``, loading, pinned by ``holder`` (lock held)."""
         cache, stats = self._cache, self._cache.stats
-        slot.key, slot.state, slot.pins, slot.error = key, _LOADING, 1, None
+        try:
+            pages = self._io.claim(slot, key)  # first: nothing else has changed if it fails
+        except BaseException:
+            cache.free.append(slot.index)
+            raise
+        slot.key, slot.state, slot.pins, slot.error = key, _LOADING, 0, None
+        slot.holders = {}
+        cache.pin(slot, holder)  # the loader's pin
         slot.event = threading.Event()
         slot.nbytes = self.source.experts[key].nbytes
         slot.prefetched = slot.reading = False
         cache.where[key] = slot
-        pages = slot.pages = self._io.claim(slot, key)
+        self._policy.insert(key)
+        slot.pages = pages
         stats.pages_loaded += pages
         self._layer(key[0]).pages_loaded += pages
         stats.resident_bytes += slot.nbytes
         stats.resident_pages += pages
         stats.peak_resident_bytes = max(stats.peak_resident_bytes, stats.resident_bytes)
         stats.peak_resident_pages = max(stats.peak_resident_pages, stats.resident_pages)
-        self._policy.insert(key)
 
     def _forget(self, slot: _Slot, *, failed: bool = False) -> None:
         """Give back the pages and bytes of ``slot``'s expert (lock held). A failed load's
@@ -400,10 +455,10 @@ class Pager:
         stats.resident_bytes -= slot.nbytes
         slot.pages = 0
 
-    def _fetch(self, slot: _Slot, key: Key, *, release: bool = False) -> None:
-        """Make ``key`` readable in ``slot`` (lock not held); mark it ready or failed. With
-        ``release``, the loader's pin is dropped in the same step as it turns ready (a
-        failure drops it always)."""
+    def _fetch(self, slot: _Slot, key: Key, *, release: int | None = None) -> None:
+        """Make ``key`` readable in ``slot`` (lock not held); mark it ready, or failed (its
+        pins stay with their holders). With ``release``, that holder's pin is dropped in the
+        same locked step (drain() never sees a ready slot still pinned by a prefetch)."""
         cache = self._cache
         faults = _faults()
         start = time.perf_counter()
@@ -414,45 +469,78 @@ class Pager:
             except OSError:
                 self._io.check(self._files[key])  # a changed file explains the error best
                 raise
+            path = self._io.faulted(slot, key)  # making pages resident read past the end
+            if path is not None:
+                self._changed(path, "load()")
+            elapsed = time.perf_counter() - start
+            minor, major = (b - a for a, b in zip(faults, _faults(), strict=True))
+            with cache.lock:
+                self._io.settle(slot, key)
+                stats, per = cache.stats, self._layer(key[0])
+                slot.state = _READY
+                stats.bytes_read += slot.nbytes
+                stats.read_seconds += elapsed
+                per.bytes_read += slot.nbytes
+                for s in (stats, per):
+                    s.minor_faults += minor
+                    s.major_faults += major
+                slot.event.set()
+                cache.changed.notify_all()
+                if release is not None:
+                    cache.unpin(slot, release)
         except BaseException as exc:
             with cache.lock:
-                self._fail(slot, exc)
+                if slot.state == _LOADING:
+                    self._fail(slot, exc)
+                if release is not None and slot.holders.get(release):
+                    cache.unpin(slot, release)
             raise
-        elapsed = time.perf_counter() - start
-        minor, major = (b - a for a, b in zip(faults, _faults(), strict=True))
-        with cache.lock:
-            self._io.settle(slot, key)
-            stats, per = cache.stats, self._layer(key[0])
-            slot.state = _READY
-            stats.bytes_read += slot.nbytes
-            stats.read_seconds += elapsed
-            per.bytes_read += slot.nbytes
-            for s in (stats, per):
-                s.minor_faults += minor
-                s.major_faults += major
-            slot.event.set()
-            cache.changed.notify_all()
-            if release:
-                cache.unpin(slot)
 
-    def _fail(self, slot: _Slot, exc: BaseException) -> None:
-        """A fetch into ``slot`` failed or was abandoned: forget the expert, give its pages
-        back, wake waiters and drop the loader's pin; the slot is recycled with its last pin
-        (lock held)."""
+    def _fail(self, slot: _Slot, exc: BaseException, *, loaded: bool = False) -> None:
+        """``slot``'s expert cannot be served (its fetch failed or was abandoned, or
+        ``loaded`` and its file changed): forget it, give its pages back and wake waiters;
+        the slot is recycled with its last pin (lock held)."""
         cache = self._cache
         if cache.where.get(slot.key) is slot:
             del cache.where[slot.key]
             self._policy.remove(slot.key)
             if not cache.closed:  # close() already took every page back
-                self._forget(slot, failed=True)
+                self._forget(slot, failed=not loaded)
+        if not isinstance(exc, Exception):  # KeyboardInterrupt: the reader's, not the waiters'
+            exc = RuntimeError(
+                f"load(): expert {slot.key} was not read: the load reading it was interrupted "
+                f"({type(exc).__name__}); load it again"
+            )
         slot.error, slot.state = exc, _FAILED
         slot.event.set()
-        cache.unpin(slot)
+        cache.changed.notify_all()
 
-    def _views(self, slot: _Slot) -> ExpertWeights:
-        """Views of a ready slot's matrices; they own this call's pin."""
+    def _changed(self, path: str, where: str) -> None:
+        """Raise :class:`FileChangedError` for ``path``, whose mapping read past its end."""
+        self._io.check([self.source.files.index(path)], where)  # says how it changed
+        raise FileChangedError(
+            f"{where}: weight file {path!r} must not change while a Pager uses it (it shrank "
+            "while its mapping was read); open a new Pager on the file as it is now (io='read' "
+            "tolerates files that may change)"
+        )
+
+    def _check_guards(self, slots: list[_Slot], where: str) -> None:
+        """:class:`FileChangedError` if an expert of ``slots`` was read through a mapping that
+        met the end of its file (zeros stand there now); those experts are forgotten, never
+        served again. The slots are pinned by the caller."""
+        bad = [(s, path) for s in slots if (path := self._io.faulted(s, s.key)) is not None]
+        if not bad:
+            return
+        error = FileChangedError(f"{where}: weight file {bad[0][1]!r} shrank while it was read")
+        with self._cache.lock:
+            for slot, _ in bad:
+                if slot.state == _READY:
+                    self._fail(slot, error, loaded=True)
+        self._changed(bad[0][1], where)
+
+    def _views(self, slot: _Slot, pin: _Pin) -> ExpertWeights:
+        """Views of a ready slot's matrices; they own ``pin``."""
         layout = self.source.experts[slot.key]
-        pin = _Pin(self._cache, slot)
         owners = self._io.owners(slot, slot.key)
         regions: dict[int, np.ndarray] = {}
         buffers = []
@@ -488,9 +576,13 @@ class Pager:
         KeyError
             An expert that the file does not hold.
         BudgetError
-            More unique experts than slots, or every slot pinned by live views.
+            More unique experts than slots; every slot pinned by this thread's live views;
+            or pinned by other threads for more than ``wait_timeout`` seconds.
+        TimeoutError
+            Another thread has been reading one of these experts for ``wait_timeout``.
         FileChangedError
-            A weight file of these experts was truncated, replaced or modified since open.
+            A weight file of these experts was truncated, replaced or modified since open
+            (also raised by the batch's release when it shrank while the views were read).
         OSError
             Reading failed (a disk error); the message names the file and the byte range.
             The pager stays usable: the experts that failed are not resident.
@@ -504,43 +596,67 @@ class Pager:
                 f"{self.capacity} ({self.slot_bytes} bytes each); raise budget_bytes"
             )
         self._io.check(self._all_files if self._single_file else self._step_files(keys))
-        ready, wait, mine = self._claim(layer, keys)
-        fetched, error = self._read(mine)
-        waited, failed = self._await(wait)
-        done = ready + fetched + waited
-        if error is None:
-            error = failed  # this load's own read error, if any, comes first
-        if error is not None:
-            for slot in done:
-                self._cache.unpin(slot)
-            raise error
-        return ExpertBatch(layer, self._pin_views(done))
+        me = threading.get_ident()
+        pinned: list[_Slot] = []  # slots this load pins, until its views adopt the pins
+        mine: list[_Slot] = []  # the misses this load fetches
+        try:
+            self._claim(layer, keys, me, pinned, mine)
+            for slot in mine:
+                self._fetch(slot, slot.key)
+            self._await(pinned)
+            slots = list(pinned)
+            experts = self._pin_views(pinned, me)
+        except BaseException as exc:
+            self._abandon(pinned, mine, me, exc)
+            raise
+        check = None
+        if self._io.name != "read":
+            check = functools.partial(_check_batch, weakref.ref(self), slots)
+        return ExpertBatch(layer, experts, check)
 
-    # The phases of a load. Each slot they pass on carries one pin of this load, which the
-    # next phase hands on, gives back, or turns into the views' pin.
+    # The phases of a load. `pinned` holds each slot this load has a pin on; a phase that
+    # drops a pin or hands it to a view takes the slot out.
 
-    def _claim(self, layer: int, keys: list[Key]) -> tuple[list[_Slot], list[_Slot], list[_Slot]]:
-        """Pin every expert of the step, under the lock: hits first, then a slot per miss.
-
-        Returns
-        -------
-        ready, wait, mine : list of _Slot
-            Hits whose expert is readable; hits another thread is still fetching; misses,
-            each in a slot of its own (the policy's victim evicted) that this load fetches.
+    def _claim(
+        self, layer: int, keys: list[Key], me: int, pinned: list[_Slot], mine: list[_Slot]
+    ) -> None:
+        """Pin every expert of the step, under the lock: hits first, then a slot per miss
+        (the policy's victim evicted) into ``mine``; all of them or, if the slots are short,
+        none (then it waits for other threads' pins to go, up to ``wait_timeout``).
 
         Raises
         ------
         BudgetError
-            Every slot is pinned by live views; this load's pins are dropped and its slots
-            failed first.
+            Every slot is pinned by this thread, or by others for ``wait_timeout`` seconds.
         """
         cache = self._cache
         step = set(keys)
-        ready: list[_Slot] = []
-        wait: list[_Slot] = []
-        mine: list[_Slot] = []
+        deadline = None
         with cache.lock:
-            self._check_open()
+            while True:
+                self._check_open()
+                if self._claimable(step, sum(k not in cache.where for k in keys)):
+                    break
+                others = any(
+                    s.holders and me not in s.holders and s.key not in step for s in cache.slots
+                )
+                if not others:  # this thread's own views hold them: waiting would never end
+                    raise BudgetError(
+                        f"load(): every one of the {self.capacity} slots is pinned by live "
+                        "expert views of this thread; release ExpertBatch handles (or drop "
+                        "kept views) or raise budget_bytes"
+                    )
+                if deadline is None:
+                    deadline = time.monotonic() + self.wait_timeout
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise BudgetError(
+                        f"load(): layer {layer} experts {[e for _, e in keys]} found every one "
+                        f"of the {self.capacity} slots pinned by other threads for "
+                        f"wait_timeout={self.wait_timeout} s; release their ExpertBatch "
+                        "handles sooner, raise budget_bytes or wait_timeout"
+                    )
+                cache.changed.wait(left)
             if self.trace is not None:
                 self.trace.steps.append((layer, tuple(e for _, e in keys)))
             stats, per = cache.stats, self._layer(layer)
@@ -552,97 +668,63 @@ class Pager:
                 if slot is None:
                     missed.append(key)
                 else:
-                    (ready if self._hit(slot, stats, per) else wait).append(slot)
+                    self._hit(slot, stats, per, me)
+                    pinned.append(slot)
             for key in missed:
-                while True:
-                    slot = cache.where.get(key)
-                    if slot is not None:  # another thread loaded it while we waited
-                        (ready if self._hit(slot, stats, per) else wait).append(slot)
-                        break
-                    slot = self._take_slot(step)
-                    if slot is not None:
-                        self._assign(slot, key)
-                        stats.misses += 1
-                        per.misses += 1
-                        mine.append(slot)
-                        break
-                    # Every slot is pinned. Reads in progress (or queued prefetches) will
-                    # free some; otherwise live views hold them all.
-                    if any(x.state == _LOADING and x.pins and x.reading for x in cache.slots):
-                        cache.changed.wait(1.0)
-                        continue
-                    for x in ready + wait:
-                        cache.unpin(x)
-                    for x in mine:
-                        self._fail(x, BudgetError("load() was abandoned"))
-                    raise BudgetError(
-                        f"load(): every one of the {self.capacity} slots is pinned by live "
-                        "expert views; release ExpertBatch handles (or drop kept views) or "
-                        "raise budget_bytes"
-                    )
-            for slot in mine:  # fetched right after the lock is released
-                slot.reading = True
-        return ready, wait, mine
+                slot = self._take_slot(step)
+                if slot is None:  # _claimable counted it: a policy that lost a key
+                    raise BudgetError(f"load(): no slot for expert {key}; raise budget_bytes")
+                self._assign(slot, key, me)
+                pinned.append(slot)
+                mine.append(slot)
+                stats.misses += 1
+                per.misses += 1
+                slot.reading = True  # fetched right after the lock is released
 
-    def _hit(self, slot: _Slot, stats: PagerStats, per: LayerStats) -> bool:
-        """Count a demand hit on ``slot`` and pin it (lock held); True if its expert is
-        readable, False if another thread is still fetching it."""
+    def _hit(self, slot: _Slot, stats: PagerStats, per: LayerStats, me: int) -> None:
+        """Count a demand hit on ``slot`` and pin it (lock held)."""
         stats.hits += 1
         per.hits += 1
         self._policy.touch(slot.key)
-        slot.pins += 1
+        self._cache.pin(slot, me)
         if slot.prefetched:
             slot.prefetched = False
             stats.prefetch_hits += 1
-        if slot.state == _READY:
-            return True
-        stats.inflight_waits += 1
-        return False
+        if slot.state != _READY:
+            stats.inflight_waits += 1
 
-    def _read(self, mine: list[_Slot]) -> tuple[list[_Slot], BaseException | None]:
-        """Fetch this load's misses in order (lock not held); after the first error the rest
-        are failed unread. Returns the slots fetched and that error (None if none)."""
-        fetched: list[_Slot] = []
-        error: BaseException | None = None
-        for slot in mine:
-            if error is None:
-                try:
-                    self._fetch(slot, slot.key)
-                    fetched.append(slot)
-                except BaseException as exc:  # _fetch already failed the slot
-                    error = exc
-            else:
-                with self._cache.lock:
-                    self._fail(slot, error)
-        return fetched, error
+    def _await(self, pinned: list[_Slot]) -> None:
+        """Wait for the hits other threads are fetching, up to ``wait_timeout``; raise the
+        error of one that failed."""
+        deadline = time.monotonic() + self.wait_timeout
+        for slot in pinned:
+            if not slot.event.wait(max(0.0, deadline - time.monotonic())):
+                raise TimeoutError(
+                    errno.ETIMEDOUT,
+                    f"load(): expert {slot.key} was still being read by another thread after "
+                    f"wait_timeout={self.wait_timeout} s (a stalled disk?); raise "
+                    "wait_timeout or check the storage",
+                )
+            if slot.state != _READY:
+                raise slot.error
 
-    def _await(self, wait: list[_Slot]) -> tuple[list[_Slot], BaseException | None]:
-        """Wait for the hits other threads are fetching; a failed one's pin is dropped.
-        Returns the slots now readable and the first error (None if none)."""
-        readable: list[_Slot] = []
-        error: BaseException | None = None
-        for slot in wait:
-            slot.event.wait()
-            if slot.error is None:
-                readable.append(slot)
-            else:
-                error = error or slot.error
-                self._cache.unpin(slot)
-        return readable, error
-
-    def _pin_views(self, done: list[_Slot]) -> dict[int, ExpertWeights]:
-        """The experts' views by id, ascending; each adopts this load's pin on its slot. If
-        one cannot be made, the pins not yet adopted are dropped."""
+    def _pin_views(self, pinned: list[_Slot], me: int) -> dict[int, ExpertWeights]:
+        """The experts' views by id, ascending; each adopts this load's pin on its slot."""
         experts = {}
-        try:
-            while done:
-                slot = done.pop()
-                experts[slot.key[1]] = self._views(slot)  # adopts this call's pin
-        except BaseException:
-            for slot in done:
-                self._cache.unpin(slot)
-            raise
+        while pinned:
+            slot = pinned.pop()
+            experts[slot.key[1]] = self._views(slot, _Pin(self._cache, slot, me))
         return dict(sorted(experts.items()))
+
+    def _abandon(self, pinned: list[_Slot], mine: list[_Slot], me: int, exc: BaseException):
+        """A load stopped early: fail its misses not yet read, drop the pins it holds."""
+        cache = self._cache
+        with cache.lock:
+            for slot in mine:
+                if slot.state == _LOADING and slot in pinned:
+                    self._fail(slot, exc)
+            while pinned:
+                cache.unpin(pinned.pop(), me)
 
     # -- prefetch -----------------------------------------------------------------------------
 
@@ -681,7 +763,7 @@ class Pager:
                 slot = self._take_slot(set(keys))
                 if slot is None:
                     break
-                self._assign(slot, key)
+                self._assign(slot, key, PREFETCH)
                 slot.prefetched = slot.reading = True
                 self._jobs.put_nowait((slot, key))
                 cache.stats.prefetched += 1

@@ -51,7 +51,9 @@ class PagerStats(LayerStats):
     ``minor_faults`` / ``major_faults`` the page faults the fetching threads took while
     fetching (``getrusage``; 0 where unavailable). ``rss_file`` / ``rss_anon`` are the
     process's file-backed and anonymous resident bytes when the snapshot was taken
-    (``/proc/self/status``; None elsewhere). ``advised`` counts experts handed to the OS by
+    (``/proc/self/status``; None elsewhere). ``usable_bytes`` is the part of ``budget_bytes``
+    the slots can use (``capacity * slot_bytes``: whole slots, at most one per expert in the
+    files). ``advised`` counts experts handed to the OS by
     :meth:`Pager.advise` (read-ahead into the page cache, not into the budget).
     """
 
@@ -63,6 +65,7 @@ class PagerStats(LayerStats):
     peak_resident_pages: int = 0
     pool_bytes: int = 0
     budget_bytes: int = 0
+    usable_bytes: int = 0
     read_seconds: float = 0.0
     prefetched: int = 0
     prefetch_hits: int = 0

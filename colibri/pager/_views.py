@@ -17,7 +17,7 @@ process's ``RssFile``.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 
 import numpy as np
 
@@ -30,14 +30,14 @@ __all__ = ["ExpertBatch"]
 class _Pin:
     """One load's pin on a slot; released when the last view made by that load dies."""
 
-    __slots__ = ("__weakref__", "_cache", "_slot")
+    __slots__ = ("__weakref__", "_cache", "_holder", "_slot")
 
-    def __init__(self, cache: _Cache, slot: _Slot) -> None:
-        self._cache, self._slot = cache, slot
+    def __init__(self, cache: _Cache, slot: _Slot, holder: int) -> None:
+        self._cache, self._slot, self._holder = cache, slot, holder
 
     def __del__(self) -> None:
         with contextlib.suppress(Exception):  # at interpreter shutdown nothing is left to free
-            self._cache.unpin(self._slot)
+            self._cache.unpin(self._slot, self._holder)
 
 
 class _Region:
@@ -63,9 +63,15 @@ class ExpertBatch(Mapping):
     the pager may reuse the slots, except those of views the caller still keeps alive.
     """
 
-    def __init__(self, layer: int, experts: dict[int, ExpertWeights]) -> None:
+    def __init__(
+        self,
+        layer: int,
+        experts: dict[int, ExpertWeights],
+        on_release: Callable[[], None] | None = None,
+    ) -> None:
         self.layer = layer
         self._experts: dict[int, ExpertWeights] | None = experts
+        self._on_release = on_release  # the pager's check that what was read is the file's
 
     def _live(self) -> dict[int, ExpertWeights]:
         if self._experts is None:
@@ -88,8 +94,21 @@ class ExpertBatch(Mapping):
         return len(self._live())
 
     def release(self) -> None:
-        """Drop this batch's views (idempotent)."""
-        self._experts = None
+        """Drop this batch's views (idempotent).
+
+        Raises
+        ------
+        FileChangedError
+            A weight file shrank while the views were read: the pages it no longer holds
+            read as zeros (instead of a ``SIGBUS``), so nothing computed from them may be
+            used. The pager forgets these experts.
+        """
+        check, self._on_release = self._on_release, None
+        try:
+            if check is not None:
+                check()  # while the views still pin their slots
+        finally:
+            self._experts = None
 
     def __enter__(self) -> ExpertBatch:
         return self

@@ -419,10 +419,10 @@ def test_drain_returns_with_the_prefetches_pins_given_back(io, weights, monkeypa
 
     unpin = _Cache.unpin
 
-    def late_unpin(self, slot):  # the prefetch thread descheduled right after its read
+    def late_unpin(self, *args):  # the prefetch thread descheduled right after its read
         if threading.current_thread() is not threading.main_thread():
             time.sleep(0.3)
-        unpin(self, slot)
+        unpin(self, *args)
 
     monkeypatch.setattr(_Cache, "unpin", late_unpin)
     path, _ = weights
@@ -485,15 +485,19 @@ def resident_fraction(array: np.ndarray) -> float:
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="RssAnon and mincore")
-def test_populate_commits_the_read_pool_at_once(weights):
-    path, _ = weights
-    budget = 64 << 20  # 1024 slots of 64 KiB
+def test_populate_commits_the_read_pool_at_once(tmp_path):
+    # 1024 experts of 768 bytes, 64 to a page: a slot of one page or two (an expert across
+    # a page boundary), and as many slots as the 64 MiB budget holds
+    tiny = np.zeros((4, 32), np.float16)
+    path = write_experts(tmp_path / "tiny.colibri", {(0, e): (tiny, tiny, tiny.T) for e in
+                                                    range(1024)}, alignment=256)  # fmt: skip
+    budget = 64 << 20
     gc.collect()
     before = process_memory().anon
     pager = Pager(path, budget_bytes=budget, page_size_kb=64, io="read")
     # without populate the pool is committed as slots are used (calloc)
     assert process_memory().anon - before < budget // 4
-    assert pager.stats.pool_bytes == budget
+    assert pager.stats.pool_bytes == pager.stats.usable_bytes == budget
     pager.close()
     # with it at once, and its pages hold a byte each: the kernel cannot drop them as zeros
     pager = Pager(path, budget_bytes=budget, page_size_kb=64, io="read", populate=True)
@@ -606,3 +610,30 @@ def test_property_pager_matches_replay_and_never_beats_belady(weights):
         assert hits == replay(trace, capacity, policy).hits <= belady(trace, capacity).hits
 
     pager_matches_replay()
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="resource.setrlimit")
+@pytest.mark.parametrize("io_name", colibri.pager.IO_BACKENDS)
+def test_a_budget_without_limit_is_capped_at_the_experts_in_the_files(weights, io_name):
+    """``budget_bytes=2**62`` ("no limit") takes one slot per expert the files hold, not one
+    per possible expert (a run-away list, or pool, of 2**62 // slot_bytes); the child runs
+    under a 2 GiB address-space limit so that a regression fails instead of exhausting RAM."""
+    path, experts = weights
+    code = textwrap.dedent(
+        f"""
+        import resource
+        resource.setrlimit(resource.RLIMIT_AS, (2 << 30, 2 << 30))
+        from colibri.pager import Pager
+        with Pager({str(path)!r}, budget_bytes=2**62, page_size_kb=4, io={io_name!r}) as p:
+            with p.load(0, [0, 1]) as batch:
+                assert batch[1].gate.shape == batch[0].gate.shape
+            s = p.stats
+            print(p.capacity, p.slot_bytes, s.usable_bytes, s.budget_bytes)
+        """
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    capacity, slot, usable, budget = map(int, done.stdout.split())
+    assert capacity == len(experts)
+    assert usable == capacity * slot and budget == 2**62
