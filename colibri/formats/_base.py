@@ -88,8 +88,12 @@ class ExpertWeights:
         in]`` convention; from a :class:`colibri.Pager` they are read-only zero-copy views.
     dtype : str
         What the matrices store: ``"float32"``, ``"float64"``, ``"float16"`` or
-        ``"bfloat16"`` (bfloat16 may arrive as raw ``uint16`` bits). Read from ``gate`` when
+        ``"bfloat16"`` (bfloat16 may arrive as raw ``uint16`` bits), or a block-quantized type
+        (``"q4_k"``, ...: ``uint8 [rows, row_bytes]`` of blocks). Read from ``gate`` when
         not given.
+    down_dtype : str
+        ``down``'s, where it differs (GGUF files mix ``q4_k`` gate and up with ``q6_k``
+        down); ``dtype`` when not given.
 
     Examples
     --------
@@ -105,10 +109,13 @@ class ExpertWeights:
     up: Any
     down: Any
     dtype: str = ""
+    down_dtype: str = ""
 
     def __post_init__(self) -> None:
         if not self.dtype:
             object.__setattr__(self, "dtype", _dtype_name(self.gate))
+        if not self.down_dtype:
+            object.__setattr__(self, "down_dtype", self.dtype)
 
     @property
     def nbytes(self) -> int:
@@ -213,11 +220,17 @@ class ExpertLayout:
         stored = self.gate.dtype
         return STORED_NAMES.get(stored, stored.lower())
 
+    @property
+    def down_dtype(self) -> str:
+        """``down``'s, in the same spelling (GGUF files may store it in another type)."""
+        stored = self.down.dtype
+        return STORED_NAMES.get(stored, stored.lower())
+
     def weights(self, buffers) -> ExpertWeights:
         """The matrices over ``buffers`` (their bytes, ``uint8`` arrays in gate, up, down
         order), no copy."""
         gate, up, down = (ref.view(b) for ref, b in zip(self.matrices, buffers, strict=True))
-        return ExpertWeights(gate, up, down, self.dtype)
+        return ExpertWeights(gate, up, down, self.dtype, self.down_dtype)
 
 
 @dataclass

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import struct
+from collections.abc import Mapping, Sequence
 
 from colibri.formats._base import (
     FormatError,
@@ -22,7 +23,7 @@ from colibri.formats._base import (
     file_size,
 )
 
-__all__ = ["open_gguf"]
+__all__ = ["gguf_source", "gguf_tensors", "open_gguf"]
 
 _PLAIN = {"F64": "F64", "F32": "F32", "F16": "F16", "BF16": "BF16", "I8": "I8", "I16": "I16",
           "I32": "I32", "I64": "I64"}  # fmt: skip
@@ -103,6 +104,26 @@ def open_gguf(path: str | os.PathLike) -> WeightSource:
     Quantized experts (``Q4_K``, ...) keep their ggml type name as ``dtype`` and are viewed as
     ``uint8 [rows, row_bytes]`` blocks.
     """
+    path = os.path.abspath(os.fspath(path))
+    source = gguf_source((path,), gguf_tensors(path))
+    if not source.experts:
+        raise FormatError(
+            f"{path}: no routed-expert tensors found (names like 'blk.0.ffn_gate_exps.weight')"
+        )
+    return source
+
+
+def gguf_source(files: Sequence[str], tensors: Mapping[str, TensorInfo]) -> WeightSource:
+    """The routed experts among ``tensors`` (from :func:`gguf_tensors` of ``files``: one file,
+    or every part of a split model) as a :class:`WeightSource`, stacked ``[E, ...]`` tensors
+    split per expert; no experts: an empty one."""
+    return WeightSource("gguf", tuple(files), assemble_experts(files[0], tensors))
+
+
+def gguf_tensors(path: str | os.PathLike) -> dict[str, TensorInfo]:
+    """Every tensor of a ``.gguf`` file, by name: its absolute offset, bytes, ggml type name
+    (``F32``, ``Q8_0``, ...) and numpy-order shape, each range checked against the file (the
+    metadata walked with bounds first: the file is untrusted)."""
     gguf = _import_gguf()
     path = os.path.abspath(os.fspath(path))
     size = file_size(path)
@@ -140,9 +161,4 @@ def open_gguf(path: str | os.PathLike) -> WeightSource:
             struct.error, TypeError) as exc:  # fmt: skip
         raise FormatError(f"{path}: the GGUF header is corrupt or truncated ({exc})") from None
     check_extents(path, size, data_start, tensors.values())
-    experts = assemble_experts(path, tensors)
-    if not experts:
-        raise FormatError(
-            f"{path}: no routed-expert tensors found (names like 'blk.0.ffn_gate_exps.weight')"
-        )
-    return WeightSource("gguf", (path,), experts)
+    return tensors

@@ -145,6 +145,8 @@ class RawWriter:
         if len(matrices) != 3:
             raise ValueError(f"an expert has 3 matrices (gate, up, down), got {len(matrices)}")
         for proj, (dtype, shape, data) in zip(_PROJS, matrices, strict=True):
+            if isinstance(data, np.ndarray):  # ml_dtypes' float8 has no buffer format
+                data = np.ascontiguousarray(data).view(np.uint8)
             view = memoryview(data).cast("B")
             entry["matrices"][proj] = {
                 "dtype": dtype, "shape": [int(d) for d in shape], "offset": self._offset,

@@ -6,10 +6,13 @@
         │
         ├─ read ahead: the step's later chunks, then the next layer's guess (store.advise)
         ├─ load chunks of at most store.capacity experts (halved while the store is short)
-        │     per expert: rows <= KERNEL_MAX_ROWS and float16/bfloat16 weights
-        │                    ──► the fused kernel: every such expert of a chunk in one call,
-        │                        weighted sums added in ascending expert order (float32)
-        │                 otherwise ──► the front end's fallback (torch, jax), which adds
+        │     per expert: rows <= KERNEL_MAX_ROWS and float16/bfloat16 weights, or rows
+        │                 <= QUANT_KERNEL_MAX_ROWS and block-quantized weights (q4_k, ...)
+        │                    ──► the fused kernel: every such expert of a chunk in one call
+        │                        per kind, weighted sums added in ascending expert order
+        │                        (float32; quantized: on q8 activations)
+        │                 otherwise ──► the front end's fallback (torch, jax; quantized
+        │                        weights dequantized to float32 first), which adds
         │                        them to its own output, or numpy (BLAS) into expert-ordered
         │                        rows, combined at the end in fixed k order
         ▼
@@ -29,12 +32,14 @@ from typing import Protocol
 
 import numpy as np
 
-from colibri._errors import BudgetError
+from colibri._errors import BudgetError, FormatError
 from colibri.formats import ExpertWeights
-from colibri.layer import _ffn, _rows
+from colibri.layer import _ffn, _quant, _rows
 from colibri.layer._expert import (
     KERNEL_ACTIVATIONS,
     KERNEL_KINDS,
+    QUANT_KERNEL_MAX_ROWS,
+    dequantized,
     gated_ffn,
     half_bits,
     kernel_enabled,
@@ -258,18 +263,25 @@ class _Sums:
         self.rows: np.ndarray | None = None  # [T * k, H] numpy experts' outputs, expert order
 
     def fuse(self, group: list, act: str) -> None:
-        """Every decode-size expert of a chunk in one fused-kernel call (one kind per call)."""
+        """Every decode-size expert of a chunk in one fused-kernel call per kind: a half
+        precision (an int) or a pair of quantized types (gate/up's, down's)."""
         if self.fused is None:
             self.fused = np.zeros(self.x.shape, np.float32)
         k = self.plan.k
-        for kind in sorted({f[1] for f in group}):
+        for kind in sorted({f[1] for f in group}, key=str):
             same = [f for f in group if f[1] == kind]
             assignments = np.concatenate([f[2] for f in same])
             bounds = np.zeros(len(same) + 1, np.int64)
             np.cumsum([len(f[2]) for f in same], out=bounds[1:])
-            _ffn.ffn_sum(self.x, [f[0] for f in same], kind, _ffn.ACTIVATIONS[act], bounds,
-                         assignments // k, self.flat_weights[assignments], self.fused,
-                         self.num_threads)  # fmt: skip
+            mats, rows = [f[0] for f in same], assignments // k
+            scale = self.flat_weights[assignments]
+            if isinstance(kind, tuple):
+                _quant.ffn_sum(self.x, mats, kind[0], act, bounds, rows, scale, self.fused,
+                               self.num_threads, down_type=kind[1])  # fmt: skip
+                _check_finite(self.x, self.fused, rows, same)
+            else:
+                _ffn.ffn_sum(self.x, mats, kind, _ffn.ACTIVATIONS[act], bounds, rows, scale,
+                             self.fused, self.num_threads)  # fmt: skip
 
     def compute(self, expert: ExpertWeights, rows: slice, activation) -> None:
         """One expert in numpy (BLAS; float16/bfloat16 weights through the kernel up to its
@@ -302,18 +314,41 @@ def _run_chunk(batch, part, sums: _Sums, activation, kernel_act, fallback) -> No
         e = int(e)
         expert = batch[e]
         rows = plan.rows(e)
+        n = rows.stop - rows.start
         bits = None
-        if kernel_act is not None and rows.stop - rows.start <= KERNEL_MAX_ROWS:
+        quantized = getattr(expert, "dtype", None) in _quant.TYPES  # None: an expert_fn
+        if quantized and kernel_act is not None and n <= QUANT_KERNEL_MAX_ROWS:
+            kind = (expert.dtype, expert.down_dtype)
+            fused.append((tuple(expert), kind, plan.sorted[rows], e))
+            continue
+        if kernel_act is not None and n <= KERNEL_MAX_ROWS:
             bits = _kernel_bits(expert)
         if bits is not None:
             fused.append((bits, KERNEL_KINDS[expert.dtype], plan.sorted[rows]))
         elif fallback is not None:
             assignments = plan.sorted[rows]
-            fallback(e, expert, assignments // plan.k, assignments)
+            fallback(e, dequantized(expert) if quantized else expert, assignments // plan.k,
+                     assignments)  # fmt: skip
         else:
             sums.compute(expert, rows, activation)
     if fused:
         sums.fuse(fused, kernel_act)
+
+
+def _check_finite(x: np.ndarray, y: np.ndarray, rows: np.ndarray, group: list) -> None:
+    """Quantized experts gave non-finite sums from finite rows: name the expert whose block
+    scales are not finite numbers (a corrupt file) instead of returning NaN."""
+    if np.isfinite(y[rows]).all() or not np.isfinite(x[rows]).all():
+        return
+    for mats, (qtype, down_type), _, e in group:
+        types = (qtype, qtype, down_type)
+        for name, m, t in zip(("gate", "up", "down"), mats, types, strict=True):
+            bad = _quant.nonfinite_block(t, m)
+            if bad >= 0:
+                raise FormatError(
+                    f"expert {e}: its {name} weights hold a non-finite {t} block scale (row "
+                    f"{bad // m.shape[1]}, byte {bad % m.shape[1]}): the weight file is corrupt"
+                )
 
 
 def _kernel_bits(expert: ExpertWeights) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:

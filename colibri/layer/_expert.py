@@ -17,7 +17,7 @@ import numpy as np
 
 from colibri._dlpack import bf16_to_float32, float32_to_bf16, import_host, to_caller
 from colibri.formats import ExpertWeights
-from colibri.layer import _ffn, _rows
+from colibri.layer import _ffn, _quant, _rows
 
 __all__ = ["activation_function", "expert_ffn"]
 
@@ -62,6 +62,9 @@ KERNEL_ACTIVATIONS = {
 }
 #: The weight dtypes the fused kernel reads, as its ``kind`` argument.
 KERNEL_KINDS = _ffn.WEIGHT_KINDS
+#: Rows up to which block-quantized experts (``q4_k``, ...) run the quantized kernel; more
+#: are dequantized to float32 for BLAS, which reuses each weight across rows.
+QUANT_KERNEL_MAX_ROWS = 8
 
 
 def activation_function(activation: str | Callable) -> Callable[[np.ndarray], np.ndarray]:
@@ -122,6 +125,11 @@ def linear(x: np.ndarray, w: Any, dtype: str) -> np.ndarray:
             f"expert weight of shape {arr.shape} does not match rows of width {x.shape[1]}"
         )
     if dtype not in KERNEL_KINDS:
+        if arr.dtype.kind in "ui" and dtype.startswith("f8"):
+            raise ValueError(
+                f"expert weights are {dtype.upper()} held as raw {arr.dtype} bits: "
+                "pip install ml-dtypes (it comes with jax) to compute them"
+            )
         return (arr.astype(x.dtype, copy=False) @ x.T).T
     if x.dtype != np.float32:  # float64 rows: convert the weights whole
         whole = bf16_to_float32(half_bits(arr)) if dtype == "bfloat16" else arr.view(np.float16)
@@ -169,10 +177,22 @@ def gated_ffn(
         _ffn.ffn(np.ascontiguousarray(x), g, u, d, KERNEL_KINDS[expert.dtype],
                  _ffn.ACTIVATIONS[kernel_act], out, num_threads)  # fmt: skip
         return out
+    if expert.dtype in _quant.TYPES:
+        if kernel_act is not None and x.dtype == np.float32 and 0 < n <= QUANT_KERNEL_MAX_ROWS:
+            return _quant.ffn(expert.dtype, *expert, np.ascontiguousarray(x), kernel_act,
+                              num_threads, down_type=expert.down_dtype)  # fmt: skip
+        expert = dequantized(expert)
     act = activation_function(activation)
     h = act(linear(x, expert.gate, expert.dtype))
     h *= linear(x, expert.up, expert.dtype)
     return linear(np.ascontiguousarray(h), expert.down, expert.dtype)
+
+
+def dequantized(expert: ExpertWeights) -> ExpertWeights:
+    """A block-quantized expert (``q4_k``, ...) as float32 matrices, exactly the values GGUF's
+    dequantization gives."""
+    gate, up = (_quant.dequantize(expert.dtype, m) for m in (expert.gate, expert.up))
+    return ExpertWeights(gate, up, _quant.dequantize(expert.down_dtype, expert.down), "float32")
 
 
 def _contiguous_rows(w: np.ndarray) -> np.ndarray:

@@ -112,6 +112,20 @@ static inline int colibri_cpu_detect(void)
 #endif
 }
 
+/* Whether the CPU has AVX512_VNNI (int8 dot products; on the avx512 path, quant.h uses them). */
+static inline int colibri_cpu_has_avx512vnni(void)
+{
+#if defined(COLIBRI_X86_GNU) || defined(COLIBRI_X86_MSVC)
+    unsigned r[4];
+    if (colibri_cpu_detect() < COLIBRI_PATH_AVX512)
+        return 0;
+    colibri_cpuid(7, 0, r);
+    return (r[2] >> 11) & 1;
+#else
+    return 0;
+#endif
+}
+
 /* The path COLIBRI_SIMD names (-1: unset or empty, -2: not a path name). */
 static inline int colibri_simd_env(void)
 {

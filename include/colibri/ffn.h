@@ -452,48 +452,16 @@ static void colibri_ffn_down_chunk(void *arg, int32_t c)
 }
 
 /* Several experts' FFNs in two pool runs (gate/up, then down), their chunks in one index
- * space: one dispatch per pass for a whole layer's decoding step. first[j] is the first
- * chunk of expert j, first[count] the total; each f[j] as for colibri_ffn_run. */
-typedef struct {
-    const colibri_ffn_t *f;
-    int32_t count;
-    const int32_t *first;
-} colibri_ffn_many_t;
-
-static inline int32_t colibri_ffn_owner(const colibri_ffn_many_t *m, int32_t c)
-{
-    int32_t j = 0;
-    while (j + 1 < m->count && m->first[j + 1] <= c)
-        j++;
-    return j;
-}
-
-static void colibri_ffn_many_gate_up(void *arg, int32_t c)
-{
-    const colibri_ffn_many_t *m = (const colibri_ffn_many_t *)arg;
-    int32_t j = colibri_ffn_owner(m, c);
-    colibri_ffn_gate_up_chunk((void *)&m->f[j], c - m->first[j]);
-}
-
-static void colibri_ffn_many_down(void *arg, int32_t c)
-{
-    const colibri_ffn_many_t *m = (const colibri_ffn_many_t *)arg;
-    int32_t j = colibri_ffn_owner(m, c);
-    colibri_ffn_down_chunk((void *)&m->f[j], c - m->first[j]);
-}
-
+ * space: one dispatch per pass for a whole layer's decoding step; each f[j] as for
+ * colibri_ffn_run. */
 /* first must hold count + 1 entries (scratch). */
 static inline void colibri_ffn_run_many(const colibri_ffn_t *f, int32_t count, int32_t *first,
                                         int threads)
 {
-    colibri_ffn_many_t m;
     int32_t j;
     int64_t i;
     if (count < 1)
         return;
-    m.f = f;
-    m.count = count;
-    m.first = first;
     for (j = 0; j < count; j++) {
         if (colibri_ffn_uses_split(&f[j])) {
             for (i = 0; i < (int64_t)f[j].n * f[j].H; i++) {
@@ -508,13 +476,13 @@ static inline void colibri_ffn_run_many(const colibri_ffn_t *f, int32_t count, i
         int32_t c1 = colibri_ffn_chunk_rows(2 * f[j].H);
         first[j + 1] = first[j] + (f[j].I + c1 - 1) / c1;
     }
-    colibri_pool_run(colibri_ffn_many_gate_up, (void *)&m, first[count], threads);
+    colibri_pool_run_many(colibri_ffn_gate_up_chunk, f, sizeof *f, count, first, threads);
     first[0] = 0;
     for (j = 0; j < count; j++) {
         int32_t c2 = colibri_ffn_chunk_rows(f[j].I);
         first[j + 1] = first[j] + (f[j].H + c2 - 1) / c2;
     }
-    colibri_pool_run(colibri_ffn_many_down, (void *)&m, first[count], threads);
+    colibri_pool_run_many(colibri_ffn_down_chunk, f, sizeof *f, count, first, threads);
 }
 
 /* One expert: both passes on up to `threads` threads (colibri/pool.h: the caller claims

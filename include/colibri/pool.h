@@ -16,6 +16,7 @@
 #ifndef COLIBRI_POOL_H
 #define COLIBRI_POOL_H
 
+#include <stddef.h>
 #include <stdint.h>
 
 typedef void (*colibri_chunk_fn)(void *arg, int32_t chunk);
@@ -204,6 +205,39 @@ static inline void colibri_pool_run(colibri_chunk_fn fn, void *arg, int32_t chun
     for (c = 0; c < chunks; c++)
         fn(arg, c);
 #endif
+}
+
+/* Several items' chunks in one index space: item j (stride bytes apart from items) owns
+ * chunks first[j] .. first[j + 1] - 1 and runs them as fn(item j, chunk - first[j]). */
+typedef struct {
+    colibri_chunk_fn fn;
+    const char *items;
+    size_t stride;
+    int32_t count;
+    const int32_t *first;
+} colibri_pool_many_t;
+
+static void colibri_pool_many_chunk(void *arg, int32_t c)
+{
+    const colibri_pool_many_t *m = (const colibri_pool_many_t *)arg;
+    int32_t j = 0;
+    while (j + 1 < m->count && m->first[j + 1] <= c)
+        j++;
+    m->fn((void *)(m->items + (size_t)j * m->stride), c - m->first[j]);
+}
+
+/* colibri_pool_run over the chunks of count items (first: count + 1 entries) at once: one
+ * dispatch for a whole layer's experts. */
+static inline void colibri_pool_run_many(colibri_chunk_fn fn, const void *items, size_t stride,
+                                         int32_t count, const int32_t *first, int threads)
+{
+    colibri_pool_many_t m;
+    m.fn = fn;
+    m.items = (const char *)items;
+    m.stride = stride;
+    m.count = count;
+    m.first = first;
+    colibri_pool_run(colibri_pool_many_chunk, (void *)&m, first[count], threads);
 }
 
 #endif /* COLIBRI_POOL_H */

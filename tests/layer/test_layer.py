@@ -423,3 +423,12 @@ def test_expert_fn_may_answer_in_bfloat16():
     layer = MoELayer(w["router"], None, K, expert_fn=lambda e, rows, _: rows.int())
     with pytest.raises(ValueError, match=r"expert_fn\(\d+\)'s result must be float32"):
         layer(x)
+
+
+def test_float8_weights_as_raw_bits_are_a_clear_error():
+    """Without ml_dtypes, float8 experts arrive as their uint8 bits: never computed as ints."""
+    from colibri.layer._expert import linear
+
+    bits = np.full((4, 8), 0x38, np.uint8)  # 1.0 in float8 e4m3
+    with pytest.raises(ValueError, match="F8_E4M3 held as raw uint8 bits: pip install ml-dtypes"):
+        linear(np.ones((1, 8), np.float32), bits, "f8_e4m3")

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import os
 import platform
-import shutil
 import subprocess
 import sys
 
@@ -29,6 +28,11 @@ import numpy as np
 import pytest
 
 import colibri
+from _support.toolchains import AARCH64_CC, COMMON, HOST_CC, MINGW_CC, QEMU, WINE, settle_wine
+
+# the C header built for every platform the toolchains reach: the same
+# header whatever the Python build, so CI runs these once, in the README job
+pytestmark = pytest.mark.slow
 
 PROGRAM = r"""
 #include <stdint.h>
@@ -151,23 +155,10 @@ int main(int argc, char **argv)
 }
 """
 
-WINE = shutil.which("wine64") or (
-    "/usr/lib/wine/wine64" if os.path.exists("/usr/lib/wine/wine64") else None
-)
-WINESERVER = shutil.which("wineserver") or (
-    "/usr/lib/wine/wineserver" if os.path.exists("/usr/lib/wine/wineserver") else None
-)
-HOST_CC = shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
-# strict C99 (route.h's promise), and no warning from GCC (the compiler CI builds with)
-COMMON = ["-O2", "-std=c99", "-ffp-contract=off", "-Wall"]
 # the host's base path: what a native build prints
 HOST_BASE = {"x86_64": "sse2", "amd64": "sse2", "aarch64": "neon", "arm64": "neon"}.get(
     platform.machine().lower(), "plain C"
 )
-
-AARCH64_CC = shutil.which("aarch64-linux-gnu-gcc")
-QEMU = [shutil.which("qemu-aarch64")] if shutil.which("qemu-aarch64") else None
-MINGW_CC = shutil.which("x86_64-w64-mingw32-gcc")
 
 # The wider x86 kernels this CPU runs (COLIBRI_SIMD caps them), from colibri's own router.
 _ROUTER = colibri.init(8, 2)
@@ -280,27 +271,6 @@ def _version(compiler):
     return subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
 
 
-@pytest.fixture(scope="session")
-def wine_prefix(tmp_path_factory):
-    """A wine prefix of the suite's own, booted and settled before any program runs in it.
-
-    A program started while wine still builds a fresh prefix can fail before it runs (seen in
-    CI: exit 1, nothing on stdout or stderr). So the prefix is made once with ``wineboot``,
-    wineserver is waited on, and the user's ``~/.wine`` is never touched.
-    """
-    prefix = tmp_path_factory.mktemp("wine") / "prefix"
-    env = {**os.environ, "WINEPREFIX": str(prefix), "WINEDEBUG": "-all"}
-    boot = subprocess.run(
-        [WINE, "wineboot", "--init"], env=env, capture_output=True, text=True, timeout=300
-    )
-    assert boot.returncode == 0, f"wineboot --init failed ({boot.returncode}): {boot.stderr}"
-    if WINESERVER:
-        subprocess.run([WINESERVER, "--wait"], env=env, timeout=300, check=True)
-    yield {"WINEPREFIX": str(prefix), "WINEDEBUG": "-all"}
-    if WINESERVER:
-        subprocess.run([WINESERVER, "--kill"], env=env, timeout=60, check=False)
-
-
 @pytest.fixture(scope="module", params=list(TOOLCHAINS))
 def program(request, tmp_path_factory):
     name = request.param
@@ -308,7 +278,7 @@ def program(request, tmp_path_factory):
     if compiler is None or (name.endswith(("qemu", "wine")) and runner is None):
         pytest.skip(f"{name}: toolchain not installed (.ci/toolchains.sh installs it)")
     if name.endswith("wine"):
-        env = {**env, **request.getfixturevalue("wine_prefix")}
+        env = {**env, **request.getfixturevalue("wine_env")}
     if not all(HOST_WIDE[w] for w in wide.split(",") if w):
         pytest.skip(f"{name}: this CPU (or COLIBRI_SIMD) does not run the {wide} kernels")
     folder = tmp_path_factory.mktemp(name)
@@ -341,8 +311,7 @@ def test_route_h_matches_the_router_bit_for_bit(program, case, tmp_path):
     if name.endswith("wine") and (done.returncode, done.stdout, done.stderr) == (1, "", ""):
         # wine gave up before the program started (the program prints before anything else,
         # and its own failures exit 2 to 6): once more, after wineserver settles
-        if WINESERVER:
-            subprocess.run([WINESERVER, "--wait"], env=env, timeout=300, check=False)
+        settle_wine(program_env)
         done = subprocess.run(
             run, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
         )
@@ -400,7 +369,6 @@ __attribute__((target("avx512f"))) int main(void)
 """
 
 
-@pytest.mark.slow
 @pytest.mark.skipif(not HOST_WIDE["avx512"], reason="this CPU (or build) has no AVX-512F")
 def test_exp_avx512_gives_plain_c_bits_for_every_float_in_range(tmp_path):
     """colibri_exp_avx512 computes n with roundscale and scales with scalef (fewer operations

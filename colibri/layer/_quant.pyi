@@ -1,0 +1,40 @@
+"""Type stub of colibri.layer._quant: block-quantized weights (include/colibri/quant.h) and
+the fused quantized expert FFN (include/colibri/qffn.h)."""
+
+import numpy as np
+
+TYPES: dict[str, int]
+TYPE_NAMES: dict[int, str]
+BLOCK: dict[str, int]
+BLOCK_BYTES: dict[str, int]
+ACTIVATIONS: dict[str, int]
+
+def row_values(qtype: str, row_bytes: int) -> int: ...
+def dequantize(qtype: str, w: np.ndarray) -> np.ndarray: ...
+def nonfinite_block(qtype: str, w: np.ndarray) -> int: ...
+def quantize_q8(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]: ...
+def matmul(qtype: str, w: np.ndarray, x: np.ndarray, path: str | None = None) -> np.ndarray: ...
+def ffn(
+    qtype: str,
+    gate: np.ndarray,
+    up: np.ndarray,
+    down: np.ndarray,
+    x: np.ndarray,
+    act: str = "silu",
+    num_threads: int = 0,
+    path: str | None = None,
+    down_type: str | None = None,
+) -> np.ndarray: ...
+def ffn_sum(
+    x: np.ndarray,
+    experts: list[tuple[np.ndarray, np.ndarray, np.ndarray]],
+    qtype: str,
+    act: str,
+    bounds: np.ndarray,
+    rows: np.ndarray,
+    scale: np.ndarray,
+    y: np.ndarray,
+    num_threads: int = 0,
+    path: str | None = None,
+    down_type: str | None = None,
+) -> None: ...

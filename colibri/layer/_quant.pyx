@@ -1,0 +1,385 @@
+"""colibri's quantized weight blocks (include/colibri/quant.h): exact dequantization, q8
+activations, and weight-row products in the kernels' fixed summation order."""
+
+from libc.stdint cimport int8_t, int32_t, int64_t, uint8_t
+from libc.stdlib cimport free, malloc
+
+import numpy as np
+
+from colibri._openmp cimport colibri_max_threads
+from colibri.layer._ffn import path_index
+
+
+cdef extern from "colibri/quant.h" nogil:
+    enum:
+        COLIBRI_Q8_0
+        COLIBRI_Q4_0
+        COLIBRI_Q4_K
+        COLIBRI_Q5_K
+        COLIBRI_Q6_K
+        COLIBRI_IQ4_XS
+        COLIBRI_MXFP4
+        COLIBRI_Q_COUNT
+    const int32_t colibri_q_block[]
+    const int32_t colibri_q_bytes[]
+    void colibri_q_dequantize_block(int type, const uint8_t *b, float *out) noexcept
+    float colibri_q_scale(int type, const uint8_t *b, int32_t j, int half, float *min) noexcept
+    void colibri_q8_row(const float *x, int32_t K, float *d, int8_t *q, int32_t *s) noexcept
+    void colibri_q_dot(int path, int type, const uint8_t *w, int32_t K, const float *d,
+                       const int8_t *q, const int32_t *s, int32_t nb, float *y,
+                       int64_t ldy) noexcept
+
+
+cdef extern from "colibri/qffn.h" nogil:
+    ctypedef struct colibri_qffn_t:
+        int32_t n, H, I, type, down_type, act, path
+        const float *xd
+        const int8_t *xq
+        const int32_t *xs
+        const uint8_t *gate
+        const uint8_t *up
+        int64_t ldg, ldu
+        const uint8_t *down
+        int64_t ldd
+        float *h
+        float *hd
+        int8_t *hq
+        int32_t *hs
+        float *y
+        int64_t ldy
+    enum:
+        COLIBRI_FFN_MAX_ROWS
+    void colibri_qffn_run_many(const colibri_qffn_t *f, int32_t count, int32_t *first,
+                               int threads) noexcept
+
+
+TYPES = {
+    "q8_0": COLIBRI_Q8_0, "q4_0": COLIBRI_Q4_0, "q4_k": COLIBRI_Q4_K, "q5_k": COLIBRI_Q5_K,
+    "q6_k": COLIBRI_Q6_K, "iq4_xs": COLIBRI_IQ4_XS, "mxfp4": COLIBRI_MXFP4,
+}  # fmt: skip
+TYPE_NAMES = {t: name for name, t in TYPES.items()}
+BLOCK = {name: colibri_q_block[t] for name, t in TYPES.items()}
+BLOCK_BYTES = {name: colibri_q_bytes[t] for name, t in TYPES.items()}
+
+
+def _type(qtype):
+    if qtype not in TYPES:
+        raise ValueError(f"quantized type must be one of {', '.join(TYPES)} (got {qtype!r})")
+    return TYPES[qtype]
+
+
+def row_values(qtype, int row_bytes):
+    """Values in a row of ``row_bytes`` bytes of ``qtype`` (whole blocks only)."""
+    t = _type(qtype)
+    if row_bytes <= 0 or row_bytes % colibri_q_bytes[t]:
+        raise ValueError(
+            f"a {qtype} row holds whole blocks of {colibri_q_bytes[t]} bytes (got {row_bytes} "
+            "bytes): the tensor is truncated or not of this type"
+        )
+    return row_bytes // colibri_q_bytes[t] * colibri_q_block[t]
+
+
+def _rows(qtype, w):
+    w = np.asarray(w)
+    if w.dtype != np.uint8 or w.ndim != 2:
+        raise TypeError(f"quantized rows must be a 2-D uint8 array (got {w.dtype} {w.shape})")
+    return np.ascontiguousarray(w), row_values(qtype, w.shape[1])
+
+
+def dequantize(qtype, w):
+    """Rows of ``qtype`` blocks -> float32, exactly the values GGUF's dequantization gives.
+
+    Parameters
+    ----------
+    qtype : str
+        One of ``TYPES``.
+    w : ndarray of uint8, shape (rows, row_bytes)
+
+    Returns
+    -------
+    ndarray of float32, shape (rows, K)
+    """
+    cdef int t = _type(qtype)
+    w, K = _rows(qtype, w)
+    cdef const uint8_t[:, ::1] wv = w
+    out = np.empty((w.shape[0], K), np.float32)
+    cdef float[:, ::1] ov = out
+    cdef Py_ssize_t r, i, blocks = K // colibri_q_block[t]
+    with nogil:
+        for r in range(wv.shape[0]):
+            for i in range(blocks):
+                colibri_q_dequantize_block(
+                    t, &wv[r, i * colibri_q_bytes[t]], &ov[r, i * colibri_q_block[t]]
+                )
+    return out
+
+
+def nonfinite_block(qtype, w):
+    """The byte offset (in ``w``'s rows, row-major) of the first block of ``qtype`` whose
+    scales are not finite numbers, or -1.
+
+    Parameters
+    ----------
+    w : ndarray of uint8, shape (rows, row_bytes)
+    """
+    cdef int t = _type(qtype)
+    w, K = _rows(qtype, w)
+    cdef const uint8_t[:, ::1] wv = w
+    cdef Py_ssize_t r, i, j, blocks = K // colibri_q_block[t], subs = colibri_q_block[t] // 32
+    cdef const uint8_t *b
+    cdef float scale, low, high
+    cdef Py_ssize_t found = -1
+    with nogil:
+        for r in range(wv.shape[0]):
+            for i in range(blocks):
+                b = &wv[r, i * colibri_q_bytes[t]]
+                for j in range(subs):
+                    scale = colibri_q_scale(t, b, <int32_t>j, 0, &low)
+                    high = colibri_q_scale(t, b, <int32_t>j, 1, &low)
+                    if scale - scale != 0 or high - high != 0 or low - low != 0:
+                        found = r * wv.shape[1] + i * colibri_q_bytes[t]
+                        break
+                if found >= 0:
+                    break
+            if found >= 0:
+                break
+    return found
+
+
+def _activations(x, int K):
+    x = np.asarray(x)
+    if x.dtype != np.float32 or x.ndim != 2 or x.shape[1] != K or K % 32:
+        raise ValueError(
+            f"activations must be float32 [n, {K}] with {K} a multiple of 32 "
+            f"(got {x.dtype} {x.shape})"
+        )
+    return np.ascontiguousarray(x)
+
+
+def quantize_q8(x):
+    """float32 [n, K] -> the q8 rows (d [n, K/32] float32, q [n, K] int8, s [n, K/32] int32)."""
+    x = np.asarray(x)
+    cdef int32_t K = x.shape[1] if x.ndim == 2 else 0
+    x = _activations(x, K)
+    cdef const float[:, ::1] xv = x
+    d = np.empty((x.shape[0], K // 32), np.float32)
+    q = np.empty((x.shape[0], K), np.int8)
+    s = np.empty((x.shape[0], K // 32), np.int32)
+    cdef float[:, ::1] dv = d
+    cdef int8_t[:, ::1] qv = q
+    cdef int32_t[:, ::1] sv = s
+    cdef Py_ssize_t r
+    with nogil:
+        for r in range(xv.shape[0]):
+            colibri_q8_row(&xv[r, 0], K, &dv[r, 0], &qv[r, 0], &sv[r, 0])
+    return d, q, s
+
+
+def matmul(qtype, w, x, path=None):
+    """``x @ dequantize(w).T`` with x quantized to q8 rows, summed in the kernels' order.
+
+    Parameters
+    ----------
+    w : ndarray of uint8, shape (rows, row_bytes)
+    x : ndarray of float32, shape (n, K)
+
+    path : str, optional
+        A SIMD path this CPU runs (tests); None: the dispatched one. Every path gives the
+        same bits.
+
+    Returns
+    -------
+    ndarray of float32, shape (n, rows)
+    """
+    cdef int t = _type(qtype), p = path_index(path)
+    cdef int32_t K
+    w, K = _rows(qtype, w)
+    d, q, s = quantize_q8(_activations(x, K))
+    cdef const uint8_t[:, ::1] wv = w
+    cdef const float[:, ::1] dv = d
+    cdef const int8_t[:, ::1] qv = q
+    cdef const int32_t[:, ::1] sv = s
+    out = np.empty((q.shape[0], w.shape[0]), np.float32)
+    cdef float[:, ::1] ov = out
+    cdef Py_ssize_t r, o, n = qv.shape[0]
+    cdef int32_t nb
+    with nogil:
+        for r in range(0, n, 4):
+            nb = <int32_t>min(4, n - r)
+            for o in range(wv.shape[0]):
+                colibri_q_dot(
+                    p, t, &wv[o, 0], K, &dv[r, 0], &qv[r, 0], &sv[r, 0], nb, &ov[r, o], ov.shape[1]
+                )
+    return out
+
+
+ACTIVATIONS = {"silu": 0, "gelu_tanh": 1, "gelu": 2, "relu": 3}
+
+
+cdef const uint8_t *_matrix(const uint8_t[:, ::1] w, int t, int32_t rows, int32_t values,
+                            str what, Py_ssize_t j) except NULL:
+    """The first byte of a checked matrix: ``rows`` rows of ``values`` values of type t."""
+    cdef int64_t row_bytes = <int64_t>(values // colibri_q_block[t]) * colibri_q_bytes[t]
+    if values % colibri_q_block[t]:
+        raise ValueError(
+            f"expert {j}: {what}'s rows of {values} values are not whole {TYPE_NAMES[t]} blocks "
+            f"of {colibri_q_block[t]}: this shape cannot be stored as {TYPE_NAMES[t]}"
+        )
+    if w.shape[0] != rows or w.shape[1] != row_bytes:
+        raise ValueError(
+            f"expert {j}: {what} must be {rows} rows of {values} {TYPE_NAMES[t]} values "
+            f"({row_bytes} bytes; whole blocks of {colibri_q_block[t]}) but is "
+            f"{w.shape[0]} rows of {w.shape[1]} bytes: expert shapes disagree"
+        )
+    return &w[0, 0]
+
+
+def ffn(qtype, gate, up, down, x, act="silu", int num_threads=0, path=None, down_type=None):
+    """One quantized expert's gated FFN on a few rows: ``down @ (act(gate @ x) * (up @ x))``.
+
+    Parameters
+    ----------
+    qtype : str
+        gate's and up's type, one of ``TYPES``.
+    gate, up : ndarray of uint8, shape (I, H row bytes)
+    down : ndarray of uint8, shape (H, I row bytes)
+    x : ndarray of float32, shape (n, H), 1 <= n <= 64
+    act : str
+        One of ``ACTIVATIONS``.
+    num_threads : int
+        Threads (the caller and pool helpers); 0: all.
+    path : str, optional
+        A SIMD path this CPU runs; None: the dispatched one (every path: the same bits).
+    down_type : str, optional
+        down's type when it differs from ``qtype``.
+
+    Returns
+    -------
+    ndarray of float32, shape (n, H)
+    """
+    x = _activations(x, x.shape[1] if np.ndim(x) == 2 else 0)
+    n = x.shape[0]
+    y = np.zeros(x.shape, np.float32)
+    ffn_sum(x, [(gate, up, down)], qtype, act, np.array([0, n], np.int64),
+            np.arange(n, dtype=np.int64), np.ones(n, np.float32), y, num_threads, path,
+            down_type)  # fmt: skip
+    return y
+
+
+def ffn_sum(const float[:, ::1] x, list experts, qtype, act, const int64_t[::1] bounds,
+            const int64_t[::1] rows, const float[::1] scale, float[:, ::1] y,
+            int num_threads=0, path=None, down_type=None):
+    """``y[rows[i]] += scale[i] * ffn_j(x[rows[i]])`` for i in ``[bounds[j], bounds[j + 1])``:
+    a layer's quantized experts in one call, two pool runs for all of them.
+
+    Parameters
+    ----------
+    x : ndarray of float32, shape (T, H), C-contiguous
+    experts : list of (gate, up, down)
+        C-contiguous uint8 rows of blocks: gate and up ``I`` rows of ``H`` values of
+        ``qtype``, down ``H`` rows of ``I`` values of ``down_type`` (default ``qtype``).
+    bounds : ndarray of int64, shape (len(experts) + 1,)
+        From 0; expert j takes 1 to 64 assignments.
+    rows : ndarray of int64, shape (bounds[-1],)
+        Rows of x, in [0, T).
+    scale : ndarray of float32, shape (bounds[-1],)
+    y : ndarray of float32, shape (T, H), C-contiguous
+        Added to in place, expert by expert in list order.
+    """
+    cdef int t = _type(qtype), p = path_index(path)
+    cdef int td = t if down_type is None else _type(down_type)
+    cdef int a = ACTIVATIONS.get(act, -1)
+    cdef Py_ssize_t count = len(experts), j
+    cdef int64_t T = x.shape[0], H = x.shape[1], total, n, i, k, I, G, hsize = 0
+    cdef const uint8_t[:, ::1] g, u, d
+    if a < 0:
+        raise ValueError(f"act must be one of {', '.join(ACTIVATIONS)} (got {act!r})")
+    if H % 32 or H < 32 or y.shape[0] != T or y.shape[1] != H:
+        raise ValueError(
+            f"ffn_sum(): x must be [T, H] with H a multiple of 32 and y like it (got x "
+            f"{[T, H]}, y {[y.shape[0], y.shape[1]]})"
+        )
+    if bounds.shape[0] != count + 1 or bounds[0] != 0:
+        raise ValueError(f"ffn_sum(): bounds must be [{count + 1}] from 0")
+    for j in range(count):
+        n = bounds[j + 1] - bounds[j]
+        if n < 1 or n > COLIBRI_FFN_MAX_ROWS:
+            raise ValueError(f"ffn_sum(): expert {j} has {n} rows (1 to {COLIBRI_FFN_MAX_ROWS})")
+    total = bounds[count]
+    if rows.shape[0] != total or scale.shape[0] != total:
+        raise ValueError(f"ffn_sum(): rows and scale must be [{total}] (bounds[-1])")
+    for i in range(total):
+        if rows[i] < 0 or rows[i] >= T:
+            raise ValueError(f"ffn_sum(): row {rows[i]} outside x's {T} rows")
+    if count == 0:
+        return
+    cdef colibri_qffn_t *f = <colibri_qffn_t *>malloc(count * sizeof(colibri_qffn_t))
+    cdef int32_t *first = <int32_t *>malloc((count + 1) * sizeof(int32_t))
+    cdef char *scratch = NULL
+    cdef float *xg
+    cdef float *yg
+    cdef float *xd
+    cdef int8_t *xq
+    cdef int32_t *xs
+    cdef float *h
+    cdef float *hd
+    cdef int8_t *hq
+    cdef int32_t *hs
+    try:
+        if f == NULL or first == NULL:
+            raise MemoryError()
+        for j in range(count):
+            g, u, d = experts[j]
+            I = g.shape[0]
+            f[j].gate = _matrix(g, t, <int32_t>I, <int32_t>H, "gate", j)
+            f[j].up = _matrix(u, t, <int32_t>I, <int32_t>H, "up", j)
+            f[j].down = _matrix(d, td, <int32_t>H, <int32_t>I, "down", j)
+            if I < 32 or I % 32:
+                raise ValueError(f"expert {j}: I={I} must be a positive multiple of 32")
+            f[j].ldg, f[j].ldu, f[j].ldd = g.shape[1], u.shape[1], d.shape[1]
+            f[j].n, f[j].H, f[j].I = <int32_t>(bounds[j + 1] - bounds[j]), <int32_t>H, <int32_t>I
+            f[j].type, f[j].down_type, f[j].act, f[j].path = t, td, a, p
+            hsize += f[j].n * I
+        G = H // 32
+        # one allocation: xg, yg [total, H]; q8 of xg; h [sum n I] and its q8 (4-byte parts
+        # first, so every part stays aligned)
+        scratch = <char *>malloc(
+            (2 * total * H + total * G + hsize + hsize // 32) * sizeof(float)
+            + total * G * sizeof(int32_t) + hsize // 32 * sizeof(int32_t)
+            + total * H + hsize + 64
+        )  # fmt: skip
+        if scratch == NULL:
+            raise MemoryError()
+        xg = <float *>scratch
+        yg = xg + total * H
+        xd = yg + total * H
+        h = xd + total * G
+        hd = h + hsize
+        xs = <int32_t *>(hd + hsize // 32)
+        hs = xs + total * G
+        xq = <int8_t *>(hs + hsize // 32)
+        hq = xq + total * H
+        k = 0
+        for j in range(count):
+            f[j].xd = xd + bounds[j] * G
+            f[j].xq = xq + bounds[j] * H
+            f[j].xs = xs + bounds[j] * G
+            f[j].h, f[j].hq = h + k, hq + k
+            f[j].hd, f[j].hs = hd + k // 32, hs + k // 32
+            f[j].y, f[j].ldy = yg + bounds[j] * H, H
+            k += <int64_t>f[j].n * f[j].I
+        if num_threads < 1:
+            num_threads = colibri_max_threads()
+        with nogil:
+            for i in range(total):
+                for k in range(H):
+                    xg[i * H + k] = x[rows[i], k]
+                colibri_q8_row(xg + i * H, <int32_t>H, xd + i * G, xq + i * H, xs + i * G)
+            colibri_qffn_run_many(f, <int32_t>count, first, num_threads)
+            for i in range(total):
+                for k in range(H):
+                    y[rows[i], k] += scale[i] * yg[i * H + k]
+    finally:
+        free(f)
+        free(first)
+        free(scratch)

@@ -1,0 +1,122 @@
+/*
+ * colibri's gated-FFN expert kernel for quantized weights (colibri/quant.h), for a few rows:
+ *
+ *     y[r] = down @ (act(gate @ x[r]) * (up @ x[r]))      r < n (1 to ~16 rows)
+ *
+ * gate, up: I rows of H values, down: H rows of I values, each row whole blocks of one
+ * quantized type as stored (any row stride, in bytes). x arrives as q8 rows (colibri_q8_row),
+ * quantized once per layer and shared by every expert of the layer; h = act(gate x) * (up x)
+ * is quantized the same way, 32 values at a time, by the chunk that computes them. Two
+ * passes over chunks of output rows (colibri/pool.h runs them on the caller and its
+ * helpers): gate and up (the activation fused), then down. Every path gives the same bits
+ * (colibri/quant.h's summation order), whatever the threads.
+ */
+#ifndef COLIBRI_QFFN_H
+#define COLIBRI_QFFN_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "colibri/ffn.h"
+#include "colibri/pool.h"
+#include "colibri/quant.h"
+
+typedef struct {
+    int32_t n, H, I;   /* rows (<= COLIBRI_FFN_MAX_ROWS), hidden size, intermediate size */
+    int32_t type;      /* gate's and up's COLIBRI_Q8_0 ... (colibri/quant.h) */
+    int32_t down_type; /* down's (GGUF files mix them: Q4_K gate and up, Q6_K down) */
+    int32_t act;       /* COLIBRI_ACT_* */
+    int32_t path;      /* COLIBRI_PATH_* (one this CPU runs) */
+    const float *xd;   /* q8 of x: d [n, H / 32], q [n, H], s [n, H / 32], rows contiguous */
+    const int8_t *xq;
+    const int32_t *xs;
+    const uint8_t *gate, *up; /* I rows of H values; row strides ldg, ldu in bytes */
+    int64_t ldg, ldu;
+    const uint8_t *down; /* H rows of I values; row stride ldd in bytes */
+    int64_t ldd;
+    float *h;  /* scratch [n, I] */
+    float *hd; /* scratch: q8 of h, d [n, I / 32], q [n, I], s [n, I / 32] */
+    int8_t *hq;
+    int32_t *hs;
+    float *y; /* [n, H], row stride ldy */
+    int64_t ldy;
+} colibri_qffn_t;
+
+/* Output rows per gate/up chunk: whole blocks of h's q8 rows. */
+#define COLIBRI_QFFN_CHUNK 32
+
+/* y[r * ldy] = w . x_r for r < n, the q8 rows x (d, q, s) of K values, 4 rows at a time. */
+static inline void colibri_qffn_dot(const colibri_qffn_t *f, int type, const uint8_t *w, int32_t K,
+                                    const float *d, const int8_t *q, const int32_t *s, float *y,
+                                    int64_t ldy)
+{
+    const int32_t G = K / 32;
+    int32_t r;
+    for (r = 0; r < f->n; r += COLIBRI_Q_ROW_BLOCK) {
+        int32_t nb = f->n - r < COLIBRI_Q_ROW_BLOCK ? f->n - r : COLIBRI_Q_ROW_BLOCK;
+        colibri_q_dot(f->path, type, w, K, d + (size_t)r * G, q + (size_t)r * K, s + (size_t)r * G,
+                      nb, y + r * ldy, ldy);
+    }
+}
+
+/* h[:, o0:o1] = act(gate x) * (up x), then its q8 blocks (o0, o1 multiples of 32). */
+static inline void colibri_qffn_gate_up(const colibri_qffn_t *f, int32_t o0, int32_t o1)
+{
+    const int32_t n = f->n, H = f->H, I = f->I;
+    float g[COLIBRI_FFN_MAX_ROWS], u[COLIBRI_FFN_MAX_ROWS];
+    int32_t o, r;
+    for (o = o0; o < o1; o++) {
+        colibri_qffn_dot(f, f->type, f->gate + o * f->ldg, H, f->xd, f->xq, f->xs, g, 1);
+        colibri_qffn_dot(f, f->type, f->up + o * f->ldu, H, f->xd, f->xq, f->xs, u, 1);
+        for (r = 0; r < n; r++)
+            f->h[r * (int64_t)I + o] = colibri_act(f->act, g[r]) * u[r];
+    }
+    for (r = 0; r < n; r++)
+        colibri_q8_row(f->h + r * (int64_t)I + o0, o1 - o0, f->hd + r * (int64_t)(I / 32) + o0 / 32,
+                       f->hq + r * (int64_t)I + o0, f->hs + r * (int64_t)(I / 32) + o0 / 32);
+}
+
+/* y[:, o] = down[o] . h for o in [o0, o1). */
+static inline void colibri_qffn_down(const colibri_qffn_t *f, int32_t o0, int32_t o1)
+{
+    int32_t o;
+    for (o = o0; o < o1; o++)
+        colibri_qffn_dot(f, f->down_type, f->down + o * f->ldd, f->I, f->hd, f->hq, f->hs, f->y + o,
+                         f->ldy);
+}
+
+static void colibri_qffn_gate_up_chunk(void *arg, int32_t c)
+{
+    const colibri_qffn_t *f = (const colibri_qffn_t *)arg;
+    int32_t o1 = (c + 1) * COLIBRI_QFFN_CHUNK;
+    colibri_qffn_gate_up(f, c * COLIBRI_QFFN_CHUNK, o1 < f->I ? o1 : f->I);
+}
+
+static void colibri_qffn_down_chunk(void *arg, int32_t c)
+{
+    const colibri_qffn_t *f = (const colibri_qffn_t *)arg;
+    const int32_t rows = colibri_ffn_chunk_rows(f->I);
+    colibri_qffn_down(f, c * rows, (c + 1) * rows < f->H ? (c + 1) * rows : f->H);
+}
+
+/* Several experts' FFNs (same layer: same x) in two pool runs, their chunks in one index
+ * space; first must hold count + 1 entries (scratch). */
+static inline void colibri_qffn_run_many(const colibri_qffn_t *f, int32_t count, int32_t *first,
+                                         int threads)
+{
+    int32_t j;
+    if (count < 1)
+        return;
+    first[0] = 0;
+    for (j = 0; j < count; j++)
+        first[j + 1] = first[j] + (f[j].I + COLIBRI_QFFN_CHUNK - 1) / COLIBRI_QFFN_CHUNK;
+    colibri_pool_run_many(colibri_qffn_gate_up_chunk, f, sizeof *f, count, first, threads);
+    first[0] = 0;
+    for (j = 0; j < count; j++) {
+        int32_t rows = colibri_ffn_chunk_rows(f[j].I);
+        first[j + 1] = first[j] + (f[j].H + rows - 1) / rows;
+    }
+    colibri_pool_run_many(colibri_qffn_down_chunk, f, sizeof *f, count, first, threads);
+}
+
+#endif /* COLIBRI_QFFN_H */

@@ -1,0 +1,326 @@
+"""Quantized weight blocks (include/colibri/quant.h) against the ``gguf`` package's
+dequantization and a float64 product."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from colibri.layer import _ffn, _quant
+
+gguf = pytest.importorskip("gguf")
+from gguf import GGMLQuantizationType as G  # noqa: E402
+
+GGUF_TYPES = {
+    "q8_0": G.Q8_0, "q4_0": G.Q4_0, "q4_k": G.Q4_K, "q5_k": G.Q5_K, "q6_k": G.Q6_K,
+    "iq4_xs": G.IQ4_XS, "mxfp4": G.MXFP4,
+}  # fmt: skip
+# where each format keeps its float16 scales (byte offsets in a block)
+F16_FIELDS = {"q8_0": [0], "q4_0": [0], "q4_k": [0, 2], "q5_k": [0, 2], "q6_k": [208],
+              "iq4_xs": [0], "mxfp4": []}  # fmt: skip
+# the largest |level x sub-block scale| of each format: scales are drawn so weights are ~0.05
+LEVELS = {"q8_0": 127, "q4_0": 8, "q4_k": 63 * 15, "q5_k": 63 * 31, "q6_k": 128 * 32,
+          "iq4_xs": 32 * 127, "mxfp4": 1}  # fmt: skip
+
+
+def _blocks(rng, qtype, rows, blocks, finite=True):
+    """Random blocks of ``qtype``; with ``finite``, every float16 scale a finite number."""
+    size = _quant.BLOCK_BYTES[qtype]
+    w = rng.integers(0, 256, (rows, blocks, size), dtype=np.uint8)
+    if finite:
+        for at in F16_FIELDS[qtype]:
+            scale = rng.uniform(-0.05, 0.05, (rows, blocks)) / LEVELS[qtype]
+            scale = scale.astype(np.float16)
+            w[:, :, at : at + 2] = scale.view(np.uint8).reshape(rows, blocks, 2)
+        if qtype == "mxfp4":  # E8M0 scales around 2^-6
+            w[:, :, 0] = rng.integers(118, 126, (rows, blocks))
+    return w.reshape(rows, blocks * size)
+
+
+@pytest.mark.parametrize("finite", [True, False], ids=["finite", "any-bytes"])
+@pytest.mark.parametrize("qtype", list(GGUF_TYPES))
+def test_dequantize_is_ggufs_bit_for_bit(qtype, finite):
+    rng = np.random.default_rng(len(qtype) + 7 * finite)
+    w = _blocks(rng, qtype, 6, 4, finite)
+    with np.errstate(invalid="ignore", over="ignore"):
+        ref = gguf.quants.dequantize(w, GGUF_TYPES[qtype]).astype(np.float32)
+    got = _quant.dequantize(qtype, w)
+    assert got.shape == ref.shape == (6, 4 * _quant.BLOCK[qtype])
+    same = (got.view(np.uint32) == ref.view(np.uint32)) | (np.isnan(got) & np.isnan(ref))
+    assert same.all(), np.argwhere(~same)[:5]
+
+
+def test_q8_rows_round_half_away_from_zero():
+    rng = np.random.default_rng(3)
+    x = (rng.standard_normal((3, 96)) * 4).astype(np.float32)
+    x[0, :32] = np.arange(32) - 15.5  # amax 16: halves of d = 16/127 are not all exact
+    x[1, 32:64] = 0.0
+    d, q, s = _quant.quantize_q8(x)
+    blocks = x.reshape(3, 3, 32)
+    want_d = np.abs(blocks).max(-1) / np.float32(127)
+    np.testing.assert_array_equal(d, want_d.astype(np.float32))
+    with np.errstate(invalid="ignore", divide="ignore"):
+        ratio = blocks / d[..., None]
+    want_q = np.where(d[..., None] > 0, np.sign(ratio) * np.floor(np.abs(ratio) + 0.5), 0)
+    np.testing.assert_array_equal(q.reshape(3, 3, 32), want_q.astype(np.int8))
+    np.testing.assert_array_equal(s, q.reshape(3, 3, 32).astype(np.int32).sum(-1))
+    assert np.abs(q).max() == 127
+
+
+@pytest.mark.parametrize("qtype", list(GGUF_TYPES))
+def test_matmul_within_the_activation_rounding_of_a_float64_product(qtype):
+    rng = np.random.default_rng(11 + len(qtype))
+    w = _blocks(rng, qtype, 24, 512 // _quant.BLOCK[qtype])
+    x = rng.standard_normal((5, 512)).astype(np.float32)
+    x[2] *= 1e-3
+    x[3, :64] = 0.0
+    got = _quant.matmul(qtype, w, x).astype(np.float64)
+    W = _quant.dequantize(qtype, w).astype(np.float64)  # [24, 512]
+    d, q, _ = _quant.quantize_q8(x)
+    xq = q.astype(np.float64) * np.repeat(d.astype(np.float64), 32, axis=1)
+    # 1. the integer products are exact: only float32 summation separates the kernel from
+    #    the float64 product of the dequantized weights and the q8 activations
+    exact = xq @ W.T
+    slack = (np.abs(xq) @ np.abs(W).T) * (512 / 32 + 16) * 2.0**-24
+    assert (np.abs(got - exact) <= slack).all(), np.abs(got - exact).max()
+    # 2. against the float activations: at most half a q8 step per value, plus that slack
+    ref = x.astype(np.float64) @ W.T
+    half_step = np.repeat(d.astype(np.float64) / 2, 32, axis=1)
+    bound = half_step @ np.abs(W).T + slack
+    assert (np.abs(got - ref) <= bound).all()
+
+
+def test_matmul_is_wrong_when_a_level_is_wrong():
+    """The bound above is tight enough to see one wrong level in a row."""
+    rng = np.random.default_rng(5)
+    w = _blocks(rng, "q8_0", 4, 8)
+    x = rng.standard_normal((2, 256)).astype(np.float32)
+    good = _quant.matmul("q8_0", w, x)
+    w[1, 2 + 34 * 3] ^= 0x40  # one int8 level of row 1, block 3
+    bad = _quant.matmul("q8_0", w, x)
+    assert (good[:, [0, 2, 3]] == bad[:, [0, 2, 3]]).all()
+    assert (good[:, 1] != bad[:, 1]).all()
+
+
+def test_non_finite_activations_give_nan_in_their_rows_only():
+    rng = np.random.default_rng(9)
+    w = _blocks(rng, "q4_k", 3, 2)
+    x = rng.standard_normal((3, 512)).astype(np.float32)
+    x[0, 40] = np.inf
+    x[2, 300] = np.nan
+    y = _quant.matmul("q4_k", w, x)
+    assert np.isnan(y[0]).all() and np.isnan(y[2]).all() and np.isfinite(y[1]).all()
+
+
+@pytest.mark.parametrize(
+    "call, error, match",
+    [
+        (lambda w, x: _quant.matmul("q3_k", w, x), ValueError, "must be one of q8_0"),
+        (lambda w, x: _quant.matmul("q8_0", w[:, :-1], x), ValueError, "whole blocks of 34"),
+        (lambda w, x: _quant.matmul("q8_0", w.view(np.int8), x), TypeError, "uint8"),
+        (lambda w, x: _quant.matmul("q8_0", w, x.astype(np.float64)), ValueError, "float32"),
+        (lambda w, x: _quant.matmul("q8_0", w, x[:, :32]), ValueError, r"\[n, 64\]"),
+        (lambda w, x: _quant.dequantize("q4_k", w), ValueError, "whole blocks of 144"),
+    ],
+    ids=["type", "truncated-row", "dtype", "x-dtype", "x-width", "not-k-blocks"],
+)
+def test_bad_input_is_a_clear_error(call, error, match):
+    w = _blocks(np.random.default_rng(0), "q8_0", 2, 2)
+    x = np.ones((1, 64), np.float32)
+    with pytest.raises(error, match=match):
+        call(w, x)
+
+
+def _silu64(g):
+    return g / (1.0 + np.exp(-np.clip(g, -500, 500)))
+
+
+@pytest.mark.parametrize("qtype", list(GGUF_TYPES))
+def test_ffn_within_its_stated_bound_of_a_float64_ffn(qtype):
+    """|y - y64| is bounded by the q8 rounding of x and of h, carried through silu (whose
+    slope lies in [-0.1, 1.1]), plus float32 summation slack."""
+    rng = np.random.default_rng(21 + len(qtype))
+    H, I, n = 512, 256, 3
+    k = 512 // _quant.BLOCK[qtype]
+    gate = _blocks(rng, qtype, I, k)
+    up = _blocks(rng, qtype, I, k)
+    down = _blocks(rng, qtype, H, 256 // _quant.BLOCK[qtype])
+    x = rng.standard_normal((n, H)).astype(np.float32)
+    y = _quant.ffn(qtype, gate, up, down, x).astype(np.float64)
+
+    Wg, Wu, Wd = (_quant.dequantize(qtype, w).astype(np.float64) for w in (gate, up, down))
+    x64 = x.astype(np.float64)
+    g, u = x64 @ Wg.T, x64 @ Wu.T
+    h64 = _silu64(g) * u
+    y64 = h64 @ Wd.T
+
+    def q8_bound(v, W):  # half a q8 step per value of v, plus summation slack
+        d, q, _ = _quant.quantize_q8(v.astype(np.float32))
+        step = np.repeat(d.astype(np.float64) / 2, 32, axis=1)
+        vq = np.abs(q.astype(np.float64)) * np.repeat(d.astype(np.float64), 32, axis=1)
+        return step @ np.abs(W).T + (vq @ np.abs(W).T) * (W.shape[1] / 32 + 16) * 2.0**-24
+
+    eg, eu = q8_bound(x, Wg), q8_bound(x, Wu)
+    eh = 1.1 * eg * (np.abs(u) + eu) + np.abs(_silu64(g)) * eu + 1e-6 * np.abs(h64)
+    h_hi = np.abs(h64) + eh
+    bound = eh @ np.abs(Wd).T + q8_bound(h_hi, Wd) * 1.01
+    err = np.abs(y - y64)
+    assert (err <= bound).all(), (err / bound).max()
+    assert err.max() > 0  # q8 activations: not the float64 product itself
+
+
+def test_ffn_gives_the_same_bits_on_any_threads_and_rows_one_at_a_time():
+    rng = np.random.default_rng(4)
+    gate, up = _blocks(rng, "q4_k", 96, 2), _blocks(rng, "q4_k", 96, 2)
+    down = _blocks(rng, "q8_0", 512, 3)
+    x = rng.standard_normal((6, 512)).astype(np.float32)
+    with pytest.raises(ValueError, match="not whole q4_k blocks of 256"):
+        _quant.ffn("q4_k", gate, up, down, x)
+    gate, up = _blocks(rng, "q8_0", 96, 16), _blocks(rng, "q8_0", 96, 16)
+    one = _quant.ffn("q8_0", gate, up, down, x, num_threads=1)
+    two = _quant.ffn("q8_0", gate, up, down, x, num_threads=2)
+    rows = np.concatenate([_quant.ffn("q8_0", gate, up, down, x[i : i + 1]) for i in range(6)])
+    np.testing.assert_array_equal(one, two)
+    np.testing.assert_array_equal(one, rows)
+
+
+@pytest.mark.parametrize(
+    "change, match",
+    [
+        (dict(up=slice(0, 64)), "expert shapes disagree"),
+        (dict(down=slice(0, 256)), "expert shapes disagree"),
+        (dict(act="swish"), "act must be one of silu"),
+        (dict(x=np.ones((65, 512), np.float32)), r"65 rows \(1 to 64\)"),
+        (dict(x=np.ones((1, 256), np.float32)), "gate must be 96 rows of 256 q8_0 values"),
+    ],
+    ids=["up-rows", "down-rows", "act", "rows", "x-width"],
+)
+def test_ffn_bad_input(change, match):
+    rng = np.random.default_rng(6)
+    args = dict(
+        gate=_blocks(rng, "q8_0", 96, 16), up=_blocks(rng, "q8_0", 96, 16),
+        down=_blocks(rng, "q8_0", 512, 3), x=np.ones((2, 512), np.float32), act="silu",
+    )  # fmt: skip
+    for key, value in change.items():
+        args[key] = args[key][value] if isinstance(value, slice) else value
+    with pytest.raises(ValueError, match=match):
+        _quant.ffn("q8_0", **args)
+
+
+@pytest.mark.parametrize("qtype", ["q8_0", "q4_k", "q6_k", "iq4_xs"])
+def test_ffn_is_its_two_products_bit_for_bit(qtype):
+    """With relu (exact in float32), the fused kernel is matmul, relu * up, then matmul."""
+    rng = np.random.default_rng(8 + len(qtype))
+    H, I = 512, 768
+    gate = _blocks(rng, qtype, I, H // _quant.BLOCK[qtype])
+    up = _blocks(rng, qtype, I, H // _quant.BLOCK[qtype])
+    down = _blocks(rng, qtype, H, I // _quant.BLOCK[qtype])
+    x = rng.standard_normal((5, H)).astype(np.float32)
+    g, u = _quant.matmul(qtype, gate, x), _quant.matmul(qtype, up, x)
+    h = np.where(g > 0, g, np.float32(0) * g) * u
+    want = _quant.matmul(qtype, down, h)
+    np.testing.assert_array_equal(_quant.ffn(qtype, gate, up, down, x, act="relu"), want)
+
+
+PATHS = _ffn.runnable_paths()
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("qtype", list(GGUF_TYPES))
+def test_every_simd_path_gives_the_scalar_bits(qtype, path):
+    rng = np.random.default_rng(30 + len(qtype) + len(path))
+    K = 1024 + (32 * 3 if _quant.BLOCK[qtype] == 32 else 0)  # a tail beyond groups of 8
+    w = _blocks(rng, qtype, 37, K // _quant.BLOCK[qtype])
+    if qtype == "q8_0":
+        w[:, 2:34] = 0x80  # level -128 (a file may hold it)
+    x = rng.standard_normal((7, K)).astype(np.float32)
+    x[1, :32] *= 1e-30
+    x[4, 100] = np.nan
+    want = _quant.matmul(qtype, w, x, path="scalar")
+    got = _quant.matmul(qtype, w, x, path=path)
+    np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+
+
+def _write_gguf(path, layers):
+    """A GGUF file of stacked experts: layers[l] = (gate, up, down) raw blocks
+    [E, rows, row_bytes] with their types."""
+    w = gguf.GGUFWriter(str(path), "qwen3moe")
+    for lay, mats in enumerate(layers):
+        for name, (qtype, blocks) in zip(("gate", "up", "down"), mats, strict=True):
+            w.add_tensor(f"blk.{lay}.ffn_{name}_exps.weight", blocks, raw_dtype=GGUF_TYPES[qtype])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def test_paged_gguf_experts_run_in_the_engine(tmp_path):
+    """Q4_K gate/up and Q6_K down (as Q4_K_M files mix them), paged from a GGUF file under a
+    two-expert budget: decode-size experts are the fused kernel's, bit for bit, and a
+    prefill-size one dequantizes into the numpy path, within float32 rounding."""
+    from colibri import Pager
+    from colibri.layer import run_experts
+
+    rng = np.random.default_rng(12)
+    E, H, I, T = 6, 512, 256, 12
+
+    def stack(qtype, rows, values):
+        return np.stack([_blocks(rng, qtype, rows, values // 256) for _ in range(E)])
+
+    gate, up, down = stack("q4_k", I, H), stack("q4_k", I, H), stack("q6_k", H, I)
+    _write_gguf(tmp_path / "m.gguf", [(("q4_k", gate), ("q4_k", up), ("q6_k", down))])
+    x = rng.standard_normal((T, H)).astype(np.float32)
+    ids = rng.integers(0, E, (T, 2))
+    ids[:, 0] = np.where(np.arange(T) < 10, 5, ids[:, 0])  # expert 5: 10 rows, the rest few
+    ids[:, 1] = np.where(ids[:, 1] == ids[:, 0], (ids[:, 0] + 1) % E, ids[:, 1])
+    weights = rng.uniform(0.1, 1.0, (T, 2)).astype(np.float32)
+    expert_bytes = gate[0].nbytes + up[0].nbytes + down[0].nbytes
+    with Pager(tmp_path / "m.gguf", budget_bytes=2 * expert_bytes, page_size_kb=4) as pager:
+        y = run_experts(pager, 0, x, ids, weights, num_experts=E)
+
+    fused = np.zeros((T, H), np.float32)
+    plain = np.zeros((T, H), np.float64)
+    for e in range(E):
+        tokens, slots = np.nonzero(ids == e)
+        if not len(tokens):
+            continue
+        if len(tokens) <= 8:  # the fused kernel: its own sums, added in expert order
+            out = _quant.ffn("q4_k", gate[e], up[e], down[e], x[tokens], down_type="q6_k")
+            fused[tokens] += weights[tokens, slots][:, None] * out
+        else:
+            Wg, Wu = _quant.dequantize("q4_k", gate[e]), _quant.dequantize("q4_k", up[e])
+            Wd = _quant.dequantize("q6_k", down[e])
+            g, u = x[tokens] @ Wg.T, x[tokens] @ Wu.T
+            h = g / (1 + np.exp(-np.clip(g, -80, 80))) * u
+            plain[tokens] += weights[tokens, slots][:, None] * (h @ Wd.T)
+    assert np.abs(plain).max() > 0 and np.abs(fused).max() > 0
+    np.testing.assert_allclose(y, fused + plain, rtol=1e-4, atol=1e-4 * np.abs(plain).max())
+    with Pager(tmp_path / "m.gguf", budget_bytes=2 * expert_bytes, page_size_kb=4) as pager:
+        alone = run_experts(pager, 0, x[10:], ids[10:], weights[10:], num_experts=E)
+    np.testing.assert_array_equal(alone, fused[10:])  # rows 10, 11: fused experts only
+
+
+def test_a_corrupt_block_scale_is_an_error_naming_the_expert(tmp_path):
+    """A NaN float16 scale in a file gives NaN sums from finite rows: the engine names the
+    expert and the block instead of returning them; non-finite rows stay NaN, no error."""
+    from colibri import FormatError, Pager
+    from colibri.layer import run_experts
+
+    rng = np.random.default_rng(13)
+    E, H, I = 3, 256, 256
+    gate = np.stack([_blocks(rng, "q4_k", I, 1) for _ in range(E)])
+    up = np.stack([_blocks(rng, "q4_k", I, 1) for _ in range(E)])
+    down = np.stack([_blocks(rng, "q8_0", H, 8) for _ in range(E)])
+    down[2, 5, 34 * 3 : 34 * 3 + 2] = np.array([np.nan], np.float16).view(np.uint8)
+    _write_gguf(tmp_path / "m.gguf", [(("q4_k", gate), ("q4_k", up), ("q8_0", down))])
+    x = rng.standard_normal((2, H)).astype(np.float32)
+    ids, weights = np.array([[0, 1], [1, 2]]), np.full((2, 2), 0.5, np.float32)
+    with Pager(tmp_path / "m.gguf", budget_bytes=1 << 20, page_size_kb=4) as pager:
+        y = run_experts(pager, 0, x[:1], ids[:1], weights[:1], num_experts=E)
+        assert np.isfinite(y).all()
+        with pytest.raises(FormatError, match=r"expert 2: its down weights hold a non-finite "
+                           r"q8_0 block scale \(row 5, byte 102\)"):  # fmt: skip
+            run_experts(pager, 0, x, ids, weights, num_experts=E)
+        x[1, 0] = np.inf
+        y = run_experts(pager, 0, x, ids, weights, num_experts=E)
+        assert np.isfinite(y[0]).all() and not np.isfinite(y[1]).all()
