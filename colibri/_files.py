@@ -24,9 +24,10 @@ or :meth:`FileMap._advise`; tests replace these to inject ``EIO`` and short read
 
 Files that change: :func:`identity` records what a file was when opened, :func:`check_same`
 raises :class:`FileChangedError` naming the file when it has since been replaced, deleted,
-resized or modified. A mapping of a file truncated *after* the check can still raise
-``SIGBUS`` on access where ``MADV_POPULATE_READ`` is missing, or when a view is read after
-its pages were dropped; reads never can (a short read is an error, not a signal). Use
+resized or modified. A mapping of a file truncated *after* the check would raise ``SIGBUS``
+on access; the pager registers its mappings with colibri's SIGBUS guard (POSIX,
+``colibri/_guard.pyx``), which reads such pages as zeros and turns the batch's release into a
+:class:`FileChangedError`. Reads never fault (a short read is an error, not a signal): use
 ``io="read"`` for files that may change while in use (or network file systems).
 """
 

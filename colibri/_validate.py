@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 from typing import Any
 
 import numpy as np
@@ -17,6 +18,23 @@ def check_int(name: str, value: Any, low: int, high: int | None = None, hint: st
         bound = f">= {low}" if high is None else f"between {low} and {high}"
         raise ValueError(f"{name} must be {bound} (got {value}){hint}")
     return value
+
+
+def check_threads(value: Any, name: str = "num_threads") -> int:
+    """A thread count: an int between 1 and 4x the machine's CPUs.
+
+    More threads than that only oversubscribe the cores, and a count in the thousands makes
+    torch's and OpenMP's thread pools crash (``torch.set_num_threads(3000)`` is a SIGSEGV),
+    so the bound is checked before any pool sees the value.
+    """
+    threads = check_int(name, value, 1)
+    cpus = os.cpu_count() or 1
+    if threads > 4 * cpus:
+        raise ValueError(
+            f"{name} must be at most {4 * cpus}, 4x this machine's {cpus} CPUs (got {threads}); "
+            "more threads only oversubscribe the cores"
+        )
+    return threads
 
 
 def check_page_size_kb(value: Any, where: str = "") -> int:

@@ -19,6 +19,15 @@ Usage, from the repository root (needs the ``fuzz`` extra)::
 
 ``--runs``: inputs per target and piece (default 20000); no TARGET: all of them.
 The exit status is 1 when any piece found a fault.
+
+Besides the parsers of ``_support/contracts.py``, three targets drive the transformers loader
+through its entry points on a checkpoint directory where one file is the fuzzed input
+(:data:`LOADER_TARGETS`): ``checkpoint-config`` (``config.json``), ``checkpoint-index``
+(``model.safetensors.index.json``), both read by ``Checkpoint`` and turned into the
+transformers config as ``from_pretrained`` does, and ``checkpoint-partition`` (the
+``--partition`` file, ``Partition.load`` with the model's expert count). Their contract: a
+``CheckpointError`` / ``FormatError`` or a result that checks out, and the directory left as
+it was.
 """
 
 from __future__ import annotations
@@ -41,8 +50,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 LEDGER = os.environ.get("COLIBRI_FUZZ_LEDGER") or os.path.join(
     os.path.dirname(HERE), "build", "fuzz", "ledger.jsonl"
 )
+LOADER_TARGETS = ("checkpoint-config", "checkpoint-index", "checkpoint-partition")
 TARGETS = ("json", "safetensors", "index", "manifest", "gguf", "partition", "stats", "trace",
-           "dlpack-route", "dlpack-metadata")  # fmt: skip
+           "dlpack-route", "dlpack-metadata", *LOADER_TARGETS)  # fmt: skip
 TIMEOUT = 20  # seconds one input may take before libFuzzer calls it a hang
 RSS_LIMIT_MB = 3072
 TOKENS = ['"{"', '"}"', '"["', '"]"', '","', '":"', '"\\""', '"null"', '"true"', '"-1"', '"0"',
@@ -51,7 +61,97 @@ TOKENS = ['"{"', '"}"', '"["', '"]"', '","', '":"', '"\\""', '"null"', '"true"',
           '"I8"', '"weight_map"', '"metadata"', '"total_size"', '"groups"', '"num_experts"',
           '"version"', '"format"', '"steps"', '"colibri.Partition"', '"tokens"', '"counts"',
           '"coactivation"', '"\\xff\\xff\\xff\\xff\\xff\\xff\\xff\\x7f"', '"\\x00\\x00\\x00\\x80"',
-          '"GGUF"']  # fmt: skip
+          '"GGUF"', '"model_type"', '"mixtral"', '"auto_map"', '"num_local_experts"',
+          '"num_attention_heads"', '"transformers_weights"', '"text_config"']  # fmt: skip
+
+
+# -- the loader's targets: one fuzzed file in an otherwise valid checkpoint directory ----------
+
+#: A tiny mixtral: 2 experts in layer 0, one shard per expert.
+_CONFIG = {
+    "model_type": "mixtral", "vocab_size": 16, "hidden_size": 4, "intermediate_size": 2,
+    "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 2,
+    "num_local_experts": 2, "num_experts_per_tok": 1, "max_position_embeddings": 8,
+}  # fmt: skip
+_EXPERT = "model.layers.0.block_sparse_moe.experts.{}.{}.weight"
+
+
+def loader_dir(root: str) -> tuple[str, dict[str, bytes]]:
+    """A valid checkpoint directory under ``root`` (made once); its JSON files' bytes."""
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    folder = os.path.join(root, "checkpoint")
+    weight_map = {}
+    if not os.path.isdir(folder):
+        os.makedirs(folder)
+        for e in range(2):
+            shard = f"model-{e + 1:05d}-of-00002.safetensors"
+            tensors = {_EXPERT.format(e, w): np.ones(s, np.float32)
+                       for w, s in (("w1", (2, 4)), ("w3", (2, 4)), ("w2", (4, 2)))}  # fmt: skip
+            save_file(tensors, os.path.join(folder, shard))
+            weight_map.update(dict.fromkeys(tensors, shard))
+        files = {
+            "config.json": json.dumps(_CONFIG).encode(),
+            "model.safetensors.index.json": json.dumps({"weight_map": weight_map}).encode(),
+            "groups.json": json.dumps(
+                {
+                    "format": "colibri.Partition",
+                    "version": 1,
+                    "num_experts": 2,
+                    "groups": [[0], [1]],
+                }  # fmt: skip
+            ).encode(),
+        }
+        for name, data in files.items():
+            with open(os.path.join(folder, name), "wb") as f:
+                f.write(data)
+    files = {}
+    for name in ("config.json", "model.safetensors.index.json", "groups.json"):
+        with open(os.path.join(folder, name), "rb") as f:
+            files[name] = f.read()
+    return folder, files
+
+
+def _listing(folder: str) -> dict[str, tuple[int, int]]:
+    return {n: (os.lstat(os.path.join(folder, n)).st_mode, os.lstat(os.path.join(folder, n))
+                .st_size) for n in os.listdir(folder)}  # fmt: skip
+
+
+def loader_check(target: str, root: str):
+    """The contract of a loader target: ``check(data) -> accepted``."""
+    from colibri import FormatError, Partition
+    from colibri.integrations.transformers import _load
+    from colibri.integrations.transformers._checkpoint import Checkpoint
+
+    folder, valid = loader_dir(root)
+    name = {"checkpoint-config": "config.json", "checkpoint-index": "model.safetensors.index.json",
+            "checkpoint-partition": "groups.json"}[target]  # fmt: skip
+
+    def check(data: bytes) -> bool:
+        with open(os.path.join(folder, name), "wb") as f:
+            f.write(data)
+        before = _listing(folder)
+        try:
+            if target == "checkpoint-partition":
+                result = Partition.load(os.path.join(folder, name), num_experts=2)
+                assert sorted(e for g in result.groups for e in g) == [0, 1]
+            else:
+                checkpoint = Checkpoint(folder)
+                _load._config(checkpoint)
+                assert checkpoint.files and all(
+                    os.path.dirname(f) == folder for f in checkpoint.files
+                )
+                assert len(checkpoint.expert_source().experts) == 2
+        except FormatError:  # CheckpointError and UnsupportedCheckpointError are FormatErrors
+            return False
+        finally:
+            assert _listing(folder) == before, "the loader changed the checkpoint directory"
+            with open(os.path.join(folder, name), "wb") as f:
+                f.write(valid[name])
+        return True
+
+    return check, [valid[name]]
 
 
 # -- the child: one target under libFuzzer -----------------------------------------------------
@@ -272,7 +372,7 @@ def mutator(target: str, seeds: list[bytes]):
                                 (1 << 63) - 1, (1 << 64) - 1]) % (1 << (8 * width))  # fmt: skip
             out[at : at + width] = value.to_bytes(width, "little")
             out = bytes(out)
-        elif target in ("json", "index", "manifest", "partition", "trace"):
+        elif target in ("json", "index", "manifest", "partition", "trace", *LOADER_TARGETS):
             out = _mutate_json(rng, data)
         if out is None or len(out) > max_size:
             return atheris.Mutate(data, max_size)
@@ -287,8 +387,12 @@ def child(target: str, runs: int, corpus: str, counts_file: str, artifacts: str)
 
     with atheris.instrument_imports(include=["colibri", "gguf"]):
         from _support import contracts  # noqa: PLC0415  (instrumented where imported)
-    check = contracts.CHECKS[target]
-    seeds = _seeds(contracts, target)
+
+        if target in LOADER_TARGETS:
+            check, seeds = loader_check(target, os.path.dirname(corpus))
+    if target not in LOADER_TARGETS:
+        check = contracts.CHECKS[target]
+        seeds = _seeds(contracts, target)
     for i, seed in enumerate(seeds):
         with open(os.path.join(corpus, f"seed-{i}"), "wb") as f:
             f.write(seed)

@@ -34,6 +34,8 @@ pytest.importorskip("safetensors")
 pytest.importorskip("torch")
 pytest.importorskip("gguf")
 
+from fuzz_atheris import LOADER_TARGETS  # noqa: E402  (the loader's targets: atheris only)
+
 from _support import contracts  # noqa: E402  (after the skips: it imports them)
 from _support.contracts import BASES, E_ROUTE, EXPERT, TARGETS, extent  # noqa: E402
 from colibri import _json as strict  # noqa: E402
@@ -96,7 +98,7 @@ def check_ledger(ledger: str) -> collections.Counter[str]:
         assert keys <= set(entry) <= keys | {"note", "harness"}, (n, entry)
         assert entry.get("harness", "hypothesis") in ("hypothesis", "atheris"), (n, entry)
         assert len(entry["date"]) == 20 and entry["date"].endswith("Z"), (n, entry["date"])
-        assert set(entry["inputs"]) <= set(TARGETS), (n, entry)
+        assert set(entry["inputs"]) <= set(TARGETS) | set(LOADER_TARGETS), (n, entry)
         for target, count in entry["inputs"].items():
             assert type(count) is int and count > 0, (n, target)
             assert 0 <= entry["refused"][target] <= count, (n, target)
@@ -147,6 +149,16 @@ def test_atheris_campaign_counts_every_input(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert totals == {"trace": 300, "dlpack-metadata": 300}
     assert all(e["harness"] == "atheris" and "note" not in e for e in entries)
+
+
+def test_atheris_loader_targets(tmp_path):
+    """The loader's targets (a fuzzed config.json, index or partition file in a valid
+    checkpoint directory) run their contract on every input and are recorded."""
+    pytest.importorskip("atheris")
+    pytest.importorskip("transformers")
+    proc, entries, totals = _atheris(tmp_path, *LOADER_TARGETS)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert totals == dict.fromkeys(LOADER_TARGETS, 300)
 
 
 def test_atheris_campaign_records_a_broken_contract(tmp_path):

@@ -3,7 +3,8 @@
 The safetensors Python API exposes no byte offsets, so the header is parsed here: an 8-byte
 little-endian length ``N``, then ``N`` bytes of JSON mapping each tensor name to its ``dtype``,
 ``shape`` and ``data_offsets`` (relative to the end of the header). Everything is validated
-before the source is returned; the file is only read, never mapped.
+before the source is returned; the file is only read, never mapped, and only if it is a
+regular file (a FIFO, device or directory under a shard's name is refused by its type).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import os
 import struct
 
 from colibri import _json
+from colibri._regular import open_regular, read_regular
 from colibri.formats._base import (
     DTYPE_SIZES,
     MAX_HEADER_BYTES,
@@ -20,10 +22,9 @@ from colibri.formats._base import (
     WeightSource,
     assemble_experts,
     check_extents,
-    file_size,
 )
 
-__all__ = ["open_safetensors", "open_sharded", "read_header"]
+__all__ = ["expert_source", "open_safetensors", "open_sharded", "read_header"]
 
 
 def read_header(path: str) -> dict[str, TensorInfo]:
@@ -38,10 +39,13 @@ def read_header(path: str) -> dict[str, TensorInfo]:
     ------
     FormatError
         naming ``path`` and the tensor when the header is truncated, too large, not JSON, or
-        describes ranges outside the file, overlapping ranges, or wrong lengths.
+        describes ranges outside the file, overlapping ranges, or wrong lengths; or ``path``
+        is no regular file (:class:`colibri._regular.CheckpointError`).
+    FileNotFoundError
+        ``path`` does not exist.
     """
-    size = file_size(path)
-    with open(path, "rb") as f:
+    with open_regular(path, "the safetensors file") as f:
+        size = os.fstat(f.fileno()).st_size
         prefix = f.read(8)
         if len(prefix) < 8:
             raise FormatError(f"{path}: {size} bytes is too short for a safetensors header")
@@ -105,6 +109,21 @@ def read_header(path: str) -> dict[str, TensorInfo]:
     return tensors
 
 
+def expert_source(path: str, tensors: dict[str, TensorInfo]) -> WeightSource:
+    """The routed experts among ``tensors`` (headers already read and checked, of one file
+    or of a sharded checkpoint whose index is ``path``) as a :class:`WeightSource`; no file
+    is opened.
+
+    Raises
+    ------
+    FormatError
+        An expert lacks a matrix, has two, or its shapes disagree (naming ``path``).
+    """
+    experts = assemble_experts(path, tensors)
+    files = tuple(sorted({ref.path for layout in experts.values() for ref in layout.matrices}))
+    return WeightSource("safetensors", files, experts)
+
+
 def open_safetensors(path: str | os.PathLike) -> WeightSource:
     """Open one ``.safetensors`` file as a :class:`WeightSource`."""
     path = os.path.abspath(os.fspath(path))
@@ -127,8 +146,8 @@ def open_sharded(index_path: str | os.PathLike) -> WeightSource:
     """
     index_path = os.path.abspath(os.fspath(index_path))
     folder = os.path.dirname(index_path)
-    file_size(index_path)  # FileNotFoundError naming the path
-    index = _json.mapping(_json.load(index_path, what="the index"), index_path, "the index")
+    data = read_regular(index_path, "the index", _json.MAX_BYTES)
+    index = _json.mapping(_json.parse(data, index_path, what="the index"), index_path, "the index")
     weight_map = _json.mapping(
         _json.field(index, "weight_map", index_path), index_path, "weight_map"
     )

@@ -16,6 +16,7 @@ from libc.stdlib cimport calloc, free, malloc
 from libc.string cimport memcpy, memset
 
 from colibri._openmp cimport colibri_max_threads
+from colibri._validate import check_threads
 
 cdef extern from "colibri/pool.h" nogil:
     ctypedef void (*colibri_chunk_fn)(void *arg, int32_t chunk) noexcept nogil
@@ -101,13 +102,11 @@ cdef inline int _type_of(src_t *tag) noexcept nogil:
 
 
 def resolve_threads(num_threads):
-    """The thread count to use: ``num_threads`` if given (>= 1), else OpenMP's default."""
+    """The thread count to use: ``num_threads`` if given (1 to 4x the CPUs), else OpenMP's
+    default."""
     if num_threads is None:
         return max(1, colibri_max_threads())
-    n = int(num_threads)
-    if n < 1:
-        raise ValueError(f"num_threads must be >= 1 or None (got {num_threads!r})")
-    return n
+    return check_threads(num_threads)
 
 
 cdef void _hist_span(const index_t *flat, PlanJob *p, int32_t c) noexcept nogil:

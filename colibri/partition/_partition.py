@@ -17,6 +17,7 @@ import numpy as np
 from colibri import _groups, _json
 from colibri._atomic_file import write_atomically
 from colibri._errors import FormatError
+from colibri._regular import read_regular
 from colibri._usage import UsageStats
 from colibri._validate import check_int
 
@@ -260,7 +261,8 @@ class Partition:
             inconsistent; the message names the file and the key.
         """
         name = os.fspath(path)
-        document = _json.load(name, what="the partition")
+        data = read_regular(name, "the partition", _json.MAX_BYTES)  # never a FIFO, bounded
+        document = _json.parse(data, name, what="the partition")
         try:
             if not isinstance(document, dict) or document.get("format") != _FORMAT:
                 raise ValueError("not a colibri partition (missing 'format': 'colibri.Partition')")
@@ -270,14 +272,14 @@ class Partition:
                     f"reads {_VERSION})"
                 )
             groups = _json.sequence(_json.field(document, "groups", name), name, "groups")
-            listed = 0
+            ids = []
             for i, group in enumerate(groups):
-                listed += len(_json.int_list(group, name, f"groups[{i}]", hi=_json.INT32_MAX))
+                ids += _json.int_list(group, name, f"groups[{i}]", hi=_json.INT32_MAX)
             stored_e = _json.field(document, "num_experts", name, required=False)
-            if stored_e is not None and _json.integer(stored_e, name, "num_experts") != listed:
+            if stored_e is not None and _json.integer(stored_e, name, "num_experts") != len(ids):
                 raise ValueError(
-                    f"'num_experts' is {stored_e} but the groups list {listed} expert ids; "
-                    "every expert must be in exactly one group"
+                    f"'num_experts' is {stored_e} but the groups list {len(ids)} expert ids "
+                    f"({_misfits(ids, stored_e)}); every expert must be in exactly one group"
                 )
             partition = cls(groups, num_experts=stored_e)
             if num_experts is not None and partition.num_experts != num_experts:
@@ -288,6 +290,23 @@ class Partition:
             message = str(error).removeprefix("Partition: ")
             raise FormatError(f"{name}: invalid partition: {message}") from None
         return partition
+
+
+def _misfits(ids: list[int], num_experts: int) -> str:
+    """Which ids keep ``ids`` from listing ``0 .. num_experts - 1`` once each: listed twice,
+    out of range, in no group (at most 8 of each; the scan for missing ids stops after 8, so
+    a huge ``num_experts`` costs nothing)."""
+    seen: set[int] = set()
+    twice = sorted({e for e in ids if e in seen or seen.add(e)})
+    unknown = sorted({e for e in ids if e >= num_experts})
+    missing = [e for e in range(min(num_experts, len(seen) + 9)) if e not in seen]
+
+    def listed(xs: list[int]) -> str:
+        return ", ".join(map(str, xs[:8])) + (" ..." if len(xs) > 8 else "")
+
+    found = [("listed twice", twice), (f"out of range [0, {num_experts})", unknown),
+             ("in no group", missing)]  # fmt: skip
+    return "; ".join(f"{what}: {listed(xs)}" for what, xs in found if xs)
 
 
 def _check_experts(got: int, expected: int, where: str) -> None:

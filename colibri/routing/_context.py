@@ -10,6 +10,7 @@ import numpy as np
 from colibri._core import Router
 from colibri._dlpack import host_tensor
 from colibri._usage import UsageStats
+from colibri._validate import check_threads
 from colibri.routing._config import Config, check_options
 
 
@@ -40,6 +41,8 @@ class Context(Router):
     def __init__(self, config: Config):
         if not isinstance(config, Config):
             raise TypeError(f"Context() takes a colibri.Config (got {type(config).__name__})")
+        if config.routing_threads is not None:
+            check_threads(config.routing_threads, "routing_threads")
         self.config = config
         self._configure(config)
 

@@ -302,3 +302,15 @@ def save_tokenizer(folder) -> None:
         tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>",
         unk_token="<unk>",
     ).save_pretrained(folder)  # fmt: skip
+
+
+def token_ids(seed: int = 0, batch: int = 2, length: int = 6, low: int = 3, high: int = 90):
+    """``[batch, length]`` random token ids in ``[low, high)``, the same for a seed."""
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(low, high, (batch, length), generator=gen)
+
+
+def logits(model: torch.nn.Module, ids) -> torch.Tensor:
+    """``model(ids).logits`` as float32, without autograd."""
+    with torch.no_grad():
+        return model(ids).logits.float()

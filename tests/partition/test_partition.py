@@ -278,8 +278,35 @@ def test_save_load_round_trip(tmp_path):
         ({"format": "colibri.Partition", "version": 1, "groups": [[0], [2]]}, "out of range"),
         (
             {"format": "colibri.Partition", "version": 1, "num_experts": 3, "groups": [[0], [1]]},
-            "'num_experts' is 3 but the groups list 2",
+            r"'num_experts' is 3 but the groups list 2 expert ids \(in no group: 2\)",
         ),
+        (
+            {
+                "format": "colibri.Partition",
+                "version": 1,
+                "num_experts": 4,
+                "groups": [[0, 1], [1, 2, 3]],
+            },
+            r"groups list 5 expert ids \(listed twice: 1\)",
+        ),  # fmt: skip
+        (
+            {
+                "format": "colibri.Partition",
+                "version": 1,
+                "num_experts": 3,
+                "groups": [[0, 1], [5, 7, 2]],
+            },
+            r"groups list 5 expert ids \(out of range \[0, 3\): 5, 7\)",
+        ),  # fmt: skip
+        (
+            {
+                "format": "colibri.Partition",
+                "version": 1,
+                "num_experts": 2**40,
+                "groups": [[0, 2], [0]],
+            },
+            r"\(listed twice: 0; in no group: 1, 3, 4, 5, 6, 7, 8, 9 \.\.\.\)",
+        ),  # fmt: skip
         (
             {"format": "colibri.Partition", "version": 1, "groups": [[0, 0.5]]},
             r"'groups\[0\]\[1\]' must be an integer",
@@ -298,6 +325,19 @@ def test_invalid_files_name_the_file(tmp_path, document, message):
     path.write_text(json.dumps(document))
     with pytest.raises(FormatError, match=rf"bad\.json: (invalid partition: )?.*{message}"):
         Partition.load(path)
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs FIFOs")
+def test_fifo_or_directory_is_refused_unopened(tmp_path):
+    """A FIFO given as the partition file is refused by type (opening it would wait for a
+    writer forever); so is a directory."""
+    os.mkfifo(tmp_path / "fifo.json")
+    (tmp_path / "dir.json").mkdir()
+    for name, kind in (("fifo.json", "a FIFO"), ("dir.json", "a directory")):
+        with pytest.raises(FormatError, match=rf"{name}: the partition is {kind}"):
+            Partition.load(tmp_path / name)
+    with pytest.raises(FileNotFoundError, match="missing"):
+        Partition.load(tmp_path / "none.json")
 
 
 def test_garbage_file(tmp_path):

@@ -1,31 +1,45 @@
 """A transformers checkpoint directory, checked before anything is built or generated.
 
-``Checkpoint(path)`` reads ``config.json`` and finds the safetensors files (one
-``model.safetensors``, or shards named by ``model.safetensors.index.json``), parses every
-shard's header with colibri's own validating parser and sorts the tensors into routed experts
-(served by the :class:`colibri.Pager`) and the rest (loaded resident). Every problem is a
-:class:`CheckpointError` naming the file, the tensor and the fix.
+``Checkpoint(path)`` reads ``config.json`` and finds the safetensors files exactly as
+transformers does (``config.json``'s ``transformers_weights``, else ``model.safetensors``, else
+the shards named by ``model.safetensors.index.json``; anything else in the directory, a
+colibri raw manifest included, is ignored), parses every shard's header with colibri's own
+validating parser and sorts the tensors into routed experts (served by the
+:class:`colibri.Pager`) and the rest (loaded resident). The directory is untrusted input: only
+regular files (or symlinks to them) are opened, every read is bounded, expert counts are
+checked against ``config.json`` before anything is built, and nothing in the directory is ever
+written, renamed or deleted. Every problem is a :class:`CheckpointError` naming the file, the
+tensor and the fix.
 """
 
 from __future__ import annotations
 
 import os
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 
-from colibri import _json
-from colibri.formats import FormatError, TensorInfo, expert_tensor
-from colibri.formats.safetensors import read_header
+import torch
 
-__all__ = ["Checkpoint", "CheckpointError", "is_expert_tensor", "layer_index"]
+from colibri import _json
+from colibri._regular import CheckpointError, check_regular, read_regular
+from colibri.formats import FormatError, TensorInfo, WeightSource, expert_tensor
+from colibri.formats.safetensors import expert_source, read_header
+
+__all__ = [
+    "TORCH_DTYPES",
+    "Checkpoint",
+    "CheckpointError",
+    "check_fields",
+    "is_expert_tensor",
+    "layer_index",
+    "read_bytes",
+]
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
-
-
-class CheckpointError(FormatError):
-    """A checkpoint directory that is incomplete, inconsistent or not servable (a
-    :class:`colibri.FormatError`, so a ``ValueError`` too)."""
+#: Largest config.json (or generation_config.json) read; real ones are a few KiB.
+CONFIG_BYTES = 16 << 20
 
 
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
@@ -44,6 +58,9 @@ _TOP_K = ("num_experts_per_tok", "moe_topk", "moe_top_k", "moe_k", "top_k_expert
 _LAYERS = ("num_hidden_layers", "n_layers")
 _SIZES = ("hidden_size", "intermediate_size", "moe_intermediate_size", "ffn_hidden_size",
           "intermediate_size_mlp")  # fmt: skip
+# attention and embedding dimensions: a 0 divides by zero in the model's code
+_DIMS = ("num_attention_heads", "num_key_value_heads", "head_dim", "vocab_size", "kv_lora_rank",
+         "qk_rope_head_dim", "v_head_dim")  # fmt: skip
 _SHARED_SIZES = ("shared_expert_intermediate_size", "shared_intermediate_size")
 _EVERY = ("decoder_sparse_step", "moe_layer_freq", "moe_layer_interval",
           "interleave_moe_layer_step", "expert_layer_period")  # fmt: skip
@@ -74,13 +91,41 @@ def check_config(path: str) -> dict:
         raise CheckpointError(str(error)) from None
 
 
+def read_json(path: str, what: str, limit: int = CONFIG_BYTES):
+    """A JSON file of the checkpoint, read as a regular file of at most ``limit`` bytes and
+    parsed strictly (colibri's JSON reader)."""
+    return _json.parse(read_regular(path, what, limit), path, what=what)
+
+
 def _checked_config(path: str) -> dict:
-    config = _json.load(path, what="config.json", max_bytes=16 << 20)
+    return check_fields(read_json(path, "config.json"), path)
+
+
+def check_fields(config, path: str) -> dict:
+    """``config`` (a config dict read from ``path``) checked as :func:`check_config` checks
+    ``config.json``; returns it.
+
+    Raises
+    ------
+    CheckpointError
+        As :func:`check_config`.
+    """
+    try:
+        return _checked_fields(config, path)
+    except CheckpointError:
+        raise
+    except FormatError as error:
+        raise CheckpointError(str(error)) from None
+
+
+def _checked_fields(config, path: str) -> dict:
     if not isinstance(config, dict) or "model_type" not in config:
         raise CheckpointError(f"{path}: has no 'model_type'; it is not a transformers config")
     model_type = _json.string(config["model_type"], path, "model_type")
     if not model_type:
         raise CheckpointError(f"{path}: 'model_type' must be a non-empty string (got '')")
+    if config.get("transformers_weights") is not None:
+        _json.string(config["transformers_weights"], path, "transformers_weights")
     _check_fields(config, path, "")
     if config.get("text_config") is not None:
         _check_fields(_json.mapping(config["text_config"], path, "text_config"), path,
@@ -96,6 +141,8 @@ def _check_fields(config: dict, path: str, prefix: str) -> None:
                 last = _json.integer(config[name], path, prefix + name, lo=lo, hi=hi)
         return last
 
+    ints(_DIMS, 1, MAX_SIZE)
+    ints(("max_position_embeddings",), 1, _json.INT32_MAX)
     experts = ints(_EXPERTS, 1, MAX_EXPERTS)
     ints(_TOP_K, 1, experts or MAX_EXPERTS)  # a top-k never exceeds the expert count
     layers = ints(_LAYERS, 1, MAX_LAYERS)
@@ -119,13 +166,82 @@ def _check_fields(config: dict, path: str, prefix: str) -> None:
             )
 
 
+#: The torch dtype of each safetensors dtype.
+TORCH_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "I64": torch.int64,
+    "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U64": torch.uint64,
+    "U32": torch.uint32, "U16": torch.uint16, "U8": torch.uint8, "BOOL": torch.bool,
+}  # fmt: skip
+
+
+def read_bytes(f, info: TensorInfo) -> torch.Tensor:
+    """The bytes of one tensor, read from the open file ``f`` into fresh ``uint8`` memory (no
+    mapping: a file truncated later cannot take them away)."""
+    data = torch.empty(info.nbytes, dtype=torch.uint8)
+    view = memoryview(data.numpy())
+    f.seek(info.offset)
+    done = 0
+    while done < info.nbytes:
+        got = f.readinto(view[done:])
+        if not got:
+            raise CheckpointError(
+                f"{info.path}: tensor {info.name!r} ends at byte {info.offset + info.nbytes} but "
+                f"the file ends at {info.offset + done}: it was truncated while loading; fix: "
+                "re-download the file and do not change it while colibri reads it"
+            )
+        done += got
+    return data
+
+
+def check_resident(
+    checkpoint, name: str, target: str, want: torch.Tensor, floating: Callable[[str], bool]
+) -> None:
+    """Refuse checkpoint tensor ``name`` as the model's ``target`` (like ``want``) when it is
+    no float where ``want`` is (``floating``: whether a stored dtype is) or its shape differs;
+    axes of 1 are ignored, as a GGUF tensor's shape may differ from the model's by them."""
+    info = checkpoint.tensors[name]
+    if want.is_floating_point() and not floating(info.dtype):
+        raise CheckpointError(
+            f"{info.path}: tensor {name!r} is stored as {info.dtype}, but the model's "
+            f"{target} holds floats ({str(want.dtype).removeprefix('torch.')}); fix: re-save "
+            "the checkpoint with floating-point weights"
+        )
+    expected = list(want.shape)
+    if [d for d in info.shape if d != 1] != [d for d in expected if d != 1]:
+        raise CheckpointError(
+            f"{info.path}: tensor {name!r} has shape {list(info.shape)} but "
+            f"{checkpoint.config_name} gives the model's {target} the shape {expected}; "
+            f"fix: {checkpoint.config_fix}"
+        )
+
+
 def is_expert_tensor(name: str) -> bool:
     """Whether ``name`` is a routed expert's matrix (the pager serves it, nothing loads it)."""
     return expert_tensor(name) is not None
 
 
+class TensorTable:
+    """What a checkpoint's tensor table tells (``tensors``: name -> TensorInfo): which are the
+    routed experts', which are resident, and their bytes."""
+
+    tensors: dict
+
+    def expert_names(self) -> list[str]:
+        """Names of the routed-expert tensors."""
+        return [n for n in self.tensors if is_expert_tensor(n)]
+
+    def resident_names(self) -> list[str]:
+        """Names of every other tensor (attention, norms, embeddings, routers, shared experts)."""
+        return [n for n in self.tensors if not is_expert_tensor(n)]
+
+    def nbytes(self, names) -> int:
+        """Bytes of the named tensors."""
+        return sum(self.tensors[n].nbytes for n in names)
+
+
 @dataclass
-class Checkpoint:
+class Checkpoint(TensorTable):
     """A checkpoint directory: its config and every tensor of its safetensors files.
 
     Attributes
@@ -153,87 +269,156 @@ class Checkpoint:
                 "config.json and model.safetensors or model.safetensors.index.json)"
             )
         config_path = os.path.join(self.path, "config.json")
-        if not os.path.exists(config_path):
+        if not os.path.lexists(config_path):
             raise CheckpointError(
                 f"{config_path}: missing; a transformers checkpoint directory needs its "
                 "config.json (save_pretrained writes one)"
             )
         self.config = check_config(config_path)
-        index = os.path.join(self.path, INDEX)
-        single = os.path.join(self.path, SINGLE)
-        if os.path.exists(index):
-            self.weights = index
-            shards = self._read_index(index)
-        elif os.path.exists(single):
-            self.weights = single
-            shards = None
-        else:
-            found = sorted(n for n in os.listdir(self.path) if n.endswith((".bin", ".pt", ".pth")))
-            hint = (
-                f" (found {', '.join(found)}: pickled torch weights; convert them once with "
-                "transformers: AutoModelForCausalLM.from_pretrained(path).save_pretrained(path))"
-                if found
-                else ""
-            )
-            raise CheckpointError(
-                f"{self.path}: neither {SINGLE} nor {INDEX}; colibri pages experts from "
-                f"safetensors files{hint}"
-            )
-        self.tensors = {}
-        files = [single] if shards is None else sorted(set(shards.values()))
+        self.weights, sharded = self._find_weights()
+        shards = self._read_index(self.weights) if sharded else None
+        files = [self.weights] if shards is None else sorted(set(shards.values()))
         headers = {}
         for file in files:
             try:
                 headers[file] = read_header(file)
+            except CheckpointError:
+                raise
             except FormatError as exc:
                 raise CheckpointError(
                     f"{exc}; fix: re-save or re-download {os.path.basename(file)}"
                 ) from None
         if shards is None:
-            self.tensors = headers[single]
+            self.tensors = headers[self.weights]
         else:
+            self.tensors = {}
             for name, file in shards.items():
                 info = headers[file].get(name)
                 if info is None:
                     raise CheckpointError(
-                        f"{index}: tensor {name!r} is assigned to {os.path.basename(file)}, "
-                        "which does not hold it; fix: regenerate the index (save_pretrained "
-                        "writes both) or re-download the shard"
+                        f"{self.weights}: tensor {name!r} is assigned to "
+                        f"{os.path.basename(file)}, which does not hold it; fix: regenerate the "
+                        "index (save_pretrained writes both) or re-download the shard"
                     )
                 self.tensors[name] = info
             for file, header in headers.items():
                 for name in header:
                     if name not in shards:
                         raise CheckpointError(
-                            f"{index}: tensor {name!r} of {os.path.basename(file)} is not in "
-                            "the index's weight_map; fix: regenerate the index"
+                            f"{self.weights}: tensor {name!r} of {os.path.basename(file)} is not "
+                            "in the index's weight_map; fix: regenerate the index"
                         )
+        self._check_expert_counts()
         self._check_experts_complete()
+
+    def _find_weights(self) -> tuple[str, bool]:
+        """The file transformers loads (and whether it is a shard index), in its order:
+        config.json's ``transformers_weights``, ``model.safetensors``, the index. A name
+        that exists but is no regular file is refused, not skipped (transformers would fall
+        through to the next name and load other weights than the name says)."""
+        explicit = self.config.get("transformers_weights")
+        if explicit is not None:
+            file = os.path.normpath(os.path.join(self.path, explicit))
+            if not explicit.endswith((".safetensors", ".safetensors.index.json")) or (
+                os.path.commonpath([self.path, file]) != self.path or file == self.path
+            ):
+                raise CheckpointError(
+                    f"{self.path}/config.json: 'transformers_weights' must name a *.safetensors "
+                    "or *.safetensors.index.json file inside the checkpoint directory, as "
+                    f"transformers requires (got {_json.show(explicit)})"
+                )
+            check_regular(file, "the weights file config.json's 'transformers_weights' names")
+            return file, explicit.endswith(".safetensors.index.json")
+        for name, sharded in ((SINGLE, False), (INDEX, True)):
+            file = os.path.join(self.path, name)
+            if os.path.lexists(file):
+                return str(check_regular(file, name)), sharded
+        found = sorted(n for n in os.listdir(self.path) if n.endswith((".bin", ".pt", ".pth")))
+        hint = (
+            f" (found {', '.join(found)}: pickled torch weights; convert them once with "
+            "transformers: AutoModelForCausalLM.from_pretrained(path).save_pretrained(path))"
+            if found
+            else ""
+        )
+        raise CheckpointError(
+            f"{self.path}: neither {SINGLE} nor {INDEX}; colibri pages experts from "
+            f"safetensors files{hint}"
+        )
 
     def _read_index(self, index: str) -> dict[str, str]:
         try:
-            data = _json.load(index, what="the shard index")
+            data = read_json(index, "the shard index", _json.MAX_BYTES)
+        except CheckpointError:
+            raise
         except FormatError as error:
             raise CheckpointError(str(error)) from None
         weight_map = data.get("weight_map") if isinstance(data, dict) else None
         if not isinstance(weight_map, dict) or not weight_map:
             raise CheckpointError(f"{index}: has no 'weight_map' object naming each tensor's shard")
-        shards = {}
+        shards, checked = {}, set()
         for name, shard in weight_map.items():
             if not isinstance(shard, str) or os.path.basename(shard) != shard or shard in ("", "."):
                 raise CheckpointError(
-                    f"{index}: tensor {name!r} points to {shard!r}; shards must be plain file "
-                    "names in the checkpoint directory"
+                    f"{index}: tensor {name!r} points to {_json.show(shard)}; shards must be "
+                    "plain file names in the checkpoint directory"
                 )
             file = os.path.join(self.path, shard)
-            if not os.path.exists(file):
-                raise CheckpointError(
-                    f"{index}: names shard {shard!r} (for tensor {name!r}, among others), "
-                    f"which is not in {self.path}; fix: copy the missing shard there, or "
-                    "re-save the checkpoint so that the index matches its files"
-                )
+            if shard not in checked:
+                if not os.path.lexists(file):
+                    raise CheckpointError(
+                        f"{index}: names shard {shard!r} (for tensor {name!r}, among others), "
+                        f"which is not in {self.path}; fix: copy the missing shard there, or "
+                        "re-save the checkpoint so that the index matches its files"
+                    )
+                check_regular(file, f"shard {shard!r} (for tensor {name!r}, among others)")
+                checked.add(shard)
             shards[name] = file
         return shards
+
+    @property
+    def num_experts(self) -> int | None:
+        """The routed experts per layer config.json gives (the largest of its expert-count
+        fields, in ``text_config`` too), or None when it names none."""
+        found = [
+            part[name]
+            for part in (self.config, self.config.get("text_config") or {})
+            for name in _EXPERTS
+            if part.get(name) is not None
+        ]
+        return max(found) if found else None
+
+    def _check_expert_counts(self) -> None:
+        """No tensor stores more experts than config.json gives, read from the headers'
+        names and shapes before anything per expert is built (a stacked tensor claiming a
+        million experts costs only its header line)."""
+        bound = self.num_experts
+        for name, info in self.tensors.items():
+            m = expert_tensor(name)
+            if m is None:
+                continue
+            if m.expert is not None:
+                count = int(m.expert) + 1 if len(m.expert) <= 10 else MAX_EXPERTS + 1
+            else:
+                count = info.shape[0] if info.shape else 0
+            if count > (bound or MAX_EXPERTS):
+                limit = (
+                    f"config.json gives {bound} experts per layer"
+                    if bound
+                    else f"colibri serves at most {MAX_EXPERTS} experts per layer"
+                )
+                raise CheckpointError(
+                    f"{info.path}: tensor {name!r} stores {count} experts but {limit}; fix: use "
+                    "the config.json this checkpoint was saved with, or re-download the file"
+                )
+
+    def expert_source(self) -> WeightSource:
+        """The routed experts as the :class:`colibri.Pager` serves them, from the headers
+        already read and checked (no file is opened again)."""
+        experts = {n: t for n, t in self.tensors.items() if is_expert_tensor(n)}
+        try:
+            return expert_source(self.weights, experts)
+        except FormatError as exc:
+            raise CheckpointError(f"{exc}; fix: re-save the checkpoint") from None
 
     def _check_experts_complete(self) -> None:
         """Per-expert layouts: every layer's experts 0..E-1 have the same three matrices."""
@@ -257,18 +442,20 @@ class Checkpoint:
                         )
 
     @property
+    def config_path(self) -> str:
+        """Where the config comes from: ``config.json``."""
+        return os.path.join(self.path, "config.json")
+
+    #: What the config is and how to mend one the weights contradict, for messages.
+    config_name = "config.json"
+    config_fix = "use the config.json this checkpoint was saved with, or re-save the checkpoint"
+
+    @property
     def files(self) -> list[str]:
         """Every safetensors file of the checkpoint."""
         return sorted({t.path for t in self.tensors.values()})
 
-    def expert_names(self) -> list[str]:
-        """Names of the routed-expert tensors."""
-        return [n for n in self.tensors if is_expert_tensor(n)]
-
-    def resident_names(self) -> list[str]:
-        """Names of every other tensor (attention, norms, embeddings, routers, shared experts)."""
-        return [n for n in self.tensors if not is_expert_tensor(n)]
-
-    def nbytes(self, names) -> int:
-        """Bytes of the named tensors."""
-        return sum(self.tensors[n].nbytes for n in names)
+    def read_tensor(self, f, name: str) -> torch.Tensor:
+        """Tensor ``name`` read from its open file ``f`` into fresh memory, as stored."""
+        info = self.tensors[name]
+        return read_bytes(f, info).view(TORCH_DTYPES[info.dtype]).reshape(info.shape)

@@ -4,19 +4,37 @@ The model of a checkpoint directory is built without materialising its weights; 
 but the routed experts is loaded from the checkpoint's safetensors files; each experts module
 becomes a colibri-paged one (its weights read on demand from the checkpoint's own files by a
 :class:`colibri.Pager` under the budget, computed by colibri's expert engine) and every
-router is colibri's, exactly as :func:`patch` makes it. ``model.generate()`` works unchanged.
+router is colibri's, exactly as :func:`patch` makes it. ``model.generate()`` works unchanged,
+with the checkpoint's ``generation_config.json`` as transformers reads it.
+
+The directory is untrusted input (see :mod:`._checkpoint`): no code of it ever runs
+(``trust_remote_code=False`` everywhere, ``auto_map`` refused), nothing reads stdin, and the
+resident weights are copied out with plain bounded reads, so a file truncated later is an
+error, never a ``SIGBUS``.
 """
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
 from torch import nn
 
+from colibri import _json
+from colibri._errors import FormatError
+from colibri._regular import open_regular
 from colibri._units import parse_size
-from colibri._validate import check_int
-from colibri.integrations.transformers._checkpoint import Checkpoint, CheckpointError, layer_index
+from colibri._validate import check_choice, check_threads
+from colibri.integrations.transformers._budget import for_model
+from colibri.integrations.transformers._checkpoint import (
+    TORCH_DTYPES,
+    Checkpoint,
+    CheckpointError,
+    check_resident,
+    layer_index,
+    read_json,
+)
 from colibri.integrations.transformers._experts import (
     Paging,
     UnsupportedCheckpointError,
@@ -24,6 +42,7 @@ from colibri.integrations.transformers._experts import (
     page,
     paged_layers,
 )
+from colibri.integrations.transformers._gguf import QUANTIZED_TYPES, GGUFCheckpoint, is_gguf
 from colibri.integrations.transformers._patch import _STATE, patch
 from colibri.integrations.transformers._predict import READ_AHEAD_MODES, link_layers
 
@@ -65,27 +84,20 @@ def _plan_resident(model: nn.Module, checkpoint: Checkpoint) -> dict[str, list[t
             )
         if target not in wanted:
             continue  # not part of this model (transformers ignores it too)
-        expected = tuple(wanted[target].shape)
-        if tuple(info.shape) != expected:
-            raise CheckpointError(
-                f"{info.path}: tensor {name!r} has shape {list(info.shape)} but config.json "
-                f"gives the model's {target} the shape {list(expected)}; fix: use the "
-                "config.json this checkpoint was saved with"
-            )
+        check_resident(checkpoint, name, target, wanted[target], _FLOATS.__contains__)
         plan.setdefault(info.path, []).append((name, target))
     return plan
 
 
 def _load_resident(model: nn.Module, checkpoint: Checkpoint, plan: dict, dtype) -> int:
     """Load the tensors of ``plan`` into ``model``; returns their bytes."""
-    from safetensors import safe_open
-
     wanted = model.state_dict(keep_vars=True)
     total = 0
     for path, names in plan.items():
-        with safe_open(path, framework="pt") as f:
+        with open_regular(path, "the weights file") as f:
             for name, target in names:
-                tensor = f.get_tensor(name)
+                # a GGUF tensor's shape may differ from the model's by axes of 1
+                tensor = checkpoint.read_tensor(f, name).reshape(wanted[target].shape)
                 want = dtype or wanted[target].dtype
                 if tensor.dtype != want and tensor.is_floating_point():
                     tensor = tensor.to(want)
@@ -107,9 +119,13 @@ def _load_resident(model: nn.Module, checkpoint: Checkpoint, plan: dict, dtype) 
     return total
 
 
+_FLOATS = ("F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2")
+
+
 def _check_experts(modules: list[tuple[str, nn.Module]], source, checkpoint: Checkpoint) -> None:
-    """Every expert the model has is in the checkpoint, shaped as config.json says."""
-    servable = {"F32", "F16", "BF16"}
+    """Every expert the model has is in the checkpoint, shaped as config.json says, its gate
+    and up of one dtype and its down of the same (block-quantized: of any such type)."""
+    servable = {"F32", "F16", "BF16", *QUANTIZED_TYPES}
     for name, module in modules:
         layer = layer_index(name)
         num, rows2, hidden = module.gate_up_proj.shape
@@ -122,8 +138,18 @@ def _check_experts(modules: list[tuple[str, nn.Module]], source, checkpoint: Che
                     f"{checkpoint.weights}: no tensors for layer {layer} expert {e} (the model "
                     f"{name} has {num} experts, the checkpoint stores {stored} for that "
                     f"layer; expected e.g. '{name.rsplit('.experts', 1)[0]}.experts.{e}."
-                    "gate_proj.weight'); fix: use the config.json this checkpoint was saved "
-                    "with, or re-save the checkpoint"
+                    f"gate_proj.weight'); fix: {checkpoint.config_fix}"
+                )
+            stored = {ref.dtype for ref in layout.matrices}
+            plain = any(d in TORCH_DTYPES for d in stored)
+            if layout.gate.dtype != layout.up.dtype or len(stored) > 1 and plain:
+                shown = ", ".join(
+                    f"{ref.name.split('[', 1)[0]!r} {ref.dtype}" for ref in layout.matrices
+                )
+                raise CheckpointError(
+                    f"{layout.gate.path}: layer {layer} expert {e} mixes dtypes ({shown}); an "
+                    "expert's gate and up must share one dtype, and its down that one too unless "
+                    "all three are block-quantized; fix: re-save the checkpoint in one dtype"
                 )
             for ref, shape in ((layout.gate, (inter, hidden)), (layout.up, (inter, hidden)),
                                (layout.down, (hidden, inter))):  # fmt: skip
@@ -131,14 +157,14 @@ def _check_experts(modules: list[tuple[str, nn.Module]], source, checkpoint: Che
                 if ref.dtype not in servable:
                     raise UnsupportedCheckpointError(
                         f"{ref.path}: expert tensor {tensor!r} is {ref.dtype}; the pager serves "
-                        f"{', '.join(sorted(servable))} experts (quantized or FP8 checkpoints: "
-                        "dequantize them to bf16 first)"
+                        f"{', '.join(sorted(servable))} experts (other quantized or FP8 "
+                        "checkpoints: dequantize them to bf16 first)"
                     )
                 if tuple(ref.shape) != shape:
                     raise CheckpointError(
                         f"{ref.path}: expert tensor {tensor!r} is {list(ref.shape)} per expert "
-                        f"but config.json (hidden {hidden}, expert intermediate {inter}) needs "
-                        f"{list(shape)}; fix: use the config.json this checkpoint was saved with"
+                        f"but {checkpoint.config_name} (hidden {hidden}, expert intermediate "
+                        f"{inter}) needs {list(shape)}; fix: {checkpoint.config_fix}"
                     )
 
 
@@ -154,6 +180,8 @@ def _torch_dtype(config: Any, checkpoint: Checkpoint, dtype: Any) -> torch.dtype
         return dtype
     names = checkpoint.expert_names()
     stored = checkpoint.tensors[names[0]].dtype if names else None
+    if stored is not None and stored not in TORCH_DTYPES:  # block-quantized (GGUF)
+        return torch.bfloat16  # the quantized kernel's experts; float32: dequantized GEMMs
     return {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}.get(
         stored, getattr(config, "dtype", None) or torch.float32
     )
@@ -171,6 +199,7 @@ def from_pretrained(
     partition: Any = None,
     topk_groups: int = 1,
     record_trace: bool = False,
+    io: str | None = None,
 ) -> nn.Module:
     """Load a transformers MoE checkpoint with its routed experts paged under ``budget``.
 
@@ -181,9 +210,15 @@ def from_pretrained(
         ``model.safetensors.index.json`` (as ``save_pretrained`` writes them). Routed experts
         may be stored per expert (``...experts.{e}.gate_proj.weight``, Mixtral's
         ``...experts.{e}.w1.weight``) or stacked (``...experts.gate_up_proj [E, 2I, H]``).
+        Or a ``*.gguf`` model file of an MoE architecture transformers reads (``qwen3moe``,
+        ``qwen2moe``), or any part of one split by gguf-split (``name-00001-of-00003.gguf``):
+        its experts paged block-quantized as stored (Q4_K, Q6_K, Q8_0, ... as
+        :mod:`colibri.layer` computes them), every other tensor dequantized.
     budget : int or str
         Most bytes of expert weights held in memory at once (``805306368``, ``"768MiB"``,
-        ``"3GiB"``); everything else of the model is resident on top of it.
+        ``"3GiB"``); everything else of the model is resident on top of it. ``"auto"``: what
+        the memory this process may use leaves (the cgroup limit or MemAvailable, less the
+        process, the resident weights and a margin: ``model.colibri.auto_budget`` says).
     policy : str
         The pager's cache policy (``"adaptive"``, the pager's default, ``"lru"``, ``"fifo"``,
         ``"lrfu"``, ...).
@@ -200,7 +235,9 @@ def from_pretrained(
         ``torch.set_num_threads``).
     dtype : torch.dtype or str, optional
         Compute dtype; default: the dtype the experts are stored in (then expert views are
-        used as they are; another dtype converts each expert on use).
+        used as they are; another dtype converts each expert on use); for block-quantized
+        experts bfloat16, with which decode-size experts run in the quantized kernel
+        (float32: every expert dequantized to float32 on use, exact but slower).
     partition : colibri.Partition, path or dict, optional
         Static expert partitioning: every router picks ``topk_groups`` groups of this
         partition, then its top-k inside them (changes the model's routing); a dict gives
@@ -209,6 +246,9 @@ def from_pretrained(
         Groups each token may use with ``partition``.
     record_trace : bool
         Record every expert load in ``model.colibri.pager.trace`` (for Belady's bound).
+    io : str, optional
+        The pager's backend (:class:`colibri.Pager`'s ``io``: ``"mmap"``, ``"view"`` or
+        ``"read"``; default: the pager's). ``"read"`` suits files that may change while in use.
 
     Returns
     -------
@@ -221,19 +261,27 @@ def from_pretrained(
     CheckpointError
         The directory is incomplete or contradicts its config.json (names file, tensor, fix).
     UnsupportedCheckpointError
-        A family or storage whose experts the pager cannot serve (says why and what works).
+        A family or storage whose experts the pager cannot serve (says why and what works),
+        or a config.json that asks to run the checkpoint's own code (``auto_map``).
+    ImportError
+        ``accelerate`` is missing (``pip install "colibri-moe[transformers]"``).
     """
     import colibri
-    from colibri.formats import FormatError, open_weights
+    from colibri.pager import IO_BACKENDS
+
+    _need_accelerate()
 
     if read_ahead not in READ_AHEAD_MODES:
         raise ValueError(
             f"from_pretrained(): read_ahead must be one of {READ_AHEAD_MODES} (got {read_ahead!r})"
         )
-    budget_bytes = parse_size(budget, "from_pretrained(): budget")
+    auto = isinstance(budget, str) and budget.strip().lower() == "auto"
+    budget_bytes = None if auto else parse_size(budget, "from_pretrained(): budget")
     if num_threads is not None:
-        check_int("from_pretrained(): num_threads", num_threads, 1)
-    checkpoint = Checkpoint(path)
+        check_threads(num_threads, "from_pretrained(): num_threads")
+    if io is not None:
+        check_choice("from_pretrained(): io", io, IO_BACKENDS)
+    checkpoint = GGUFCheckpoint(path) if is_gguf(path) else Checkpoint(path)
     config = _config(checkpoint)
     torch_dtype = _torch_dtype(config, checkpoint, dtype)
     model = _empty_model(config, checkpoint, torch_dtype)
@@ -244,18 +292,24 @@ def from_pretrained(
             f"{checkpoint.config['model_type']!r}) has no routed experts to page; load it with "
             "transformers' own from_pretrained"
         )
-    try:
-        source = open_weights(checkpoint.weights)
-    except (FormatError, KeyError) as exc:
-        raise CheckpointError(f"{exc}; fix: re-save the checkpoint") from None
+    source = checkpoint.expert_source()  # never opens a stray manifest or another file
     _check_experts(modules, source, checkpoint)
-    plan = _plan_resident(model, checkpoint)  # every check before any weight is read
+    # every check before any weight is read
+    if isinstance(checkpoint, GGUFCheckpoint):
+        plan = checkpoint.plan_resident(model)
+    else:
+        plan = _plan_resident(model, checkpoint)
+    chosen = None
+    if auto:  # what the memory this process may use leaves (_budget.py)
+        chosen = for_model(model, checkpoint, plan, source, page_size_kb, torch_dtype)
+        budget_bytes = chosen.nbytes
     pager = colibri.Pager(
         source,
         budget_bytes=budget_bytes,
         page_size_kb=page_size_kb,
         policy=policy,
         record_trace=record_trace,
+        io=io,
     )
     paging = Paging(
         pager=pager,
@@ -263,11 +317,13 @@ def from_pretrained(
         read_ahead=read_ahead,
         expert_bytes=source.total_expert_nbytes,
         num_threads=num_threads or 0,
+        auto_budget=chosen,
     )
     try:
         for name, module in modules:
             page(name, module, paging)
         paging.resident_bytes = _load_resident(model, checkpoint, plan, torch_dtype)
+        _generation_config(model, checkpoint)
         model.eval()
         patch(model, num_threads=num_threads)
         if partition is not None:
@@ -282,17 +338,42 @@ def from_pretrained(
     return model
 
 
+def _need_accelerate() -> None:
+    try:
+        import accelerate  # noqa: F401
+    except ImportError:
+        raise ImportError(
+            "from_pretrained() builds the model with accelerate's empty weights, and accelerate "
+            'is not installed: pip install "colibri-moe[transformers]"'
+        ) from None
+
+
 def _config(checkpoint: Checkpoint):
-    from transformers import AutoConfig
+    """The transformers config of ``checkpoint.config`` (the bytes already read and checked,
+    not the file again), refused before transformers could ask to run the checkpoint's code."""
+    import transformers
+    from transformers import CONFIG_MAPPING
+
+    where = checkpoint.config_path
+    model_type = checkpoint.config["model_type"]
+    if "auto_map" in checkpoint.config:
+        raise UnsupportedCheckpointError(
+            f"{where}: 'auto_map' asks to run Python code shipped with the checkpoint; colibri "
+            "never runs a checkpoint's code: use a model_type transformers itself implements"
+        )
+    if model_type not in CONFIG_MAPPING:
+        raise UnsupportedCheckpointError(
+            f"{where}: model_type {model_type!r} is not one transformers "
+            f"{transformers.__version__} implements; colibri runs no code but transformers' own"
+        )
+    from huggingface_hub.errors import StrictDataclassError  # a field of the wrong type
 
     try:
-        return AutoConfig.from_pretrained(checkpoint.path)
-    except (ValueError, KeyError) as exc:
-        import transformers
-
+        return CONFIG_MAPPING[model_type].from_dict(dict(checkpoint.config))
+    except (ValueError, KeyError, TypeError, StrictDataclassError) as exc:
         raise UnsupportedCheckpointError(
-            f"{checkpoint.path}/config.json: transformers {transformers.__version__} cannot "
-            f"read it (model_type {checkpoint.config.get('model_type')!r}): {exc}"
+            f"{where}: transformers {transformers.__version__} cannot read it (model_type "
+            f"{model_type!r}): {exc}"
         ) from None
 
 
@@ -303,12 +384,36 @@ def _empty_model(config: Any, checkpoint: Checkpoint, dtype: torch.dtype) -> nn.
 
     try:
         with init_empty_weights(include_buffers=False):
-            return AutoModelForCausalLM.from_config(config, dtype=dtype)
+            return AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=False)
     except ValueError as exc:
         raise UnsupportedCheckpointError(
             f"{checkpoint.path}: model_type {checkpoint.config['model_type']!r} has no causal "
             f"LM class in transformers ({exc})"
         ) from None
+
+
+def _generation_config(model: nn.Module, checkpoint: Checkpoint) -> None:
+    """``generation_config.json``, as transformers' ``from_pretrained`` reads it (its eos,
+    sampling defaults); without one, the model keeps the one its config gives."""
+    from transformers import GenerationConfig
+
+    path = f"{checkpoint.path}/generation_config.json"
+    if not model.can_generate() or not os.path.lexists(path):
+        return
+    try:
+        data = _json.mapping(read_json(path, "generation_config.json"), path, "the document")
+    except CheckpointError:
+        raise
+    except FormatError as exc:
+        raise CheckpointError(str(exc)) from None
+    try:
+        config = GenerationConfig.from_dict(data)
+    except (ValueError, TypeError) as exc:
+        raise CheckpointError(
+            f"{path}: transformers refuses it ({exc}); fix: correct or remove it"
+        ) from None
+    config._original_object_hash = hash(config)  # what transformers' from_pretrained records
+    model.generation_config = config
 
 
 def _partition(model: nn.Module, partition: Any, topk_groups: int) -> None:

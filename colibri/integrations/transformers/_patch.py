@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from colibri._validate import check_int
+from colibri._validate import check_threads
 from colibri.integrations.transformers._families import _KINDS, UnsupportedRouterError, _Kind
 from colibri.integrations.transformers._match import _classify, _family
 
@@ -205,7 +205,7 @@ def patch(
         The model has no MoE router colibri knows, or lives off the CPU.
     """
     if num_threads is not None:
-        check_int("patch(): num_threads", num_threads, 1)
+        check_threads(num_threads, "patch(): num_threads")
     plan: list[tuple[str, Any, _Kind, tuple]] = []
     problems: list[str] = []
     for name, module in model.named_modules():

@@ -1,0 +1,346 @@
+"""GGUF model files end to end: ``from_pretrained("model.gguf")`` and ``colibri generate``.
+
+A tiny random Qwen3-MoE is written as llama.cpp lays it out (``qwen3moe.*`` metadata, a
+byte-level BPE tokenizer in ``tokenizer.ggml.*``, non-expert tensors as F32 / F16 / Q8_0,
+stacked experts as random valid Q4_K / Q6_K or Q8_0 blocks). The reference is transformers'
+own model with every weight as the ``gguf`` package dequantizes it, in float32.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+gguf = pytest.importorskip("gguf")
+
+from gguf import GGMLQuantizationType as G  # noqa: E402
+
+from _support.hf_families import logits, token_ids  # noqa: E402
+from colibri.__main__ import main  # noqa: E402
+from colibri.integrations.transformers import (  # noqa: E402
+    CheckpointError,
+    UnsupportedCheckpointError,
+    from_pretrained,
+)
+
+H, I, E, K, LAYERS, HEADS, KV, HEAD_DIM = 256, 256, 4, 2, 2, 4, 2, 64
+# where each block type keeps its float16 scales, and its largest |level x sub-block scale|
+# (scales drawn so that weights are ~0.05, as in tests/layer/test_quant.py)
+_F16_FIELDS = {"q8_0": [0], "q4_k": [0, 2], "q6_k": [208], "q5_0": [0]}
+_LEVELS = {"q8_0": 127, "q4_k": 63 * 15, "q6_k": 128 * 32, "q5_0": 16}
+_TYPES = {"q8_0": G.Q8_0, "q4_k": G.Q4_K, "q6_k": G.Q6_K, "q5_0": G.Q5_0}
+
+
+def _blocks(rng, qtype: str, rows: int, cols: int) -> np.ndarray:
+    """Random valid blocks ``uint8 [rows, row_bytes]`` (every float16 scale small, finite)."""
+    per, size = gguf.GGML_QUANT_SIZES[_TYPES[qtype]]
+    n = cols // per
+    w = rng.integers(0, 256, (rows, n, size), dtype=np.uint8)
+    for at in _F16_FIELDS[qtype]:
+        scale = (rng.uniform(-0.05, 0.05, (rows, n)) / _LEVELS[qtype]).astype(np.float16)
+        w[:, :, at : at + 2] = scale.view(np.uint8).reshape(rows, n, 2)
+    return w.reshape(rows, n * size)
+
+
+def _tokenizer() -> tuple[list[str], list[str]]:
+    """A byte-level BPE vocabulary (GPT-2's byte alphabet, a few merges, one control token)."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    alphabet = list(bytes_to_unicode().values())
+    merges = ["h e", "l l", "he ll", "o Ġ", "w o"]
+    tokens = alphabet + [m.replace(" ", "") for m in merges] + ["<|endoftext|>"]
+    return tokens, merges
+
+
+def _reference_model(family: str, vocab: int):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    sizes = dict(
+        vocab_size=vocab, hidden_size=H, intermediate_size=512, moe_intermediate_size=I,
+        num_hidden_layers=LAYERS, num_attention_heads=HEADS, num_key_value_heads=KV,
+        num_experts=E, num_experts_per_tok=K, max_position_embeddings=256,
+        rope_theta=10000.0, rms_norm_eps=1e-6, tie_word_embeddings=False,
+        eos_token_id=vocab - 1, bos_token_id=None, pad_token_id=None,
+    )  # fmt: skip
+    if family == "qwen3_moe":  # llama.cpp normalises the top-k weights (transformers' GGUF default)
+        sizes.update(head_dim=HEAD_DIM, norm_topk_prob=True)
+    else:
+        sizes.update(shared_expert_intermediate_size=2 * I)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(family, **sizes))
+    return model.float().eval()
+
+
+# llama.cpp's names of each layer's non-expert tensors (its convert_hf_to_gguf.py); the router
+# of Qwen2-MoE's shared expert is stored as a vector, [H] for the model's [1, H]
+_LAYER_NAMES = {
+    "input_layernorm.weight": "attn_norm.weight",
+    "self_attn.q_proj.weight": "attn_q.weight", "self_attn.q_proj.bias": "attn_q.bias",
+    "self_attn.k_proj.weight": "attn_k.weight", "self_attn.k_proj.bias": "attn_k.bias",
+    "self_attn.v_proj.weight": "attn_v.weight", "self_attn.v_proj.bias": "attn_v.bias",
+    "self_attn.o_proj.weight": "attn_output.weight",
+    "self_attn.q_norm.weight": "attn_q_norm.weight",
+    "self_attn.k_norm.weight": "attn_k_norm.weight",
+    "post_attention_layernorm.weight": "ffn_norm.weight",
+    "mlp.gate.weight": "ffn_gate_inp.weight",
+    "mlp.shared_expert.gate_proj.weight": "ffn_gate_shexp.weight",
+    "mlp.shared_expert.up_proj.weight": "ffn_up_shexp.weight",
+    "mlp.shared_expert.down_proj.weight": "ffn_down_shexp.weight",
+    "mlp.shared_expert_gate.weight": "ffn_gate_inp_shexp.weight",
+}  # fmt: skip
+_NAMES = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight":
+          "output_norm.weight", "lm_head.weight": "output.weight"}  # fmt: skip
+
+
+def _write(path, experts=("q4_k", "q6_k"), family="qwen3_moe", arch=None, seed=0, split=0, ffn=I):
+    """Write the tiny model of ``family`` to ``path`` as llama.cpp does (architecture
+    ``arch``; ``split``: at most that many tensors a file, as gguf-split writes them); returns
+    the reference model (float32, weights as the file's dequantized values)."""
+    arch = arch or family.replace("_", "")
+    rng = np.random.default_rng(seed)
+    tokens, merges = _tokenizer()
+    ref = _reference_model(family, len(tokens))
+    w = gguf.GGUFWriter(str(path), arch, split_max_tensors=split)
+    w.add_context_length(256)
+    w.add_block_count(LAYERS)
+    w.add_feed_forward_length(512)
+    w.add_embedding_length(H)
+    w.add_rope_freq_base(10000.0)
+    w.add_key_length(HEAD_DIM)
+    w.add_value_length(HEAD_DIM)
+    w.add_head_count(HEADS)
+    w.add_head_count_kv(KV)
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_expert_count(E)
+    w.add_expert_used_count(K)
+    # transformers' qwen3moe / qwen2moe mappings do not read these two
+    w.add_expert_feed_forward_length(ffn)
+    if family == "qwen2_moe":
+        w.add_expert_shared_feed_forward_length(2 * I)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("qwen2")
+    w.add_token_list(tokens)
+    w.add_token_types([1] * (len(tokens) - 1) + [3])
+    w.add_token_merges(merges)
+    w.add_eos_token_id(len(tokens) - 1)
+    values = {}  # HF name -> the value the file holds
+    for hf, tensor in ref.state_dict().items():
+        if ".mlp.experts." in hf:
+            continue
+        parts = hf.split(".")
+        name = _NAMES.get(hf) or f"blk.{parts[2]}.{_LAYER_NAMES['.'.join(parts[3:])]}"
+        arr = tensor.detach().float().numpy()
+        if name == "blk.0.attn_q.weight":  # one quantized resident tensor
+            blocks = gguf.quants.quantize(arr, G.Q8_0)
+            w.add_tensor(name, blocks, raw_dtype=G.Q8_0)
+            values[hf] = gguf.quants.dequantize(blocks, G.Q8_0)
+            continue
+        if name == "output.weight":  # one float16 one
+            arr = arr.astype(np.float16)
+        w.add_tensor(name, arr.squeeze(0) if name.endswith("_inp_shexp.weight") else arr)
+        values[hf] = arr.astype(np.float32)
+    for layer in range(LAYERS):
+        stacks = {}
+        for proj, qtype, rows, cols in (("gate", experts[0], I, H), ("up", experts[0], I, H),
+                                        ("down", experts[1], H, I)):  # fmt: skip
+            blocks = np.stack([_blocks(rng, qtype, rows, cols) for _ in range(E)])
+            w.add_tensor(f"blk.{layer}.ffn_{proj}_exps.weight", blocks, raw_dtype=_TYPES[qtype])
+            stacks[proj] = gguf.quants.dequantize(blocks, _TYPES[qtype])
+        p = f"model.layers.{layer}.mlp.experts."
+        values[p + "gate_up_proj"] = np.concatenate([stacks["gate"], stacks["up"]], axis=1)
+        values[p + "down_proj"] = stacks["down"]
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    assert values.keys() == ref.state_dict().keys()
+    ref.load_state_dict({k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in values.items()})
+    return ref
+
+
+def _expert_bytes(experts=("q4_k", "q6_k")) -> int:
+    def nbytes(qtype, rows, cols):
+        per, size = gguf.GGML_QUANT_SIZES[_TYPES[qtype]]
+        return rows * cols // per * size
+
+    return 2 * nbytes(experts[0], I, H) + nbytes(experts[1], H, I)
+
+
+@pytest.fixture(scope="module")
+def written(tmp_path_factory):
+    cache = {}
+
+    def get(experts=("q4_k", "q6_k"), family="qwen3_moe"):
+        if (experts, family) not in cache:
+            path = tmp_path_factory.mktemp("gguf") / "tiny.gguf"
+            cache[experts, family] = path, _write(path, experts, family)
+        return cache[experts, family]
+
+    return get
+
+
+@pytest.mark.parametrize(
+    ("family", "experts"),
+    [("qwen3_moe", ("q4_k", "q6_k")), ("qwen3_moe", ("q8_0", "q8_0")),
+     ("qwen2_moe", ("q4_k", "q6_k"))],
+    ids=["qwen3_moe-q4_k-q6_k", "qwen3_moe-q8_0", "qwen2_moe-q4_k-q6_k"],
+)  # fmt: skip
+def test_float32_matches_the_dequantized_model(written, family, experts):
+    """dtype=float32: every expert takes the fallback (dequantized float32 GEMMs), so the
+    logits are the dequantized reference's within float32 rounding (Qwen2-MoE: with its
+    shared expert and attention biases, resident)."""
+    path, ref = written(experts, family)
+    model = from_pretrained(path, budget=2 * _expert_bytes(experts), page_size_kb=4,
+                            dtype=torch.float32)  # fmt: skip
+    try:
+        ids = token_ids(length=12, high=256)
+        want, got = logits(ref, ids), logits(model, ids)
+        assert got.dtype == torch.float32
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+        assert model.colibri.stats.misses > 0
+        assert model.colibri.expert_bytes == LAYERS * E * _expert_bytes(experts)
+    finally:
+        model.colibri.close()
+
+
+def test_default_bfloat16_runs_the_quantized_kernel(written):
+    """The default for a quantized file is bfloat16: decode-size experts take the quantized
+    kernel (activations as int8 blocks), so logits are the reference's within ~2% of their
+    range, the same next-token picks, and generate() runs."""
+    path, ref = written()
+    model = from_pretrained(path, budget=2 * _expert_bytes(), page_size_kb=4)
+    try:
+        assert model.dtype == torch.bfloat16
+        ids = token_ids(1, batch=1, length=6, high=256)  # <= 8 rows an expert: quantized kernel
+        want, got = logits(ref, ids), logits(model, ids)
+        span = (want.max() - want.min()).item()
+        assert (got - want).abs().max().item() < 0.02 * span
+        out = model.generate(ids, max_new_tokens=4, do_sample=False)
+        assert out.shape == (1, 10)
+    finally:
+        model.colibri.close()
+
+
+def test_auto_budget(written):
+    path, ref = written()
+    model = from_pretrained(path, budget="auto", page_size_kb=4, dtype=torch.float32)
+    try:
+        chosen = model.colibri.auto_budget
+        assert chosen.capped  # a tiny model: every expert fits
+        # resident weights counted dequantized, in float32
+        resident = sum(
+            t.numel() * 4 for n, t in ref.state_dict().items() if ".mlp.experts." not in n
+        )
+        assert chosen.resident == resident
+        ids = token_ids(length=12, high=256)
+        torch.testing.assert_close(logits(model, ids), logits(ref, ids), rtol=1e-4, atol=1e-3)
+    finally:
+        model.colibri.close()
+
+
+def test_generate_command(written, capsys):
+    path, _ = written()
+    before = sorted(os.listdir(path.parent))
+    code = main(["generate", str(path), "--budget", str(2 * _expert_bytes()), "--prompt",
+                 "hello world", "--max-new-tokens", "4", "--page-size-kb", "4"])  # fmt: skip
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    lines = captured.out.splitlines()
+    assert lines[0].startswith(str(path)) and "2 MoE layers x 4 experts" in lines[0]
+    assert lines[1].startswith("hello world")
+    assert sorted(os.listdir(path.parent)) == before  # nothing written beside the file
+
+
+def test_truncated_file(written, tmp_path):
+    path, _ = written()
+    data = path.read_bytes()
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(data[: len(data) // 2])
+    with pytest.raises(CheckpointError) as info:
+        from_pretrained(cut, budget="1MiB")
+    message = str(info.value)
+    assert str(cut) in message and "\n" not in message and "truncated" in message
+
+
+def test_architecture_without_experts(tmp_path):
+    """A dense architecture transformers reads (qwen3): no routed experts to page."""
+    path = tmp_path / "dense.gguf"
+    w = gguf.GGUFWriter(str(path), "qwen3")
+    w.add_block_count(1)
+    w.add_embedding_length(32)
+    w.add_tensor("blk.0.ffn_gate.weight", np.zeros((64, 32), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(UnsupportedCheckpointError) as info:
+        from_pretrained(path, budget="1MiB")
+    message = str(info.value)
+    assert str(path) in message and "'qwen3'" in message and "\n" not in message
+
+
+def test_architecture_transformers_does_not_read(tmp_path):
+    path = tmp_path / "other.gguf"
+    _write(path, arch="nonesuch")
+    with pytest.raises(UnsupportedCheckpointError) as info:
+        from_pretrained(path, budget="1MiB")
+    message = str(info.value)
+    assert str(path) in message and "'nonesuch'" in message and "\n" not in message
+
+
+def test_split_model(tmp_path):
+    """A model split by gguf-split (three parts, the metadata in the first) loads from any of
+    its parts; a missing part is named."""
+    ref = _write(tmp_path / "tiny.gguf", split=12)
+    parts = sorted(tmp_path.glob("tiny-*-of-00003.gguf"))
+    assert len(parts) == 3
+    model = from_pretrained(parts[1], budget=2 * _expert_bytes(), page_size_kb=4,
+                            dtype=torch.float32)  # fmt: skip
+    try:
+        assert model.colibri.checkpoint.files == [str(p) for p in parts]
+        want, got = (
+            logits(ref, token_ids(length=12, high=256)),
+            logits(model, token_ids(length=12, high=256)),
+        )
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+    finally:
+        model.colibri.close()
+    code = main(["generate", str(parts[2]), "--budget", str(2 * _expert_bytes()),
+                 "--max-new-tokens", "2", "--page-size-kb", "4"])  # fmt: skip
+    assert code == 0  # the tokenizer from the first part, whichever part is named
+    parts[2].unlink()
+    with pytest.raises(CheckpointError) as info:
+        from_pretrained(parts[0], budget="1MiB")
+    message = str(info.value)
+    assert message.startswith(str(parts[2])) and "part 3 of 3" in message
+    assert "\n" not in message
+
+
+def test_the_quantized_types_are_the_engines():
+    from colibri.integrations.transformers._gguf import QUANTIZED_TYPES
+    from colibri.layer import _quant
+
+    assert set(QUANTIZED_TYPES) == {t.upper() for t in _quant.TYPES}
+
+
+def test_experts_of_a_type_the_engine_does_not_compute(tmp_path):
+    path = tmp_path / "q5_0.gguf"
+    _write(path, experts=("q5_0", "q5_0"))
+    with pytest.raises(UnsupportedCheckpointError) as info:
+        from_pretrained(path, budget="1MiB")
+    message = str(info.value)
+    assert str(path) in message and "is Q5_0" in message and "\n" not in message
+
+
+def test_metadata_contradicting_the_experts(tmp_path):
+    path = tmp_path / "lies.gguf"
+    _write(path, ffn=2 * I)
+    with pytest.raises(CheckpointError) as info:
+        from_pretrained(path, budget="1MiB")
+    message = str(info.value)
+    assert str(path) in message and "GGUF metadata" in message and "\n" not in message
