@@ -340,23 +340,15 @@ def _learn_partitions(model, tokenizer, groups: int) -> dict:
 
 def run(args: argparse.Namespace) -> int:
     """Run the demo; returns the process exit status."""
-    try:
-        import torch  # noqa: F401
-        import transformers  # noqa: F401
-    except ImportError as exc:
-        print(
-            f"colibri demo: needs torch and transformers ({exc}): "
-            "pip install 'colibri-moe[cli]' torch",
-            file=sys.stderr,
-        )
-        return 2
     from colibri.cli import generate
+
+    generate.requirements("demo")
 
     for name in ("layers", "hidden", "expert_intermediate", "vocab", "max_new_tokens",
                  "batch_size"):  # fmt: skip
         value = getattr(args, name)
         if value is not None and value < 1:
-            raise SystemExit(f"colibri demo: --{name.replace('_', '-')} must be >= 1 (got {value})")
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1 (got {value})")
     shape = DemoShape(
         layers=args.layers,
         hidden=args.hidden,
@@ -400,9 +392,9 @@ def _with_partitions(model, tokenizer, groups: int, args, budget: int):
 
 def main(argv: list[str] | None = None) -> int:
     """Stand-alone entry point (``python -m colibri.demo``)."""
-    parser = argparse.ArgumentParser(prog="colibri demo", description=__doc__.splitlines()[0])
-    add_arguments(parser)
-    return run(parser.parse_args(argv))
+    from colibri.cli import main as colibri
+
+    return colibri(["demo", *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":

@@ -10,16 +10,20 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import time
 
+from colibri._regular import check_regular
 from colibri._units import format_bytes, parse_size, process_memory
+from colibri._validate import check_page_size_kb, check_threads
 
 __all__ = ["add_arguments", "budget", "generate", "load", "policy_names", "run"]
 
 
-def budget(text: str) -> int:
-    """``--budget``: bytes from ``805306368``, ``768MiB``, ``3GiB``, ``3GB`` (10**9)."""
+def budget(text: str) -> int | str:
+    """``--budget``: bytes from ``805306368``, ``768MiB``, ``3GiB``, ``3GB`` (10**9), or
+    ``auto``."""
+    if text.strip().lower() == "auto":
+        return "auto"
     try:
         return parse_size(text, "budget")
     except ValueError as exc:
@@ -43,18 +47,77 @@ def _positive(text: str) -> int:
     return value
 
 
+def _checked(check, text: str) -> int:
+    """``check(int(text))``, its ValueError as argparse's (which names the option)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer (got {text!r})") from None
+    try:
+        return check(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _threads(text: str) -> int:
+    return _checked(lambda n: check_threads(n, "the thread count"), text)
+
+
+def _page_size(text: str) -> int:
+    return _checked(check_page_size_kb, text)
+
+
+def _prompt(text: str) -> str:
+    if not text:
+        raise argparse.ArgumentTypeError("the prompt is empty; give some text to continue")
+    return text
+
+
+def _partition_file(text: str) -> str:
+    """A path naming a regular file (or a symlink to one)."""
+    try:
+        check_regular(text, "the partition file")
+    except (OSError, ValueError) as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
+# Files a transformers tokenizer is saved in; at least one of the first holds its vocabulary.
+VOCABULARY_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt",
+                    "spiece.model", "sentencepiece.bpe.model", "tekken.json")  # fmt: skip
+TOKENIZER_FILES = VOCABULARY_FILES + ("tokenizer_config.json", "special_tokens_map.json",
+                                      "added_tokens.json", "merges.txt")  # fmt: skip
+
+
+def check_tokenizer(folder: str | os.PathLike) -> None:
+    """``folder`` holds a tokenizer's vocabulary, in regular files only."""
+    found = [name for name in TOKENIZER_FILES if os.path.lexists(os.path.join(folder, name))]
+    for name in found:
+        check_regular(os.path.join(folder, name), "a tokenizer file")
+    if not set(found) & set(VOCABULARY_FILES):
+        raise FileNotFoundError(
+            f"{folder}: no tokenizer files (one of {', '.join(VOCABULARY_FILES)}); fix: save "
+            "the tokenizer beside the weights (tokenizer.save_pretrained(MODEL_DIR))"
+        )
+
+
 def add_arguments(parser: argparse.ArgumentParser, *, model: bool = True) -> None:
     """The ``generate`` options (``model=False``: all but MODEL_DIR, for ``colibri demo``)."""
     if model:
-        parser.add_argument("model_dir", metavar="MODEL_DIR", help="checkpoint directory")
+        parser.add_argument(
+            "model_dir", metavar="MODEL_DIR", help="checkpoint directory, or a .gguf model file"
+        )
         parser.add_argument(
             "--budget",
             type=budget,
             required=True,
             help="memory for expert weights: bytes or with a unit (805306368, 768MiB, 3GiB = "
-            "3*2**30, 3GB = 3*10**9)",
+            "3*2**30, 3GB = 3*10**9), or auto: what the memory this process may use leaves "
+            "(cgroup limit or MemAvailable, less the resident weights and a margin)",
         )
-    parser.add_argument("--prompt", default="The quick brown fox", help="text to continue")
+    parser.add_argument(
+        "--prompt", type=_prompt, default="The quick brown fox", help="text to continue"
+    )
     parser.add_argument(
         "--max-new-tokens", type=_positive, default=32, help="tokens to generate (default 32)"
     )
@@ -64,8 +127,23 @@ def add_arguments(parser: argparse.ArgumentParser, *, model: bool = True) -> Non
         choices=policy_names(),
         help="pager cache policy (default: adaptive)",
     )
-    parser.add_argument("--page-size-kb", type=int, default=64, help="pager page size (KiB)")
-    parser.add_argument("--threads", type=_positive, default=None, help="torch and routing threads")
+    parser.add_argument(
+        "--page-size-kb", type=_page_size, default=64, help="pager page size (KiB, 4, 8, ... 64)"
+    )
+    parser.add_argument(
+        "--threads",
+        type=_threads,
+        default=None,
+        help="torch and routing threads (1 to 4x the CPUs)",
+    )
+    parser.add_argument(
+        "--io",
+        choices=("mmap", "read"),
+        default=None,
+        help="how the pager reads experts: mapped from the files (mmap) or read into its own "
+        "memory (read, for files that may change or network file systems); default: the "
+        "pager's",
+    )
     parser.add_argument(
         "--batch-size", type=_positive, default=1, help="copies of the prompt generated together"
     )
@@ -84,7 +162,10 @@ def add_arguments(parser: argparse.ArgumentParser, *, model: bool = True) -> Non
         help="= --read-ahead off",
     )
     parser.add_argument(
-        "--partition", default=None, help="a colibri Partition JSON: static expert partitioning"
+        "--partition",
+        type=_partition_file,
+        default=None,
+        help="a colibri Partition JSON: static expert partitioning",
     )
     parser.add_argument(
         "--topk-groups", type=_positive, default=1, help="groups per token with --partition"
@@ -133,10 +214,10 @@ def generate(model, tokenizer, args, *, out=print) -> dict:
     import torch
 
     paging = model.colibri
-    if tokenizer is None:
-        raise SystemExit("colibri generate: no tokenizer in the checkpoint directory")
     encoded = tokenizer([args.prompt] * args.batch_size, return_tensors="pt")
     prompt_len = int(encoded["input_ids"].shape[1])
+    if prompt_len == 0:
+        raise ValueError(f"--prompt {args.prompt!r} is no token for this tokenizer; give text")
     if args.stream:
         print(args.prompt, end="", flush=True)
     streamer = _Streamer(tokenizer, args.stream, paging)
@@ -206,8 +287,12 @@ def load(args, budget: int):
 
     from colibri.integrations.transformers import from_pretrained
 
+    gguf = _is_gguf(args.model_dir)
+    if not gguf:  # a GGUF file holds its tokenizer; transformers reads it from there
+        check_tokenizer(args.model_dir)  # before the weights: a model without one is no use here
     if args.threads:
         torch.set_num_threads(args.threads)
+    io = {"io": args.io} if getattr(args, "io", None) else {}
     model = from_pretrained(
         args.model_dir,
         budget=budget,
@@ -217,18 +302,30 @@ def load(args, budget: int):
         num_threads=args.threads,
         partition=args.partition,
         topk_groups=args.topk_groups,
+        **io,
     )
-    tokenizer = None
     try:
         from transformers import AutoTokenizer
 
-        tokenizer = AutoTokenizer.from_pretrained(args.model_dir)
+        folder, file = args.model_dir, {}
+        if gguf:  # the file's folder and name (a split model's first part) for transformers
+            folder, name = os.path.split(model.colibri.checkpoint.path)
+            file = {"gguf_file": name}
+        tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=False, **file)
     except (OSError, ValueError) as exc:
         model.colibri.close()
-        raise SystemExit(
-            f"colibri generate: {args.model_dir} has no tokenizer transformers can load ({exc})"
+        raise ValueError(
+            f"{args.model_dir}: transformers cannot load its tokenizer ({exc})"
         ) from None
+    except BaseException:
+        model.colibri.close()
+        raise
     return model, tokenizer
+
+
+def _is_gguf(path: str) -> bool:
+    """A GGUF model file, as ``from_pretrained`` tells (a ``*.gguf`` name, no directory)."""
+    return str(path).endswith(".gguf") and not os.path.isdir(path)
 
 
 def describe(model) -> str:
@@ -245,20 +342,30 @@ def describe(model) -> str:
     )
 
 
-def run(args: argparse.Namespace) -> int:
-    """Entry point of ``colibri generate``."""
-    from colibri import BudgetError
-    from colibri.integrations.transformers import CheckpointError
+def requirements(command: str) -> None:
+    """torch, transformers and accelerate, or an ImportError saying what to install."""
+    try:
+        import accelerate  # noqa: F401
+        import torch  # noqa: F401
+        import transformers  # noqa: F401
+    except ImportError as exc:
+        raise ImportError(
+            f"colibri {command} needs torch, transformers and accelerate ({exc}); fix: pip "
+            "install 'colibri-moe[cli]' torch"
+        ) from None
 
-    if not os.path.isdir(args.model_dir):
-        print(f"colibri generate: {args.model_dir!r} is not a directory", file=sys.stderr)
-        return 2
+
+def run(args: argparse.Namespace) -> int:
+    """Entry point of ``colibri generate`` (errors: see :func:`colibri.cli.main`)."""
+    if not os.path.isdir(args.model_dir) and not _is_gguf(args.model_dir):
+        raise NotADirectoryError(
+            f"{args.model_dir}: not a checkpoint directory (nor a .gguf model file)"
+        )
+    requirements("generate")
+    model, tokenizer = load(args, args.budget)
     try:
-        model, tokenizer = load(args, args.budget)
-    except (CheckpointError, BudgetError) as exc:
-        print(f"colibri generate: {exc}", file=sys.stderr)
-        return 2
-    try:
+        if model.colibri.auto_budget is not None:
+            print(model.colibri.auto_budget)
         print(describe(model))
         generate(model, tokenizer, args)
     finally:
