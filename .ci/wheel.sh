@@ -38,4 +38,4 @@ mkdir "$work/run"
 cp -r "$root/tests" "$root/pyproject.toml" "$work/run/"
 cd "$work/run"
 "$work/venv/bin/python" -c "import colibri, sys; assert 'site-packages' in colibri.__file__, colibri.__file__"
-"$work/venv/bin/pytest" -q -p no:cacheprovider
+"$work/venv/bin/pytest" -q -p no:cacheprovider -m "not slow"  # slow ones: the README job
