@@ -118,6 +118,25 @@ def _listing(folder: str) -> dict[str, tuple[int, int]]:
                 .st_size) for n in os.listdir(folder)}  # fmt: skip
 
 
+def _refuses_missing_experts(source, checkpoint) -> None:
+    """from_pretrained's check of the experts against the model (2 experts, hidden 4,
+    intermediate 2) raises CheckpointError for ``source``."""
+    import types
+
+    import torch
+
+    from colibri import FormatError
+    from colibri.integrations.transformers import _load
+
+    module = types.SimpleNamespace(gate_up_proj=torch.empty(2, 4, 4, device="meta"))
+    try:
+        _load._check_experts([("model.layers.0.block_sparse_moe.experts", module)], source,
+                             checkpoint)  # fmt: skip
+    except FormatError:
+        return
+    raise AssertionError("a checkpoint missing experts passed from_pretrained's expert check")
+
+
 def loader_check(target: str, root: str):
     """The contract of a loader target: ``check(data) -> accepted``."""
     from colibri import FormatError, Partition
@@ -142,7 +161,10 @@ def loader_check(target: str, root: str):
                 assert checkpoint.files and all(
                     os.path.dirname(f) == folder for f in checkpoint.files
                 )
-                assert len(checkpoint.expert_source().experts) == 2
+                source = checkpoint.expert_source()
+                if len(source.experts) != 2:  # an index naming fewer: from_pretrained refuses
+                    _refuses_missing_experts(source, checkpoint)
+                    return False
         except FormatError:  # CheckpointError and UnsupportedCheckpointError are FormatErrors
             return False
         finally:
