@@ -14,6 +14,7 @@ COMMANDS = (
     ("demo", "colibri.cli.demo", "run an MoE model larger than its memory budget"),
     ("generate", "colibri.cli.generate", "generate from an MoE checkpoint under a memory budget"),
     ("partition", "colibri.cli.partition", "build a partition from usage statistics"),
+    ("quantize", "colibri.cli.quantize", "rewrite a checkpoint with block-quantized experts"),
 )
 
 

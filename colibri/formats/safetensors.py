@@ -24,7 +24,24 @@ from colibri.formats._base import (
     check_extents,
 )
 
-__all__ = ["expert_source", "open_safetensors", "open_sharded", "read_header"]
+__all__ = [
+    "QUANTIZATION_KEY",
+    "QUANTIZED_BLOCKS",
+    "expert_source",
+    "open_safetensors",
+    "open_sharded",
+    "read_header",
+]
+
+#: The ``__metadata__`` key of a file ``colibri quantize`` wrote: a JSON object (as a string,
+#: the only value type the header allows) mapping each block-quantized tensor to its type
+#: (``"q4_k"``, ...). Such a tensor is stored as ``U8 [..., rows, row_bytes]``: every row its
+#: GGUF blocks; it is read as that type with the logical shape ``[..., rows, values]``.
+QUANTIZATION_KEY = "colibri_quantization"
+#: The block types colibri computes (include/colibri/quant.h; a test holds this table equal to
+#: ``colibri.layer``'s): values and bytes per block.
+QUANTIZED_BLOCKS = {"q8_0": (32, 34), "q4_0": (32, 18), "q4_k": (256, 144), "q5_k": (256, 176),
+                    "q6_k": (256, 210), "iq4_xs": (256, 136), "mxfp4": (32, 17)}  # fmt: skip
 
 
 def read_header(path: str) -> dict[str, TensorInfo]:
@@ -68,9 +85,11 @@ def read_header(path: str) -> dict[str, TensorInfo]:
     )
     start = 8 + length
     tensors = {}
+    metadata: dict[str, str] = {}
     for name, entry in header.items():
         if name == "__metadata__":
-            for key, value in _json.mapping(entry, path, name).items():
+            metadata = _json.mapping(entry, path, name)
+            for key, value in metadata.items():
                 _json.string(value, path, f"__metadata__.{key}")
             continue
         entry = _json.mapping(entry, path, name)
@@ -105,8 +124,37 @@ def read_header(path: str) -> dict[str, TensorInfo]:
             f"without holes or overlaps, as the safetensors format requires (they cover [0, "
             f"{covered}) then leave a gap or overlap); the file is truncated or corrupt"
         )
+    if QUANTIZATION_KEY in metadata:
+        _read_quantized(path, tensors, metadata[QUANTIZATION_KEY])
     check_extents(path, size, start, tensors.values())
     return tensors
+
+
+def _read_quantized(path: str, tensors: dict[str, TensorInfo], types: str) -> None:
+    """Give each tensor the :data:`QUANTIZATION_KEY` entry ``types`` names its block type
+    and logical shape (in place), after checking it is ``U8`` rows of whole blocks."""
+    where = f"__metadata__.{QUANTIZATION_KEY}"
+    types = _json.mapping(_json.parse(types.encode(), path, what=where), path, where)
+    for name, qtype in types.items():
+        qtype = _json.string(qtype, path, f"{where}.{name}")
+        if qtype not in QUANTIZED_BLOCKS:
+            raise FormatError(
+                f"{path}: {where} gives tensor {name!r} the type {_json.show(qtype)}; colibri "
+                f"computes {', '.join(QUANTIZED_BLOCKS)}"
+            )
+        t = tensors.get(name)
+        if t is None:
+            raise FormatError(f"{path}: {where} names tensor {name!r}, which the file lacks")
+        values, size = QUANTIZED_BLOCKS[qtype]
+        if t.dtype != "U8" or len(t.shape) < 2 or not t.shape[-1] or t.shape[-1] % size:
+            raise FormatError(
+                f"{path}: tensor {name!r} is {qtype} by {where}, so it must be U8 [..., rows, "
+                f"row_bytes] with row_bytes a positive multiple of {size} (whole blocks) (got "
+                f"{t.dtype} {list(t.shape)}); the file is corrupt"
+            )
+        shape = (*t.shape[:-1], t.shape[-1] // size * values)
+        tensors[name] = TensorInfo(name, t.path, t.offset, t.nbytes, qtype.upper(), shape,
+                                   (values, size))  # fmt: skip
 
 
 def expert_source(path: str, tensors: dict[str, TensorInfo]) -> WeightSource:

@@ -19,6 +19,7 @@ from colibri.layer._engine import KERNEL_MAX_ROWS, ExpertStore, run_experts
 from colibri.layer._expert import activation_function, expert_ffn
 from colibri.layer._ffn import detected_path, ffn_path, simd_path
 from colibri.layer._moe import InMemoryExperts, MoELayer
+from colibri.layer._quant import check_row_values, dequantize, quantize
 
 __all__ = [
     "KERNEL_MAX_ROWS",
@@ -28,12 +29,15 @@ __all__ = [
     "InMemoryExperts",
     "MoELayer",
     "activation_function",
+    "check_row_values",
     "combine",
     "detected_path",
+    "dequantize",
     "dispatch",
     "expert_ffn",
     "ffn_path",
     "gather",
+    "quantize",
     "run_experts",
     "simd_path",
 ]

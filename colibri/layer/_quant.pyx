@@ -383,3 +383,120 @@ def ffn_sum(const float[:, ::1] x, list experts, qtype, act, const int64_t[::1] 
         free(f)
         free(first)
         free(scratch)
+
+
+# ---- quantizers: float rows -> blocks (include/colibri/quantize.h) ---------------------------
+
+cdef extern from "colibri/quantize.h" nogil:
+    void colibri_quantize_row(int type, const float *x, int64_t K, uint8_t *out) noexcept
+
+
+cdef extern from "colibri/pool.h" nogil:
+    ctypedef void (*colibri_chunk_fn)(void *arg, int32_t chunk) noexcept nogil
+    void colibri_pool_run(colibri_chunk_fn fn, void *arg, int32_t chunks, int threads) noexcept
+
+
+ctypedef struct _QuantizeJob:
+    int type
+    const float *x
+    uint8_t *out
+    int64_t rows, K, row_bytes
+    int32_t chunks
+
+
+cdef void _quantize_chunk(void *arg, int32_t c) noexcept nogil:
+    cdef const _QuantizeJob *j = <const _QuantizeJob *>arg
+    cdef int64_t r
+    for r in range(c * j.rows // j.chunks, (c + 1) * j.rows // j.chunks):
+        colibri_quantize_row(j.type, j.x + r * j.K, j.K, j.out + r * j.row_bytes)
+
+
+#: Types whose blocks hold 32 values (what a row length that is no multiple of 256 can use).
+SMALL_BLOCK_TYPES = tuple(name for name in TYPES if colibri_q_block[TYPES[name]] == 32)
+
+
+def check_row_values(qtype, int values):
+    """Raise ValueError unless rows of ``values`` values split into whole ``qtype`` blocks
+    (the message names the type, the row length and the types that fit)."""
+    cdef int t = _type(qtype)
+    if values > 0 and values % colibri_q_block[t] == 0:
+        return
+    if values > 0 and values % 32 == 0:
+        hint = f"use a type with 32-value blocks ({', '.join(SMALL_BLOCK_TYPES)})"
+    else:
+        hint = "no colibri type fits: every block holds a multiple of 32 values"
+    raise ValueError(
+        f"{qtype} quantizes rows in blocks of {colibri_q_block[t]} values, but these rows hold "
+        f"{values} ({values} is not a multiple of {colibri_q_block[t]}); {hint}"
+    )
+
+
+def quantize(x, qtype, int num_threads=0):
+    """Float rows -> rows of ``qtype`` blocks, as ggml's reference quantizers make them.
+
+    Parameters
+    ----------
+    x : ndarray of float32, float16 or bfloat16 (ml_dtypes), shape (rows, K)
+        Finite values; K a multiple of ``BLOCK[qtype]`` (256 for the K-quants and iq4_xs,
+        32 for the others).
+    qtype : str
+        One of ``TYPES``.
+    num_threads : int
+        Threads (the caller and pool helpers); 0: all.
+
+    Returns
+    -------
+    ndarray of uint8, shape (rows, K // BLOCK[qtype] * BLOCK_BYTES[qtype])
+        ``dequantize(qtype, out)`` approximates ``x``.
+
+    Raises
+    ------
+    TypeError
+        ``x`` is not a 2-D float32, float16 or bfloat16 array.
+    ValueError
+        K is not a multiple of the type's block (naming the type, K and the types that fit),
+        or ``x`` holds NaN or inf (naming the first row and column).
+    """
+    from colibri.layer import _rows
+
+    cdef int t = _type(qtype)
+    x = np.asarray(x)
+    name = x.dtype.name
+    if name not in ("float32", "float16", "bfloat16") or x.ndim != 2:
+        raise TypeError(
+            f"quantize(): x must be a 2-D float32, float16 or bfloat16 array (got {name} "
+            f"{list(x.shape)})"
+        )
+    check_row_values(qtype, x.shape[1])
+    cdef int threads = num_threads if num_threads > 0 else colibri_max_threads()
+    if name == "float32":
+        x = np.ascontiguousarray(x)
+    else:
+        kind = _rows.KIND_FLOAT16 if name == "float16" else _rows.KIND_BFLOAT16
+        wide = np.empty(x.shape, np.float32)
+        _rows.to_float32(np.ascontiguousarray(x).view(np.uint16), kind, threads, wide)
+        x = wide
+    finite = np.isfinite(x)
+    if not finite.all():
+        r, c = np.argwhere(~finite)[0]
+        raise ValueError(
+            f"quantize(): the values hold NaN or inf (first at row {r}, column {c}: "
+            f"{x[r, c]}); no {qtype} block encodes them: fix or drop the source weights"
+        )
+    cdef int64_t K = x.shape[1]
+    out = np.empty((x.shape[0], K // colibri_q_block[t] * colibri_q_bytes[t]), np.uint8)
+    if x.shape[0] == 0:
+        return out
+    cdef const float[:, ::1] xv = x
+    cdef uint8_t[:, ::1] ov = out
+    cdef _QuantizeJob job
+    job.type = t
+    job.x = &xv[0, 0]
+    job.out = &ov[0, 0]
+    job.rows = x.shape[0]
+    job.K = K
+    job.row_bytes = out.shape[1]
+    job.chunks = <int32_t>min(x.shape[0], 4 * threads)
+    with nogil:
+        colibri_pool_run(_quantize_chunk, &job, job.chunks, threads)
+    return out

@@ -51,6 +51,7 @@ from colibri.integrations.transformers._patch import (
     unpatch,
 )
 from colibri.integrations.transformers._predict import PredictionStats
+from colibri.integrations.transformers._quantize import quantize_checkpoint
 
 __all__ = [
     "CHECKED_VERSION",
@@ -65,6 +66,7 @@ __all__ = [
     "from_pretrained",
     "patch",
     "patched_routers",
+    "quantize_checkpoint",
     "supported_routers",
     "unpatch",
 ]

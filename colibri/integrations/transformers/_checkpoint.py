@@ -24,9 +24,10 @@ import torch
 from colibri import _json
 from colibri._regular import CheckpointError, check_regular, read_regular
 from colibri.formats import FormatError, TensorInfo, WeightSource, expert_tensor
-from colibri.formats.safetensors import expert_source, read_header
+from colibri.formats.safetensors import QUANTIZED_BLOCKS, expert_source, read_header
 
 __all__ = [
+    "QUANTIZATION_CONFIG",
     "TORCH_DTYPES",
     "Checkpoint",
     "CheckpointError",
@@ -36,6 +37,9 @@ __all__ = [
     "read_bytes",
 ]
 
+#: config.json's entry in a checkpoint ``colibri quantize`` wrote: ``{"type": "q4_k", ...}``
+#: (each file's metadata names every quantized tensor's type).
+QUANTIZATION_CONFIG = "colibri_quantization"
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 #: Largest config.json (or generation_config.json) read; real ones are a few KiB.
@@ -310,6 +314,7 @@ class Checkpoint(TensorTable):
                         )
         self._check_expert_counts()
         self._check_experts_complete()
+        self._check_quantization()
 
     def _find_weights(self) -> tuple[str, bool]:
         """The file transformers loads (and whether it is a shard index), in its order:
@@ -409,6 +414,33 @@ class Checkpoint(TensorTable):
                 raise CheckpointError(
                     f"{info.path}: tensor {name!r} stores {count} experts but {limit}; fix: use "
                     "the config.json this checkpoint was saved with, or re-download the file"
+                )
+
+    def _check_quantization(self) -> None:
+        """A checkpoint ``colibri quantize`` wrote says so in config.json
+        (:data:`QUANTIZATION_CONFIG`: ``{"type": "q4_k", ...}``): then every routed-expert
+        tensor must be block-quantized (its file's metadata says which type), never a float
+        tensor of another checkpoint's files."""
+        entry = self.config.get(QUANTIZATION_CONFIG)
+        if entry is None:
+            return
+        where = f"{self.path}/config.json"
+        entry = _json.mapping(entry, where, QUANTIZATION_CONFIG)
+        qtype = entry.get("type")
+        if qtype not in QUANTIZED_BLOCKS:
+            raise CheckpointError(
+                f"{where}: {QUANTIZATION_CONFIG + '.type'!r} must be one of "
+                f"{', '.join(QUANTIZED_BLOCKS)} "
+                f"(got {_json.show(qtype)}); fix: re-run colibri quantize"
+            )
+        for name in self.expert_names():
+            info = self.tensors[name]
+            if info.dtype in TORCH_DTYPES:
+                raise CheckpointError(
+                    f"{info.path}: config.json says the experts are quantized ({qtype}, by "
+                    f"colibri quantize) but tensor {name!r} is stored as {info.dtype} with no "
+                    "block type in its file's metadata; the directory mixes files of two "
+                    "checkpoints; fix: re-run colibri quantize into a new directory"
                 )
 
     def expert_source(self) -> WeightSource:

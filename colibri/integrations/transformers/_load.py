@@ -180,11 +180,24 @@ def _torch_dtype(config: Any, checkpoint: Checkpoint, dtype: Any) -> torch.dtype
         return dtype
     names = checkpoint.expert_names()
     stored = checkpoint.tensors[names[0]].dtype if names else None
-    if stored is not None and stored not in TORCH_DTYPES:  # block-quantized (GGUF)
-        return torch.bfloat16  # the quantized kernel's experts; float32: dequantized GEMMs
+    if stored is not None and stored not in TORCH_DTYPES:  # block-quantized
+        if not isinstance(checkpoint, GGUFCheckpoint):  # colibri quantize: as the rest is
+            stored = _resident_dtype(checkpoint)
+        else:
+            return torch.bfloat16  # the quantized kernel's experts; float32: dequantized GEMMs
     return {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}.get(
         stored, getattr(config, "dtype", None) or torch.float32
     )
+
+
+def _resident_dtype(checkpoint: Checkpoint) -> str | None:
+    """The float dtype (``F32``, ``F16`` or ``BF16``) holding most of the non-expert bytes."""
+    held: dict[str, int] = {}
+    for name in checkpoint.resident_names():
+        info = checkpoint.tensors[name]
+        if info.dtype in ("F32", "F16", "BF16"):
+            held[info.dtype] = held.get(info.dtype, 0) + info.nbytes
+    return max(held, key=held.__getitem__) if held else None
 
 
 def from_pretrained(
@@ -213,7 +226,9 @@ def from_pretrained(
         Or a ``*.gguf`` model file of an MoE architecture transformers reads (``qwen3moe``,
         ``qwen2moe``), or any part of one split by gguf-split (``name-00001-of-00003.gguf``):
         its experts paged block-quantized as stored (Q4_K, Q6_K, Q8_0, ... as
-        :mod:`colibri.layer` computes them), every other tensor dequantized.
+        :mod:`colibri.layer` computes them), every other tensor dequantized. A directory
+        ``colibri quantize`` wrote (:func:`quantize_checkpoint`) pages its experts as stored
+        too.
     budget : int or str
         Most bytes of expert weights held in memory at once (``805306368``, ``"768MiB"``,
         ``"3GiB"``); everything else of the model is resident on top of it. ``"auto"``: what
@@ -236,7 +251,8 @@ def from_pretrained(
     dtype : torch.dtype or str, optional
         Compute dtype; default: the dtype the experts are stored in (then expert views are
         used as they are; another dtype converts each expert on use); for block-quantized
-        experts bfloat16, with which decode-size experts run in the quantized kernel
+        experts of a GGUF file bfloat16 (of a ``colibri quantize`` directory: the dtype of
+        its other tensors), with which decode-size experts run in the quantized kernel
         (float32: every expert dequantized to float32 on use, exact but slower).
     partition : colibri.Partition, path or dict, optional
         Static expert partitioning: every router picks ``topk_groups`` groups of this
