@@ -16,7 +16,7 @@ from colibri._regular import check_regular
 from colibri._units import format_bytes, parse_size, process_memory
 from colibri._validate import check_page_size_kb, check_threads
 
-__all__ = ["add_arguments", "budget", "generate", "load", "policy_names", "run"]
+__all__ = ["add_arguments", "budget", "compile_forward", "generate", "load", "policy_names", "run"]
 
 
 def budget(text: str) -> int | str:
@@ -175,6 +175,13 @@ def add_arguments(parser: argparse.ArgumentParser, *, model: bool = True) -> Non
     )
     parser.add_argument("--seed", type=int, default=0, help="seed for --sample")
     parser.add_argument(
+        "--compile",
+        action="store_true",
+        help="compile the model's forward with torch.compile (inductor, needs a C++ "
+        "compiler) before generating; compiling takes time on the first tokens (tens of "
+        "seconds), counted in the prefill figure",
+    )
+    parser.add_argument(
         "--no-stream", dest="stream", action="store_false", help="print the text at the end only"
     )
 
@@ -209,10 +216,22 @@ class _Streamer:
             print(flush=True)
 
 
-def generate(model, tokenizer, args, *, out=print) -> dict:
-    """Generate with a model from ``from_pretrained`` and print the figures; returns them."""
+def compile_forward(model, backend: str = "inductor") -> None:
+    """Replace ``model.forward`` by ``torch.compile`` of it, one graph (``fullgraph=True``:
+    colibri's routing and paged experts are custom operators, no graph break); compiled on
+    the first call, again when the shapes change (prefill, then decode)."""
     import torch
 
+    model.forward = torch.compile(model.forward, fullgraph=True, backend=backend)
+
+
+def generate(model, tokenizer, args, *, out=print, compile_backend: str = "inductor") -> dict:
+    """Generate with a model from ``from_pretrained`` and print the figures; returns them.
+    ``args.compile``: :func:`compile_forward` first, with ``compile_backend``."""
+    import torch
+
+    if getattr(args, "compile", False):
+        compile_forward(model, compile_backend)
     paging = model.colibri
     encoded = tokenizer([args.prompt] * args.batch_size, return_tensors="pt")
     prompt_len = int(encoded["input_ids"].shape[1])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import sys
 from typing import Any
 
 import numpy as np
@@ -157,6 +158,15 @@ def route_from_dlpack(logits: Any, ctx: Context, *, out: Any = None) -> tuple[An
     weights : ``[T, k]`` float32
         In ``logits``' framework (a capsule gives numpy), zero-copy.
 
+    Notes
+    -----
+    Inside ``jax.jit`` or ``jax.vmap`` (``logits`` a jax tracer, ``[..., T, E]`` under
+    vmap) the routing runs on the host through ``jax.pure_callback``, batched rows merged
+    into one call: the results equal eager routing's exactly (bfloat16 logits are widened to
+    float32 first, which is exact). ``out=`` is refused there (traced arrays are immutable),
+    and ``ids_dtype="int64"`` needs ``jax_enable_x64``. ``ctx.route`` itself takes no tracers:
+    it is the compiled fast path.
+
     Raises
     ------
     TypeError
@@ -178,7 +188,63 @@ def route_from_dlpack(logits: Any, ctx: Context, *, out: Any = None) -> tuple[An
             f"route_from_dlpack(logits, ctx): ctx must be a colibri.Context "
             f"(got {type(ctx).__name__}); create one with colibri.init()"
         )
+    if _traced(logits):
+        return _route_traced(ctx, logits, out)
     return ctx.route(logits, out=out)
+
+
+_FLOATS = ("float32", "float64", "float16", "bfloat16")
+
+
+def _traced(logits: Any) -> bool:
+    """Whether ``logits`` is a jax tracer (inside ``jax.jit``, ``jax.vmap``...)."""
+    jax = sys.modules.get("jax")  # never imported here: a tracer means jax is loaded
+    return jax is not None and isinstance(logits, jax.core.Tracer)
+
+
+def _route_traced(ctx: Router, logits: Any, out: Any) -> tuple[Any, Any]:
+    """Route a jax tracer ``[..., E]`` through ``jax.pure_callback``: ``[..., k]`` ids (the
+    context's ids dtype) and float32 weights, computed by ``ctx.route`` on the host."""
+    import jax
+
+    if out is not None:
+        raise ValueError(
+            "route(out=...) cannot fill buffers inside jax.jit/vmap (traced arrays are "
+            "immutable); drop out= and use the returned arrays"
+        )
+    shape, dtype = tuple(logits.shape), str(logits.dtype)
+    if dtype not in _FLOATS:
+        raise TypeError(
+            f"route(logits): logits must be floating point (float32, float64, float16 or "
+            f"bfloat16), got {dtype}"
+        )
+    E, k = ctx.num_experts, ctx.top_k
+    if len(shape) not in (1, 2) or shape[-1] != E:
+        raise ValueError(
+            f"route(logits): traced logits must be [E] or [T, E] with E={E} (the context's "
+            f"num_experts), got shape {shape}; reshape to (-1, {E})"
+        )
+    ids_dtype = np.dtype(ctx.config.ids_dtype)
+    if ids_dtype.itemsize == 8 and not jax.config.read("jax_enable_x64"):
+        raise TypeError(
+            "route(): this context returns int64 ids, which jax holds only with "
+            "jax_enable_x64; init() the context with ids_dtype='int32' (the default) or "
+            "enable x64 (jax.config.update('jax_enable_x64', True))"
+        )
+
+    def host(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        x = np.asarray(x)
+        if x.dtype.name == "bfloat16":  # ml_dtypes' numpy bfloat16 has no DLPack export
+            x = x.astype(np.float32)
+        lead = x.shape[:-1]  # [T] or [], with vmap's batch dimensions in front
+        ids, weights = Router.route(ctx, x.reshape(-1, E))
+        return ids.reshape(*lead, k), weights.reshape(*lead, k)
+
+    result = (
+        jax.ShapeDtypeStruct((*shape[:-1], k), ids_dtype),
+        jax.ShapeDtypeStruct((*shape[:-1], k), np.float32),
+    )
+    return jax.pure_callback(host, result, logits, vmap_method="expand_dims")
 
 
 def route(logits: Any, top_k: int, **options: Any) -> tuple[Any, Any]:
@@ -206,7 +272,9 @@ def route(logits: Any, top_k: int, **options: Any) -> tuple[Any, Any]:
 
     Notes
     -----
-    Each call builds a context; for repeated calls build one with :func:`init`.
+    Each call builds a context; for repeated calls build one with :func:`init`. Inside
+    ``jax.jit`` or ``jax.vmap`` it routes as :func:`route_from_dlpack` does (the context is
+    built when tracing).
 
     Examples
     --------
@@ -221,4 +289,4 @@ def route(logits: Any, top_k: int, **options: Any) -> tuple[Any, Any]:
         shape = logits.shape
     if len(shape) not in (1, 2):
         raise ValueError(f"route(): logits must be [E] or [T, E], got shape {tuple(shape)}")
-    return init(shape[-1], top_k, **options).route(logits)
+    return route_from_dlpack(logits, init(shape[-1], top_k, **options))

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from colibri._dlpack import to_caller
+from colibri.integrations.transformers import _ops
 from colibri.integrations.transformers._checkpoint import CheckpointError, layer_index
 from colibri.integrations.transformers._predict import Predictor
 from colibri.layer import ExpertWeights, run_experts
@@ -131,6 +132,7 @@ class _Layer:
     activation: str | None  # the fused kernel's name for the module's act_fn, if it has one
     paging: Paging
     next: tuple | None = None  # (layer, router, block) of the next paged MoE block
+    handle: int = 0  # names the module to the colibri::experts operator (compiled graphs)
 
 
 # -- which experts modules can be paged -----------------------------------------------------
@@ -229,6 +231,7 @@ def page(name: str, module: nn.Module, paging: Paging) -> int:
         num_experts=int(module.gate_up_proj.shape[0]),
         activation=_kernel_activation(module.act_fn),
         paging=paging,
+        handle=_ops.handle(module),
     )
     paging.layers[state.layer] = state.num_experts
     paging.modules[state.layer] = module
@@ -271,6 +274,8 @@ def experts_forward(
             "model loaded by colibri.integrations.transformers.from_pretrained (their weights "
             "are paged from the checkpoint); this module has none"
         )
+    if torch.compiler.is_compiling():  # an opaque node of the graph
+        return _ops.experts(state.handle, hidden_states, top_k_index, top_k_weights)
     paging = state.paging
     pager = paging.open_pager()
     T = hidden_states.shape[0]

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from colibri._validate import check_threads
+from colibri.integrations.transformers import _ops
 from colibri.integrations.transformers._families import _KINDS, UnsupportedRouterError, _Kind
 from colibri.integrations.transformers._match import _classify, _family
 
@@ -56,7 +57,8 @@ class _Routing:
     ``tensors`` maps a colibri option (``correction_bias``, ``expert_scale``) to a reader
     of the module's live parameter/buffer; the context is rebuilt when one of them is
     replaced or modified in place (``load_state_dict``, ``.to()``), tracked by identity
-    and torch's version counter.
+    and torch's version counter. ``handle`` names it to the ``colibri::route`` operator,
+    which routes in compiled graphs.
     """
 
     def __init__(
@@ -75,6 +77,7 @@ class _Routing:
         self.num_threads = num_threads
         self._ctx: Any = None
         self._key: tuple | None = None
+        self.handle = _ops.handle(self)
         if module is not None:  # build now: colibri validates the options at patch time
             self._refresh({name: read(module) for name, read in tensors.items()})
 
@@ -96,6 +99,12 @@ class _Routing:
         self._ctx = colibri.init(self.num_experts, self.top_k, ids_dtype="int64", **options)
         self._key = key
 
+    def context(self, live: dict[str, torch.Tensor]) -> Any:
+        """The colibri context for the tensor options ``live`` (rebuilt if they changed)."""
+        if live or self._ctx is None:
+            self._refresh(live)
+        return self._ctx
+
     def route(
         self, module: Any, logits: torch.Tensor, **given: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -103,10 +112,8 @@ class _Routing:
 
         ``given`` holds tensor options the block passes at call time (MiniMax-M2's bias).
         """
-        if self.tensors or given or self._ctx is None:
-            live = {name: read(module) for name, read in self.tensors.items()}
-            live.update(given)
-            self._refresh(live)
+        live = {name: read(module) for name, read in self.tensors.items()}
+        live.update(given)
         if logits.requires_grad and module.training and torch.is_grad_enabled():
             raise RuntimeError(
                 f"{type(module).__name__} is in training mode with gradients on, but colibri's "
@@ -121,7 +128,9 @@ class _Routing:
             )
         if logits.dim() != 2:
             logits = logits.reshape(-1, logits.shape[-1])
-        return self._ctx.route(logits.detach())
+        if torch.compiler.is_compiling():  # an opaque node of the graph
+            return _ops.route(self.handle, logits, live)
+        return self.context(live).route(logits.detach())
 
 
 # --------------------------------------------------------------------------------------
