@@ -31,8 +31,11 @@ __all__ = [
     "assemble_experts",
     "expert_tensor",
     "check_extents",
+    "fp8_scale",
+    "is_fp8_scale",
     "numpy_dtype",
     "DTYPE_SIZES",
+    "FP8_BLOCKED",
 ]
 
 #: Largest JSON header or manifest colibri agrees to parse (safetensors uses the same bound).
@@ -74,6 +77,13 @@ def numpy_dtype(name: str) -> np.dtype:
 
 #: The compute name (numpy's spelling) of each stored float dtype an expert may have.
 STORED_NAMES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16"}
+#: :class:`ExpertWeights`' dtype of float8 experts: e4m3fn bytes with one scale per 128 x 128
+#: block (DeepSeek-V3 / Qwen3 FP8 checkpoints); their ``scales`` hold the block scales.
+FP8_BLOCKED = "float8_e4m3_b128"
+#: Rows and columns of one float8 scale block.
+FP8_BLOCK = 128
+#: What a float8 weight's block-scale tensor is named: the weight's name and this.
+FP8_SCALE_SUFFIX = "_scale_inv"
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,6 +104,12 @@ class ExpertWeights:
     down_dtype : str
         ``down``'s, where it differs (GGUF files mix ``q4_k`` gate and up with ``q6_k``
         down); ``dtype`` when not given.
+    scales : tuple or None
+        Block-scaled float8 experts only (``dtype`` ``"float8_e4m3_b128"``, the matrices
+        e4m3fn bytes: ``uint8`` or ml_dtypes' ``float8_e4m3fn``): ``(gate_scale, up_scale,
+        down_scale)``, float32 (or bfloat16) ``[ceil(rows / 128), ceil(cols / 128)]`` of
+        their matrix; the real weight is ``e4m3(w[i, j]) * scale[i // 128, j // 128]``.
+        None for every other dtype. Iterating an expert still gives its three matrices.
 
     Examples
     --------
@@ -110,17 +126,26 @@ class ExpertWeights:
     down: Any
     dtype: str = ""
     down_dtype: str = ""
+    scales: tuple | None = None
 
     def __post_init__(self) -> None:
         if not self.dtype:
             object.__setattr__(self, "dtype", _dtype_name(self.gate))
         if not self.down_dtype:
             object.__setattr__(self, "down_dtype", self.dtype)
+        if (self.scales is not None) != (self.dtype == FP8_BLOCKED) or (
+            self.scales is not None and len(self.scales) != 3
+        ):
+            raise ValueError(
+                f"ExpertWeights(): {FP8_BLOCKED!r} experts need scales=(gate, up, down) block "
+                f"scales and no other dtype takes any (got dtype {self.dtype!r}, "
+                f"{'no' if self.scales is None else len(self.scales)} scales)"
+            )
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the three matrices."""
-        return sum(_nbytes(m) for m in (self.gate, self.up, self.down))
+        """Bytes of the three matrices (and of their block scales)."""
+        return sum(_nbytes(m) for m in (self.gate, self.up, self.down, *(self.scales or ())))
 
     def __iter__(self):
         """``gate, up, down = expert``."""
@@ -202,35 +227,44 @@ class ExpertLayout:
     gate: TensorRef
     up: TensorRef
     down: TensorRef
+    #: float8 experts: the block scales of gate, up and down (paged with them), else None.
+    scales: tuple[TensorRef, TensorRef, TensorRef] | None = None
 
     @property
-    def matrices(self) -> tuple[TensorRef, TensorRef, TensorRef]:
-        """``(gate, up, down)``."""
-        return (self.gate, self.up, self.down)
+    def matrices(self) -> tuple[TensorRef, ...]:
+        """Every range the expert's bytes lie in: ``(gate, up, down)``, then for float8
+        experts their three block-scale tensors (the pager holds all of them together)."""
+        return (self.gate, self.up, self.down, *(self.scales or ()))
 
     @property
     def nbytes(self) -> int:
-        """Total bytes of the three matrices."""
-        return self.gate.nbytes + self.up.nbytes + self.down.nbytes
+        """Total bytes of the matrices (and float8 block scales)."""
+        return sum(ref.nbytes for ref in self.matrices)
 
     @property
     def dtype(self) -> str:
         """What the matrices store, in :class:`ExpertWeights`' spelling (``"bfloat16"``,
-        ...; block-quantized GGUF types lower-cased: ``"q4_k"``)."""
+        ...; block-quantized GGUF types lower-cased: ``"q4_k"``; float8 with block scales:
+        ``"float8_e4m3_b128"``)."""
+        if self.scales is not None:
+            return FP8_BLOCKED
         stored = self.gate.dtype
         return STORED_NAMES.get(stored, stored.lower())
 
     @property
     def down_dtype(self) -> str:
         """``down``'s, in the same spelling (GGUF files may store it in another type)."""
+        if self.scales is not None:
+            return FP8_BLOCKED
         stored = self.down.dtype
         return STORED_NAMES.get(stored, stored.lower())
 
     def weights(self, buffers) -> ExpertWeights:
-        """The matrices over ``buffers`` (their bytes, ``uint8`` arrays in gate, up, down
-        order), no copy."""
-        gate, up, down = (ref.view(b) for ref, b in zip(self.matrices, buffers, strict=True))
-        return ExpertWeights(gate, up, down, self.dtype, self.down_dtype)
+        """The matrices over ``buffers`` (their bytes, ``uint8`` arrays in
+        :attr:`matrices` order), no copy."""
+        views = [ref.view(b) for ref, b in zip(self.matrices, buffers, strict=True)]
+        scales = tuple(views[3:]) if self.scales is not None else None
+        return ExpertWeights(*views[:3], self.dtype, self.down_dtype, scales)
 
 
 @dataclass
@@ -409,11 +443,49 @@ def _ref(t: TensorInfo, name: str, offset: int, nbytes: int, shape) -> TensorRef
     return TensorRef(name, t.path, offset, nbytes, t.dtype, tuple(int(d) for d in shape))
 
 
+def is_fp8_scale(name: str) -> bool:
+    """Whether ``name`` is a routed expert's float8 block scales
+    (``...experts.3.gate_proj.weight_scale_inv``: paged with the expert, never resident)."""
+    return name.endswith(FP8_SCALE_SUFFIX) and (
+        expert_tensor(name.removesuffix(FP8_SCALE_SUFFIX)) is not None
+    )
+
+
+def fp8_scale(path: str, tensors: Mapping[str, TensorInfo], name: str) -> TensorInfo:
+    """The block scales of the float8 weight ``tensors[name]`` (``name + "_scale_inv"``):
+    F32 or BF16 ``[ceil(rows / 128), ceil(cols / 128)]``, the last block of a row or column
+    possibly partial (DeepSeek-V3's files have such). A :class:`FormatError` naming both
+    tensors otherwise; other float8 formats (E5M2) are refused here too."""
+    t = tensors[name]
+    if t.dtype != "F8_E4M3":
+        raise FormatError(
+            f"{path}: tensor {name!r} is {t.dtype}; colibri computes float8 weights stored as "
+            "F8_E4M3 (e4m3fn, the 'fmt': 'e4m3' of FP8 checkpoints) only"
+        )
+    scale = tensors.get(name + FP8_SCALE_SUFFIX)
+    if scale is None:
+        raise FormatError(
+            f"{path}: float8 tensor {name!r} has no block-scale tensor "
+            f"{name + FP8_SCALE_SUFFIX!r}; without it its values are unknown: the checkpoint "
+            "is incomplete (re-download it)"
+        )
+    want = tuple(-(-d // FP8_BLOCK) for d in t.shape)
+    if len(t.shape) != 2 or tuple(scale.shape) != want or scale.dtype not in ("F32", "BF16"):
+        raise FormatError(
+            f"{path}: block-scale tensor {scale.name!r} is {scale.dtype} {list(scale.shape)} but "
+            f"{name!r} {list(t.shape)} in {FP8_BLOCK} x {FP8_BLOCK} blocks needs F32 or BF16 "
+            f"{list(want)} (colibri reads 'weight_block_size': [128, 128] only)"
+        )
+    return scale
+
+
 def assemble_experts(
     path: str, tensors: Mapping[str, TensorInfo]
 ) -> dict[tuple[int, int], ExpertLayout]:
     """Find the routed experts among ``tensors`` (names as :func:`expert_tensor` reads them)
-    and split stacked ``[E, ...]`` tensors into per-expert ranges."""
+    and split stacked ``[E, ...]`` tensors into per-expert ranges. A float8 expert's
+    matrices take their block scales (:func:`fp8_scale`) along; float8 experts are read
+    stored per expert (DeepSeek-V3, Qwen3 FP8), not stacked."""
     parts: dict[tuple[int, int], dict[str, TensorRef]] = {}
 
     def put(layer: int | str, expert: int | str, proj: str, ref: TensorRef) -> None:
@@ -436,7 +508,17 @@ def assemble_experts(
                     f"{path}: expert tensor {name!r} must be 2-D and not empty (got {t.shape})"
                 )
             put(found.layer, found.expert, found.proj, _ref(t, name, t.offset, t.nbytes, t.shape))
+            if t.dtype.startswith("F8_"):
+                sc = fp8_scale(path, tensors, name)
+                ref = _ref(sc, sc.name, sc.offset, sc.nbytes, sc.shape)
+                put(found.layer, found.expert, found.proj + FP8_SCALE_SUFFIX, ref)
             continue
+        if t.dtype.startswith("F8_"):
+            raise FormatError(
+                f"{path}: stacked expert tensor {name!r} is {t.dtype}; colibri reads float8 "
+                "experts stored per expert ('...experts.0.gate_proj.weight' with its "
+                "'weight_scale_inv'), as DeepSeek-V3 and Qwen3 FP8 checkpoints store them"
+            )
         if len(t.shape) != 3 or 0 in t.shape:
             raise FormatError(
                 f"{path}: stacked expert tensor {name!r} must be 3-D [E, rows, cols] and not "
@@ -473,7 +555,15 @@ def assemble_experts(
                 f"{list(gate.shape)}, up {list(up.shape)}, down {list(down.shape)} (expected "
                 "gate [I, H], up [I, H], down [H, I])"
             )
-        experts[(layer, expert)] = ExpertLayout(layer, expert, gate, up, down)
+        names = [p + FP8_SCALE_SUFFIX for p in ("gate", "up", "down")]
+        scales = tuple(slot[n] for n in names if n in slot) or None
+        if scales is not None and len(scales) != 3:
+            raise FormatError(
+                f"{path}: layer {layer} expert {expert} mixes float8 and other matrices "
+                f"({gate.name!r} {gate.dtype}, {up.name!r} {up.dtype}, {down.name!r} "
+                f"{down.dtype}); re-save the checkpoint in one dtype"
+            )
+        experts[(layer, expert)] = ExpertLayout(layer, expert, gate, up, down, scales)
     return experts
 
 

@@ -93,6 +93,11 @@ def repack(
     """
     page_size = check_page_size_kb(page_size_kb, "repack(): ") * 1024
     src = open_weights(source)
+    if any(layout.scales is not None for layout in src.experts.values()):
+        raise ValueError(
+            "repack(): the source's experts are float8 with block scales, which colibri's raw "
+            "format does not hold; page the safetensors checkpoint as it is"
+        )
     dest = os.path.abspath(os.fspath(dest))
     for f in src.files:
         if os.path.exists(dest) and os.path.samefile(f, dest):

@@ -7,12 +7,13 @@
         ├─ read ahead: the step's later chunks, then the next layer's guess (store.advise)
         ├─ load chunks of at most store.capacity experts (halved while the store is short)
         │     per expert: rows <= KERNEL_MAX_ROWS and float16/bfloat16 weights, or rows
-        │                 <= QUANT_KERNEL_MAX_ROWS and block-quantized weights (q4_k, ...)
+        │                 <= QUANT_KERNEL_MAX_ROWS and block-quantized weights (q4_k, ...),
+        │                 or rows <= FP8_KERNEL_MAX_ROWS and float8 block-scaled weights
         │                    ──► the fused kernel: every such expert of a chunk in one call
         │                        per kind, weighted sums added in ascending expert order
         │                        (float32; quantized: on q8 activations)
         │                 otherwise ──► the front end's fallback (torch, jax; quantized
-        │                        weights dequantized to float32 first), which adds
+        │                        and float8 weights dequantized to float32 first), which adds
         │                        them to its own output, or numpy (BLAS) into expert-ordered
         │                        rows, combined at the end in fixed k order
         ▼
@@ -33,13 +34,16 @@ from typing import Protocol
 import numpy as np
 
 from colibri._errors import BudgetError, FormatError
-from colibri.formats import ExpertWeights
-from colibri.layer import _ffn, _quant, _rows
+from colibri.formats import FP8_BLOCKED, ExpertWeights
+from colibri.layer import _ffn, _fp8, _quant, _rows
 from colibri.layer._expert import (
+    FP8_KERNEL_MAX_ROWS,
     KERNEL_ACTIVATIONS,
     KERNEL_KINDS,
     QUANT_KERNEL_MAX_ROWS,
     dequantized,
+    fp8_nonfinite,
+    fp8_parts,
     gated_ffn,
     half_bits,
     kernel_enabled,
@@ -160,6 +164,7 @@ def run_experts(
     if kernel and isinstance(activation, str) and x.dtype == np.float32 and kernel_enabled():
         kernel_act = KERNEL_ACTIVATIONS.get(activation)
     sums = _Sums(x, weights, plan, fallback is None, num_threads)
+    sums.layer = layer
     chunk = max(1, min(int(store.capacity), len(active)))
     if read_ahead and chunk < len(active):  # read while the first chunks compute
         store.advise(layer, active[chunk:])
@@ -261,6 +266,7 @@ class _Sums:
         self.numpy_experts = numpy_experts  # no fallback: the others are colibri's too
         self.fused: np.ndarray | None = None
         self.rows: np.ndarray | None = None  # [T * k, H] numpy experts' outputs, expert order
+        self.layer = 0  # for messages
 
     def fuse(self, group: list, act: str) -> None:
         """Every decode-size expert of a chunk in one fused-kernel call per kind: a half
@@ -275,7 +281,13 @@ class _Sums:
             np.cumsum([len(f[2]) for f in same], out=bounds[1:])
             mats, rows = [f[0] for f in same], assignments // k
             scale = self.flat_weights[assignments]
-            if isinstance(kind, tuple):
+            if kind == FP8_BLOCKED:
+                _fp8.ffn_sum(self.x, mats, act, bounds, rows, scale, self.fused,
+                             self.num_threads)  # fmt: skip
+                if not np.isfinite(self.fused[rows]).all() and np.isfinite(self.x[rows]).all():
+                    for parts, _, _, e in same:  # a corrupt file: name the expert
+                        fp8_nonfinite(parts, f"layer {self.layer} expert {e}")
+            elif isinstance(kind, tuple):
                 _quant.ffn_sum(self.x, mats, kind[0], act, bounds, rows, scale, self.fused,
                                self.num_threads, down_type=kind[1])  # fmt: skip
                 _check_finite(self.x, self.fused, rows, same)
@@ -316,10 +328,14 @@ def _run_chunk(batch, part, sums: _Sums, activation, kernel_act, fallback) -> No
         rows = plan.rows(e)
         n = rows.stop - rows.start
         bits = None
-        quantized = getattr(expert, "dtype", None) in _quant.TYPES  # None: an expert_fn
-        if quantized and kernel_act is not None and n <= QUANT_KERNEL_MAX_ROWS:
+        dtype = getattr(expert, "dtype", None)  # None: an expert_fn
+        quantized = dtype in _quant.TYPES or dtype == FP8_BLOCKED
+        if dtype in _quant.TYPES and kernel_act is not None and n <= QUANT_KERNEL_MAX_ROWS:
             kind = (expert.dtype, expert.down_dtype)
             fused.append((tuple(expert), kind, plan.sorted[rows], e))
+            continue
+        if dtype == FP8_BLOCKED and kernel_act is not None and n <= FP8_KERNEL_MAX_ROWS:
+            fused.append((fp8_parts(expert), FP8_BLOCKED, plan.sorted[rows], e))
             continue
         if kernel_act is not None and n <= KERNEL_MAX_ROWS:
             bits = _kernel_bits(expert)
@@ -327,8 +343,9 @@ def _run_chunk(batch, part, sums: _Sums, activation, kernel_act, fallback) -> No
             fused.append((bits, KERNEL_KINDS[expert.dtype], plan.sorted[rows]))
         elif fallback is not None:
             assignments = plan.sorted[rows]
-            fallback(e, dequantized(expert) if quantized else expert, assignments // plan.k,
-                     assignments)  # fmt: skip
+            where = f"layer {sums.layer} expert {e}"
+            fallback(e, dequantized(expert, where) if quantized else expert,
+                     assignments // plan.k, assignments)  # fmt: skip
         else:
             sums.compute(expert, rows, activation)
     if fused:

@@ -1,9 +1,11 @@
 """One gated-FFN expert, ``y = down @ (act(gate @ x) * (up @ x))``, on numpy rows.
 
 float16/bfloat16 weights run colibri's fused kernel (``_ffn``: each weight read once in its
-stored dtype, float32 accumulation) for up to ``_ffn.MAX_ROWS`` float32 rows; everything else
-runs numpy GEMMs (BLAS), half-precision weights converted to float32 one cache-sized block at
-a time. :func:`expert_ffn` is the public entry point for any framework's tensors.
+stored dtype, float32 accumulation) for up to ``_ffn.MAX_ROWS`` float32 rows; block-scaled
+float8 experts (``"float8_e4m3_b128"``) run ``_fp8``'s kernel for up to
+``FP8_KERNEL_MAX_ROWS`` rows; everything else runs numpy GEMMs (BLAS), half-precision weights
+converted to float32 one cache-sized block at a time, quantized and float8 ones dequantized.
+:func:`expert_ffn` is the public entry point for any framework's tensors.
 """
 
 from __future__ import annotations
@@ -16,8 +18,9 @@ from typing import Any
 import numpy as np
 
 from colibri._dlpack import bf16_to_float32, float32_to_bf16, import_host, to_caller
-from colibri.formats import ExpertWeights
-from colibri.layer import _ffn, _quant, _rows
+from colibri._errors import FormatError
+from colibri.formats import FP8_BLOCKED, ExpertWeights
+from colibri.layer import _ffn, _fp8, _quant, _rows
 
 __all__ = ["activation_function", "expert_ffn"]
 
@@ -65,6 +68,9 @@ KERNEL_KINDS = _ffn.WEIGHT_KINDS
 #: Rows up to which block-quantized experts (``q4_k``, ...) run the quantized kernel; more
 #: are dequantized to float32 for BLAS, which reuses each weight across rows.
 QUANT_KERNEL_MAX_ROWS = 8
+#: Rows up to which float8 experts run their kernel (``_fp8``); more are dequantized to
+#: float32 for BLAS.
+FP8_KERNEL_MAX_ROWS = 8
 
 
 def activation_function(activation: str | Callable) -> Callable[[np.ndarray], np.ndarray]:
@@ -182,17 +188,71 @@ def gated_ffn(
             return _quant.ffn(expert.dtype, *expert, np.ascontiguousarray(x), kernel_act,
                               num_threads, down_type=expert.down_dtype)  # fmt: skip
         expert = dequantized(expert)
+    if expert.dtype == FP8_BLOCKED:
+        if kernel_act is not None and x.dtype == np.float32 and 0 < n <= FP8_KERNEL_MAX_ROWS:
+            parts = fp8_parts(expert)
+            y = _fp8.ffn(*parts[:3], parts[3:], x, kernel_act, num_threads)
+            check_fp8(parts, x, y, "float8 expert")
+            return y
+        expert = dequantized(expert)
     act = activation_function(activation)
     h = act(linear(x, expert.gate, expert.dtype))
     h *= linear(x, expert.up, expert.dtype)
     return linear(np.ascontiguousarray(h), expert.down, expert.dtype)
 
 
-def dequantized(expert: ExpertWeights) -> ExpertWeights:
+def dequantized(expert: ExpertWeights, where: str = "float8 expert") -> ExpertWeights:
     """A block-quantized expert (``q4_k``, ...) as float32 matrices, exactly the values GGUF's
-    dequantization gives."""
+    dequantization gives; a float8 one (``"float8_e4m3_b128"``) as its values times their
+    block scales, rounded once to float32 (a :class:`FormatError` naming ``where`` when one
+    is not finite: a NaN byte or scale of a corrupt file)."""
+    if expert.dtype == FP8_BLOCKED:
+        parts = fp8_parts(expert)
+        mats = [_fp8.dequantize(w, s) for w, s in zip(parts[:3], parts[3:], strict=True)]
+        if not all(np.isfinite(m).all() for m in mats):
+            fp8_nonfinite(parts, where)
+        return ExpertWeights(*mats, "float32")
     gate, up = (_quant.dequantize(expert.dtype, m) for m in (expert.gate, expert.up))
     return ExpertWeights(gate, up, _quant.dequantize(expert.down_dtype, expert.down), "float32")
+
+
+def fp8_parts(expert: ExpertWeights) -> tuple[np.ndarray, ...]:
+    """A float8 expert as its kernel takes it: gate, up, down ``uint8`` (no copy when
+    contiguous), then their block scales float32 (bfloat16 ones converted: they are small)."""
+    mats = tuple(np.ascontiguousarray(np.asarray(m).view(np.uint8)) for m in expert)
+    scales = []
+    for s in expert.scales:
+        arr = np.asarray(s)
+        if arr.dtype == np.uint16 or arr.dtype.name == "bfloat16":  # bfloat16 (or its bits)
+            arr = bf16_to_float32(np.ascontiguousarray(arr.view(np.uint16)))
+        scales.append(np.ascontiguousarray(arr, np.float32))
+    return (*mats, *scales)
+
+
+def check_fp8(parts: tuple, x: np.ndarray, y: np.ndarray, where: str) -> None:
+    """After the float8 kernel: non-finite ``y`` from finite ``x`` is a corrupt file (a NaN
+    byte or a NaN / infinite block scale), raised as a :class:`FormatError` naming it."""
+    if np.isfinite(y).all() or not np.isfinite(x).all():
+        return
+    fp8_nonfinite(parts, where)
+
+
+def fp8_nonfinite(parts: tuple, where: str) -> None:
+    """A :class:`FormatError` naming ``where``, the matrix and the block scale or byte that
+    makes a float8 expert (:func:`fp8_parts`) non-finite; nothing when none does."""
+    for name, w, s in zip(("gate", "up", "down"), parts[:3], parts[3:], strict=True):
+        found = _fp8.find_nonfinite(w, s)
+        if found is None:
+            continue
+        what, i, j = found
+        problem = (
+            f"its block scale ({name}_proj.weight_scale_inv) [{i}, {j}] is {s[i, j]}"
+            if what == "scale"
+            else f"its e4m3 byte [{i}, {j}] is 0x{int(w[i, j]):02X}, which e4m3fn reads as NaN"
+        )
+        raise FormatError(
+            f"{where}: {name}_proj.weight: {problem}; the weight file is corrupt (re-download it)"
+        )
 
 
 def _contiguous_rows(w: np.ndarray) -> np.ndarray:

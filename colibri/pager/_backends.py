@@ -170,7 +170,7 @@ class _IO:
         raise NotImplementedError
 
     def owners(self, slot: _Slot, key: Key) -> list[tuple[np.ndarray, int, int]]:
-        """``(owner array, its address, byte offset in it)`` of gate, up and down."""
+        """``(owner array, its address, byte offset in it)`` of each of ``layout.matrices``."""
         raise NotImplementedError
 
     def faulted(self, slot: _Slot, key: Key) -> str | None:
@@ -215,7 +215,7 @@ class _ReadIO(_IO):
         if populate:  # a non-zero byte a page: the kernel may drop zero-filled pages again
             self.pool[:: mmap.PAGESIZE] = 1
         self.plans: dict[Key, list[tuple[str, int, int, int]]] = {}
-        self.relative: dict[Key, tuple[int, int, int]] = {}  # matrix offsets in a slot
+        self.relative: dict[Key, tuple[int, ...]] = {}  # matrix offsets in a slot
 
     def _plan(self, key: Key) -> list[tuple[str, int, int, int]]:
         """Reads that fill a slot with gate|up|down: ``(path, file_offset, slot_offset,
@@ -250,9 +250,9 @@ class _ReadIO(_IO):
     def owners(self, slot, key):
         base, pool = slot.index * self.slot_bytes, self.pool
         rel = self.relative.get(key)
-        if rel is None:
-            gate, up, _ = self.experts[key].matrices
-            rel = self.relative[key] = (0, gate.nbytes, gate.nbytes + up.nbytes)
+        if rel is None:  # the matrices back to back, in order (float8: their scales after)
+            sizes = [ref.nbytes for ref in self.experts[key].matrices]
+            rel = self.relative[key] = tuple(sum(sizes[:i]) for i in range(len(sizes)))
         return [(pool, self.address, base + r) for r in rel]
 
     def close(self, slots):

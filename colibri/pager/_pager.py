@@ -544,7 +544,7 @@ class Pager:
         owners = self._io.owners(slot, slot.key)
         regions: dict[int, np.ndarray] = {}
         buffers = []
-        for ref, (owner, address, at) in zip(layout.matrices, owners):  # noqa: B905 (3 and 3)
+        for ref, (owner, address, at) in zip(layout.matrices, owners):  # noqa: B905 (as many)
             whole = regions.get(address)
             if whole is None:  # usually one region: the expert's owner holds all three
                 if owner is None:

@@ -23,7 +23,15 @@ import torch
 
 from colibri import _json
 from colibri._regular import CheckpointError, check_regular, read_regular
-from colibri.formats import FormatError, TensorInfo, WeightSource, expert_tensor
+from colibri.formats import (
+    FP8_BLOCK,
+    FormatError,
+    TensorInfo,
+    WeightSource,
+    expert_tensor,
+    fp8_scale,
+    is_fp8_scale,
+)
 from colibri.formats.safetensors import QUANTIZED_BLOCKS, expert_source, read_header
 
 __all__ = [
@@ -32,6 +40,8 @@ __all__ = [
     "Checkpoint",
     "CheckpointError",
     "check_fields",
+    "check_fp8_config",
+    "dequantize_fp8",
     "is_expert_tensor",
     "layer_index",
     "read_bytes",
@@ -236,8 +246,9 @@ class TensorTable:
         return [n for n in self.tensors if is_expert_tensor(n)]
 
     def resident_names(self) -> list[str]:
-        """Names of every other tensor (attention, norms, embeddings, routers, shared experts)."""
-        return [n for n in self.tensors if not is_expert_tensor(n)]
+        """Names of every other tensor (attention, norms, embeddings, routers, shared experts;
+        not the float8 experts' block scales, which are paged with them)."""
+        return [n for n in self.tensors if not is_expert_tensor(n) and not is_fp8_scale(n)]
 
     def nbytes(self, names) -> int:
         """Bytes of the named tensors."""
@@ -279,6 +290,7 @@ class Checkpoint(TensorTable):
                 "config.json (save_pretrained writes one)"
             )
         self.config = check_config(config_path)
+        check_fp8_config(self.config, config_path)
         self.weights, sharded = self._find_weights()
         shards = self._read_index(self.weights) if sharded else None
         files = [self.weights] if shards is None else sorted(set(shards.values()))
@@ -446,7 +458,7 @@ class Checkpoint(TensorTable):
     def expert_source(self) -> WeightSource:
         """The routed experts as the :class:`colibri.Pager` serves them, from the headers
         already read and checked (no file is opened again)."""
-        experts = {n: t for n, t in self.tensors.items() if is_expert_tensor(n)}
+        experts = {n: t for n, t in self.tensors.items() if is_expert_tensor(n) or is_fp8_scale(n)}
         try:
             return expert_source(self.weights, experts)
         except FormatError as exc:
@@ -491,3 +503,74 @@ class Checkpoint(TensorTable):
         """Tensor ``name`` read from its open file ``f`` into fresh memory, as stored."""
         info = self.tensors[name]
         return read_bytes(f, info).view(TORCH_DTYPES[info.dtype]).reshape(info.shape)
+
+
+# -- float8 checkpoints (DeepSeek-V3, Qwen3 FP8: e4m3fn weights, 128 x 128 block scales) ------
+
+
+def check_fp8_config(config: dict, path: str) -> None:
+    """Refuse an ``"fp8"`` ``quantization_config`` colibri cannot compute exactly: ``fmt``
+    other than ``"e4m3"``, ``activation_scheme`` other than ``"dynamic"`` (static activation
+    scales), ``weight_block_size`` other than ``[128, 128]``. Other quantization methods are
+    left to their own readers.
+
+    Raises
+    ------
+    CheckpointError
+        Naming the key, its value and what colibri reads.
+    """
+    qc = config.get("quantization_config")
+    if not isinstance(qc, dict) or qc.get("quant_method") != "fp8":
+        return
+    wanted = {"fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [FP8_BLOCK] * 2}
+    for key, want in wanted.items():
+        if key in qc and qc[key] != want and not (key == "fmt" and qc[key] is None):
+            raise CheckpointError(
+                f"{path}: 'quantization_config.{key}' is {_show(qc[key])}; colibri computes fp8 "
+                f"checkpoints with {key} {_show(want)} only (e4m3fn weights, one scale per 128 x "
+                "128 block, activations kept in the compute dtype)"
+            )
+
+
+def _show(value) -> str:
+    """A config value for a message: short lists as written, anything else as _json shows it."""
+    if isinstance(value, list) and len(value) <= 4 and all(isinstance(v, int) for v in value):
+        return str(value)
+    return _json.show(value)
+
+
+def dequantize_fp8(checkpoint: TensorTable, name: str, weight: torch.Tensor, read) -> torch.Tensor:
+    """A resident float8 tensor (``weight``, F8_E4M3 as stored) times its block scales, in
+    float32; ``read(scale_name)`` reads the scale tensor.
+
+    Raises
+    ------
+    CheckpointError
+        The scale tensor is missing or misshapen (:func:`colibri.formats._base.fp8_scale`),
+        or a value is not finite (a NaN byte 0x7F / 0xFF, a NaN or infinite scale).
+    """
+    info = checkpoint.tensors[name]
+    try:
+        scale_info = fp8_scale(info.path, checkpoint.tensors, name)
+    except FormatError as exc:
+        raise CheckpointError(f"{exc}; fix: re-download the checkpoint") from None
+    scale = read(scale_info.name).float()
+    rows, cols = weight.shape
+    full = scale.repeat_interleave(FP8_BLOCK, 0)[:rows].repeat_interleave(FP8_BLOCK, 1)[:, :cols]
+    out = weight.float() * full
+    if not torch.isfinite(out).all():
+        bad = (~torch.isfinite(scale)).nonzero()
+        nan = ((weight.view(torch.uint8) & 0x7F) == 0x7F).nonzero()
+        if len(bad):
+            i, j = (int(v) for v in bad[0])
+            problem = f"its block scale {scale_info.name!r} [{i}, {j}] is {float(scale[i, j])}"
+        elif len(nan):
+            i, j = (int(v) for v in nan[0])
+            problem = f"its e4m3 byte [{i}, {j}] is 0x7F or 0xFF, which e4m3fn reads as NaN"
+        else:
+            problem = "its values times their block scales overflow float32"
+        raise CheckpointError(
+            f"{info.path}: float8 tensor {name!r}: {problem}; the weight file is corrupt "
+            "(re-download it)"
+        )
+    return out

@@ -32,6 +32,7 @@ from colibri.integrations.transformers._checkpoint import (
     Checkpoint,
     CheckpointError,
     check_resident,
+    dequantize_fp8,
     layer_index,
     read_json,
 )
@@ -97,7 +98,11 @@ def _load_resident(model: nn.Module, checkpoint: Checkpoint, plan: dict, dtype) 
         with open_regular(path, "the weights file") as f:
             for name, target in names:
                 # a GGUF tensor's shape may differ from the model's by axes of 1
-                tensor = checkpoint.read_tensor(f, name).reshape(wanted[target].shape)
+                tensor = checkpoint.read_tensor(f, name)
+                if checkpoint.tensors[name].dtype == "F8_E4M3":  # times its block scales
+                    tensor = dequantize_fp8(checkpoint, name, tensor,
+                                            lambda n: _read_one(checkpoint, n))  # fmt: skip
+                tensor = tensor.reshape(wanted[target].shape)
                 want = dtype or wanted[target].dtype
                 if tensor.dtype != want and tensor.is_floating_point():
                     tensor = tensor.to(want)
@@ -122,10 +127,17 @@ def _load_resident(model: nn.Module, checkpoint: Checkpoint, plan: dict, dtype) 
 _FLOATS = ("F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2")
 
 
+def _read_one(checkpoint: Checkpoint, name: str) -> torch.Tensor:
+    """Tensor ``name`` of ``checkpoint``, read from its own file (a float8 weight's block
+    scales may lie in another shard than the weight)."""
+    with open_regular(checkpoint.tensors[name].path, "the weights file") as f:
+        return checkpoint.read_tensor(f, name)
+
+
 def _check_experts(modules: list[tuple[str, nn.Module]], source, checkpoint: Checkpoint) -> None:
     """Every expert the model has is in the checkpoint, shaped as config.json says, its gate
     and up of one dtype and its down of the same (block-quantized: of any such type)."""
-    servable = {"F32", "F16", "BF16", *QUANTIZED_TYPES}
+    servable = {"F32", "F16", "BF16", "F8_E4M3", *QUANTIZED_TYPES}
     for name, module in modules:
         layer = layer_index(name)
         num, rows2, hidden = module.gate_up_proj.shape
@@ -140,12 +152,11 @@ def _check_experts(modules: list[tuple[str, nn.Module]], source, checkpoint: Che
                     f"layer; expected e.g. '{name.rsplit('.experts', 1)[0]}.experts.{e}."
                     f"gate_proj.weight'); fix: {checkpoint.config_fix}"
                 )
-            stored = {ref.dtype for ref in layout.matrices}
+            matrices = (layout.gate, layout.up, layout.down)  # not float8 block scales
+            stored = {ref.dtype for ref in matrices}
             plain = any(d in TORCH_DTYPES for d in stored)
             if layout.gate.dtype != layout.up.dtype or len(stored) > 1 and plain:
-                shown = ", ".join(
-                    f"{ref.name.split('[', 1)[0]!r} {ref.dtype}" for ref in layout.matrices
-                )
+                shown = ", ".join(f"{ref.name.split('[', 1)[0]!r} {ref.dtype}" for ref in matrices)
                 raise CheckpointError(
                     f"{layout.gate.path}: layer {layer} expert {e} mixes dtypes ({shown}); an "
                     "expert's gate and up must share one dtype, and its down that one too unless "
@@ -157,7 +168,7 @@ def _check_experts(modules: list[tuple[str, nn.Module]], source, checkpoint: Che
                 if ref.dtype not in servable:
                     raise UnsupportedCheckpointError(
                         f"{ref.path}: expert tensor {tensor!r} is {ref.dtype}; the pager serves "
-                        f"{', '.join(sorted(servable))} experts (other quantized or FP8 "
+                        f"{', '.join(sorted(servable))} experts (other quantized or float8 "
                         "checkpoints: dequantize them to bf16 first)"
                     )
                 if tuple(ref.shape) != shape:
@@ -180,6 +191,8 @@ def _torch_dtype(config: Any, checkpoint: Checkpoint, dtype: Any) -> torch.dtype
         return dtype
     names = checkpoint.expert_names()
     stored = checkpoint.tensors[names[0]].dtype if names else None
+    if stored == "F8_E4M3":
+        return torch.bfloat16  # the float8 kernel's experts; float32: dequantized GEMMs
     if stored is not None and stored not in TORCH_DTYPES:  # block-quantized
         if not isinstance(checkpoint, GGUFCheckpoint):  # colibri quantize: as the rest is
             stored = _resident_dtype(checkpoint)
@@ -223,6 +236,10 @@ def from_pretrained(
         ``model.safetensors.index.json`` (as ``save_pretrained`` writes them). Routed experts
         may be stored per expert (``...experts.{e}.gate_proj.weight``, Mixtral's
         ``...experts.{e}.w1.weight``) or stacked (``...experts.gate_up_proj [E, 2I, H]``).
+        float8 checkpoints (DeepSeek-V3, Qwen3 FP8: ``quantization_config`` ``"fp8"``,
+        e4m3fn, 128 x 128 ``weight_scale_inv`` blocks, dynamic activations) have their
+        experts paged as stored, with their block scales, and computed by colibri's float8
+        kernel; every other float8 tensor is dequantized once at load.
         Or a ``*.gguf`` model file of an MoE architecture transformers reads (``qwen3moe``,
         ``qwen2moe``), or any part of one split by gguf-split (``name-00001-of-00003.gguf``):
         its experts paged block-quantized as stored (Q4_K, Q6_K, Q8_0, ... as
@@ -251,9 +268,10 @@ def from_pretrained(
     dtype : torch.dtype or str, optional
         Compute dtype; default: the dtype the experts are stored in (then expert views are
         used as they are; another dtype converts each expert on use); for block-quantized
-        experts of a GGUF file bfloat16 (of a ``colibri quantize`` directory: the dtype of
-        its other tensors), with which decode-size experts run in the quantized kernel
-        (float32: every expert dequantized to float32 on use, exact but slower).
+        experts of a GGUF file or float8 experts bfloat16 (of a ``colibri quantize``
+        directory: the dtype of its other tensors), with which decode-size experts run in the
+        quantized (float8) kernel (float32: every expert dequantized to float32 on use, exact
+        but slower).
     partition : colibri.Partition, path or dict, optional
         Static expert partitioning: every router picks ``topk_groups`` groups of this
         partition, then its top-k inside them (changes the model's routing); a dict gives
