@@ -379,7 +379,11 @@ _PROJ = {
     "w1": "gate", "w3": "up", "w2": "down", "gate_proj": "gate", "up_proj": "up",
     "down_proj": "down", "gate": "gate", "up": "up", "down": "down", "gate_up_proj": "gate_up",
     "gate_up": "gate_up", "input_linear": "gate_up", "output_linear": "down",
+    "gate_up_proj_blocks": "gate_up_blocks", "gate_up_proj_scales": "gate_up_scales",
+    "down_proj_blocks": "down_blocks", "down_proj_scales": "down_scales",
 }  # fmt: skip
+#: gpt-oss's MXFP4 parts (formats/gpt_oss.py reads them; nothing else can).
+GPT_OSS_PARTS = ("gate_up_blocks", "gate_up_scales", "down_blocks", "down_scales")
 _PER_EXPERT = re.compile(
     r"^(?P<prefix>(?:.*\.)?layers\.(?P<layer>\d+)\.(?:.*\.)?experts\.)(?P<expert>\d+)"
     r"(?P<suffix>\.(?P<proj>w1|w2|w3|gate_proj|up_proj|down_proj)\.weight)$"
@@ -394,6 +398,10 @@ _STACKED = (
         r"\.weight$"
     ),
     re.compile(r"^blk\.(?P<layer>\d+)\.ffn_(?P<proj>gate_up|gate|up|down)_exps(?:\.weight)?$"),
+    re.compile(  # gpt-oss MXFP4: experts.{gate_up,down}_proj_{blocks,scales} [E, rows, ...]
+        r"^(?:.*\.)?layers\.(?P<layer>\d+)\.(?:.*\.)?experts\."
+        r"(?P<proj>(?:gate_up|down)_proj_(?:blocks|scales))$"
+    ),
 )
 
 
@@ -402,7 +410,8 @@ class ExpertTensorName(NamedTuple):
 
     layer: str
     expert: str | None  # None: stacked, every expert of the layer ([E, ...])
-    proj: str  # "gate", "up", "down" or "gate_up" (gate and up stacked, in that order)
+    proj: str  # "gate", "up", "down", "gate_up" (gate and up stacked, in that order) or
+    # one of GPT_OSS_PARTS
     prefix: str  # per expert: the name before the expert index, else ""
     suffix: str  # per expert: the name after the expert index, else ""
 
@@ -414,7 +423,8 @@ def expert_tensor(name: str) -> ExpertTensorName | None:
     .weight`` (Mixtral, Qwen, DeepSeek); stacked ``...layers.N....experts.{gate_up_proj,
     gate_proj, up_proj, down_proj}`` (transformers v5), GraniteMoE's
     ``block_sparse_moe.{input,output}_linear.weight``, GGUF's ``blk.N.ffn_{gate,up,gate_up,
-    down}_exps``. Shared experts (``shared_expert(s)``, ``_shexp``) are not routed experts.
+    down}_exps``, gpt-oss's MXFP4 ``...experts.{gate_up,down}_proj_{blocks,scales}``.
+    Shared experts (``shared_expert(s)``, ``_shexp``) are not routed experts.
     The one home of these patterns: the pager's formats and the checkpoint loader both ask
     here.
     """
@@ -513,6 +523,12 @@ def assemble_experts(
                 ref = _ref(sc, sc.name, sc.offset, sc.nbytes, sc.shape)
                 put(found.layer, found.expert, found.proj + FP8_SCALE_SUFFIX, ref)
             continue
+        if found.proj in GPT_OSS_PARTS:
+            raise FormatError(
+                f"{path}: tensor {name!r} holds gpt-oss MXFP4 experts, which only a gpt-oss "
+                "checkpoint directory reads (colibri.from_pretrained); they are no gate/up/down "
+                "matrices"
+            )
         if t.dtype.startswith("F8_"):
             raise FormatError(
                 f"{path}: stacked expert tensor {name!r} is {t.dtype}; colibri reads float8 "

@@ -250,7 +250,7 @@ class _ReadIO(_IO):
     def owners(self, slot, key):
         base, pool = slot.index * self.slot_bytes, self.pool
         rel = self.relative.get(key)
-        if rel is None:  # the matrices back to back, in order (float8: their scales after)
+        if rel is None:  # the ranges back to back, in order (float8: scales after matrices)
             sizes = [ref.nbytes for ref in self.experts[key].matrices]
             rel = self.relative[key] = tuple(sum(sizes[:i]) for i in range(len(sizes)))
         return [(pool, self.address, base + r) for r in rel]

@@ -32,6 +32,7 @@ from colibri.formats import (
     fp8_scale,
     is_fp8_scale,
 )
+from colibri.formats.gpt_oss import gpt_oss_source
 from colibri.formats.safetensors import QUANTIZED_BLOCKS, expert_source, read_header
 
 __all__ = [
@@ -460,6 +461,8 @@ class Checkpoint(TensorTable):
         already read and checked (no file is opened again)."""
         experts = {n: t for n, t in self.tensors.items() if is_expert_tensor(n) or is_fp8_scale(n)}
         try:
+            if self.config.get("model_type") == "gpt_oss":  # fused, interleaved, maybe MXFP4
+                return gpt_oss_source(self.weights, experts)
             return expert_source(self.weights, experts)
         except FormatError as exc:
             raise CheckpointError(f"{exc}; fix: re-save the checkpoint") from None

@@ -13,6 +13,7 @@ under the budget and computes them (the fused kernel for decode-size experts, to
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -139,13 +140,6 @@ class _Layer:
 
 # Families whose experts transformers computes in a way the pager cannot serve, by class.
 _REFUSED = {
-    "GptOssExperts": (
-        "gpt-oss stores its experts as MXFP4 blocks in the released checkpoints and, in every "
-        "form, as one transposed [E, H, 2I] tensor with gate and up interleaved column by "
-        "column, biases and a clamped SwiGLU; the pager serves plain row-major gate [I, H], "
-        "up [I, H] and down [H, I] matrices. What works instead: transformers' own "
-        "from_pretrained (experts resident) and colibri routing through patch(model)"
-    ),
     "Llama4TextExperts": (
         "Llama4 stores its experts as transposed [E, H, 2I] / [E, I, H] tensors, so one "
         "expert's gate is not a contiguous byte range the pager can read. What works "
@@ -157,6 +151,9 @@ _REFUSED = {
         "from_pretrained and patch(model)"
     ),
 }
+#: Experts classes paged their own way, by class: ``(servable(module) -> reason or None,
+#: page(name, module, paging) -> layer)``; their modules register here (_gpt_oss.py).
+OWN_PAGING: dict[str, tuple[Callable, Callable]] = {}
 # What transformers' decorator says of an experts class, and what colibri computes.
 _FLAGS = {"has_gate": True, "has_bias": False, "is_transposed": False, "is_concatenated": True,
           "has_post_expert_norm": False}  # fmt: skip
@@ -167,6 +164,8 @@ def _servable(module: nn.Module) -> str | None:
     from transformers.integrations.moe import _default_apply_gate
 
     name = type(module).__name__
+    if name in OWN_PAGING:
+        return OWN_PAGING[name][0](module)
     if name in _REFUSED:
         return _REFUSED[name]
     if not all(hasattr(module, flag) for flag in _FLAGS):
@@ -222,10 +221,8 @@ def _kernel_activation(act: Any) -> str | None:
 def page(name: str, module: nn.Module, paging: Paging) -> int:
     """Make ``module`` a paged experts module of ``paging``: its weights go (they stay in the
     checkpoint, served by the pager) and its forward becomes colibri's. Returns its layer."""
-    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS, ExpertsInterface
-
-    if IMPLEMENTATION not in ALL_EXPERTS_FUNCTIONS:  # once: a wrapper put there stays
-        ExpertsInterface.register(IMPLEMENTATION, experts_forward)
+    if type(module).__name__ in OWN_PAGING:
+        return OWN_PAGING[type(module).__name__][1](name, module, paging)
     state = _Layer(
         layer=layer_index(name),
         num_experts=int(module.gate_up_proj.shape[0]),
@@ -233,12 +230,23 @@ def page(name: str, module: nn.Module, paging: Paging) -> int:
         paging=paging,
         handle=_ops.handle(module),
     )
-    paging.layers[state.layer] = state.num_experts
-    paging.modules[state.layer] = module
+    return attach(module, state, IMPLEMENTATION, experts_forward)
+
+
+def attach(module: nn.Module, state: _Layer, implementation: str, forward: Callable) -> int:
+    """Give ``module`` the paging ``state``: ``forward`` becomes its computation (registered
+    once as transformers' experts implementation ``implementation``) and its routed weights
+    go (meta tensors: nothing to free, nothing to load). Returns its layer."""
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS, ExpertsInterface
+
+    if implementation not in ALL_EXPERTS_FUNCTIONS:  # once: a wrapper put there stays
+        ExpertsInterface.register(implementation, forward)
+    state.paging.layers[state.layer] = state.num_experts
+    state.paging.modules[state.layer] = module
     for weight in ("gate_up_proj", "down_proj"):
-        del module._parameters[weight]  # meta tensors: nothing to free, nothing to load
+        del module._parameters[weight]
     module.__dict__[_ATTR] = state
-    module.config._experts_implementation_internal = IMPLEMENTATION
+    module.config._experts_implementation_internal = implementation
     return state.layer
 
 
@@ -251,6 +259,43 @@ def _torch_view(m: Any, dtype: str, like: torch.Tensor) -> torch.Tensor:
     """A torch tensor over an expert matrix's memory, no copy (read-only: never written)."""
     arr = np.asarray(m)
     return to_caller(arr, like, dtype) if dtype == "bfloat16" else torch.from_numpy(arr)
+
+
+def paged_state(module: nn.Module, implementation: str) -> _Layer:
+    """The paging state :func:`attach` gave ``module``, or a clear error."""
+    state = module.__dict__.get(_ATTR)
+    if state is None:
+        raise RuntimeError(
+            f"{type(module).__name__}: experts_implementation={implementation!r} runs the "
+            "experts of a model loaded by colibri.integrations.transformers.from_pretrained "
+            "(their weights are paged from the checkpoint); this module has none"
+        )
+    return state
+
+
+def routed(
+    state: _Layer, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, np.ndarray]:
+    """A layer's routing as its experts call gets it: ids and weights ``[T, k]``, and the ids
+    as numpy with transformers' sentinels (ids out of range: no expert) as -1; the
+    predictor told which experts the layer uses."""
+    ids = top_k_index.reshape(top_k_index.shape[0], -1)
+    weights = top_k_weights.reshape(ids.shape)
+    ids_np = ids.detach().cpu().numpy()
+    valid = (ids_np >= 0) & (ids_np < state.num_experts)
+    if not valid.all():
+        ids_np = np.where(valid, ids_np, -1)
+    state.paging.predictor.observe(state.layer, np.unique(ids_np[valid]))
+    return ids, weights, ids_np
+
+
+def next_guess(state: _Layer, hidden_states: torch.Tensor) -> Callable | None:
+    """The next paged layer's read-ahead guess from ``hidden_states`` (called by the engine
+    when it has time), None when there is nothing to read ahead."""
+    paging, nxt = state.paging, state.next
+    if nxt is None or paging.read_ahead == "off" or paging.holds_all:
+        return None
+    return lambda: paging.predictor.guess(nxt, hidden_states)
 
 
 def _spans(n: int) -> list[int]:
@@ -267,25 +312,10 @@ def experts_forward(
     """transformers' experts call, ``[T, H], [T, k], [T, k] -> [T, H]``:
     ``y[t] = sum_j w[t, j] * down_e(act(gate_e x) * up_e x)`` over ``e = top_k_index[t, j]``,
     computed by colibri's engine on the experts the pager serves."""
-    state: _Layer | None = self.__dict__.get(_ATTR)
-    if state is None:
-        raise RuntimeError(
-            f"{type(self).__name__}: experts_implementation='colibri' runs the experts of a "
-            "model loaded by colibri.integrations.transformers.from_pretrained (their weights "
-            "are paged from the checkpoint); this module has none"
-        )
+    state = paged_state(self, IMPLEMENTATION)
     if torch.compiler.is_compiling():  # an opaque node of the graph
         return _ops.experts(state.handle, hidden_states, top_k_index, top_k_weights)
-    paging = state.paging
-    pager = paging.open_pager()
-    T = hidden_states.shape[0]
-    ids = top_k_index.reshape(T, -1)
-    weights = top_k_weights.reshape(ids.shape)
-    ids_np = ids.detach().cpu().numpy()
-    valid = (ids_np >= 0) & (ids_np < state.num_experts)
-    if not valid.all():  # transformers' sentinel ids: no expert
-        ids_np = np.where(valid, ids_np, -1)
-    paging.predictor.observe(state.layer, np.unique(ids_np[valid]))
+    ids, weights, ids_np = routed(state, top_k_index, top_k_weights)
     x = hidden_states.detach().float().numpy()  # no copy for float32
     out = torch.zeros_like(hidden_states)
 
@@ -309,12 +339,9 @@ def experts_forward(
             out.index_add_(0, token_t[rows], (h * scale[rows]).to(out.dtype))
             start += size
 
-    nxt = state.next
-    guess = None
-    if nxt is not None and paging.read_ahead != "off" and not paging.holds_all:
-        guess = lambda: paging.predictor.guess(nxt, hidden_states)  # noqa: E731
+    paging = state.paging
     sums = run_experts(
-        pager,
+        paging.open_pager(),
         state.layer,
         x,
         ids_np,
@@ -325,7 +352,7 @@ def experts_forward(
         fallback=fallback,
         kernel=state.activation is not None and hidden_states.dtype in _KERNEL_DTYPES,
         read_ahead=paging.read_ahead != "off",
-        next_layer=guess,
+        next_layer=next_guess(state, hidden_states),
     )
     if sums is not None:  # the fused kernel's experts, summed in float32
         out += torch.from_numpy(sums).to(out.dtype)

@@ -26,6 +26,7 @@ from colibri._errors import FormatError
 from colibri._regular import open_regular
 from colibri._units import parse_size
 from colibri._validate import check_choice, check_threads
+from colibri.integrations.transformers import _gpt_oss
 from colibri.integrations.transformers._budget import for_model
 from colibri.integrations.transformers._checkpoint import (
     TORCH_DTYPES,
@@ -139,6 +140,9 @@ def _check_experts(modules: list[tuple[str, nn.Module]], source, checkpoint: Che
     and up of one dtype and its down of the same (block-quantized: of any such type)."""
     servable = {"F32", "F16", "BF16", "F8_E4M3", *QUANTIZED_TYPES}
     for name, module in modules:
+        if type(module).__name__ == _gpt_oss.GPT_OSS:  # its own layouts
+            _gpt_oss.check_experts(name, module, source, checkpoint)
+            continue
         layer = layer_index(name)
         num, rows2, hidden = module.gate_up_proj.shape
         inter = rows2 // 2

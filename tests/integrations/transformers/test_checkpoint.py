@@ -36,7 +36,7 @@ from colibri.integrations.transformers import (  # noqa: E402
     unpatch,
 )
 
-UNSERVABLE = {"gpt_oss": "MXFP4", "llama4_text": "transposed", "dbrx": r"one \[E\*I, H\]"}
+UNSERVABLE = {"llama4_text": "transposed", "dbrx": r"one \[E\*I, H\]"}
 PAGED = [f for f in FAMILIES if f not in UNSERVABLE]
 MORE = list(MORE_FAMILIES)
 
