@@ -23,6 +23,12 @@ read-ahead) and "read/asked" their ratio.
     python bench/bench_generate.py --lock /tmp/colibri-quiet.lock --repeat 3
     python bench/bench_generate.py --shape olmoe         # 64 experts, top-8
     python bench/bench_generate.py --budgets 0.25 --cache warm --read-ahead off,gate --peers ""
+
+``--breakdown`` adds, under each colibri row, where a decoded token's time goes (exclusive
+wall time on the decoding thread, module hooks installed only with the flag): the routed
+experts (kernels and their Python), paging (inside the pager's load / advise / prefetch:
+waiting for reads), the other linears, attention (all but its linears), routing (the
+routers), and the rest (norms, embeddings, the MoE blocks' glue, generate(), Python).
 """
 
 from __future__ import annotations
@@ -142,6 +148,73 @@ def _unmap(files: list[str]) -> None:
                     raise OSError(ctypes.get_errno(), f"madvise({parts[5].strip()})")
 
 
+#: The categories of ``--breakdown``, in print order ("rest" is the token's time left over).
+WHERE = ("experts", "paging", "linears", "attention", "routing", "rest")
+
+
+class _Breakdown:
+    """Exclusive wall time per category on the calling thread: entering a category pauses
+    the one it is nested in (an attention's linears count as linears, not attention)."""
+
+    def __init__(self) -> None:
+        self.spent = dict.fromkeys(WHERE[:-1], 0.0)
+        self._stack: list[list] = []  # [category, since]
+
+    def enter(self, category: str) -> None:
+        now = time.perf_counter()
+        if self._stack:
+            top = self._stack[-1]
+            self.spent[top[0]] += now - top[1]
+        self._stack.append([category, now])
+
+    def leave(self) -> None:
+        now = time.perf_counter()
+        category, since = self._stack.pop()
+        self.spent[category] += now - since
+        if self._stack:
+            self._stack[-1][1] = now
+
+    def hook(self, module, category: str) -> None:
+        module.register_forward_pre_hook(lambda *_: self.enter(category))
+        module.register_forward_hook(lambda *_: self.leave())
+
+    def wrap(self, obj, name: str, category: str) -> None:
+        method = getattr(obj, name)
+
+        def timed(*args, **kwargs):
+            self.enter(category)
+            try:
+                return method(*args, **kwargs)
+            finally:
+                self.leave()
+
+        setattr(obj, name, timed)
+
+    def install(self, model, paging) -> None:
+        """Hooks on ``model`` (from from_pretrained) and its pager."""
+        from torch import nn
+
+        from colibri.integrations.transformers._patch import _STATE
+
+        experts = {id(m) for m in paging.modules.values()}
+        inside = set()
+        for module in paging.modules.values():
+            inside |= {id(m) for m in module.modules()}
+        for module in model.modules():
+            if id(module) in experts:
+                self.hook(module, "experts")
+            elif id(module) in inside:
+                continue
+            elif _STATE in module.__dict__:
+                self.hook(module, "routing")
+            elif isinstance(module, nn.Linear):
+                self.hook(module, "linears")
+            elif type(module).__name__.endswith("Attention"):
+                self.hook(module, "attention")
+        for name in ("load", "advise", "prefetch"):
+            self.wrap(paging.pager, name, "paging")
+
+
 def worker(spec: dict) -> dict:
     """One configuration, in this process."""
     import torch
@@ -160,6 +233,8 @@ def worker(spec: dict) -> dict:
     times: list[float] = []
     experts_at: list[float] = [0.0]  # seconds inside the paged experts so far (colibri)
     experts_mark: list[float] = []
+    breakdown = None
+    where_mark: list[dict] = []  # breakdown.spent as of each token
     reads_at: list[int] = []
     storage_at: list[int] = []
     if spec["engine"] == "llama":
@@ -172,6 +247,9 @@ def worker(spec: dict) -> dict:
                                 num_threads=spec["threads"], record_trace=True)  # fmt: skip
         paging = model.colibri
         _time_experts(experts_at)
+        if spec.get("breakdown"):
+            breakdown = _Breakdown()
+            breakdown.install(model, paging)
     else:
         from transformers import AutoModelForCausalLM
 
@@ -195,6 +273,8 @@ def worker(spec: dict) -> dict:
         def put(self, value):
             times.append(time.perf_counter())
             experts_mark.append(experts_at[0])
+            if breakdown is not None:
+                where_mark.append(dict(breakdown.spent))
             reads_at.append(paging.stats.bytes_read if paging is not None else 0)
             storage_at.append(_storage_reads())
             _EVICTED.append(_EVICTED[-1])
@@ -225,6 +305,15 @@ def worker(spec: dict) -> dict:
 
         result["experts_ms"] = 1e3 * (experts_mark[-1] - experts_mark[1]) / decode_tokens
         result["token_ms"] = 1e3 * decode_s / decode_tokens
+        result["linears"] = {
+            f"{out}x{inp} {dtype}": [c.engine, c.rows, c.colibri_s, c.torch_s]
+            for (out, inp, dtype), c in getattr(paging, "linears", {}).items()
+        }  # model.colibri.linears: the engine of each shape, and the timings it chose by
+        if breakdown is not None:
+            where = {k: 1e3 * (where_mark[-1][k] - where_mark[1][k]) / decode_tokens
+                     for k in WHERE[:-1]}  # fmt: skip
+            where["rest"] = result["token_ms"] - sum(where.values())
+            result["where_ms"] = where
 
         stats = paging.stats
         result.update(
@@ -445,6 +534,8 @@ def main(argv=None) -> int:
     parser.add_argument("--warmup", type=int, default=32,
                         help="tokens generated on another prompt before a warm row")  # fmt: skip
     parser.add_argument("--repeat", type=int, default=1, help="fresh runs per row (medians)")
+    parser.add_argument("--breakdown", action="store_true",
+                        help="print where a decoded token's time goes (colibri rows)")  # fmt: skip
     parser.add_argument("--lock", help="run each process under `flock -x LOCK`")
     parser.add_argument("--json", help="append every row here, one JSON object a line")
     parser.add_argument("--plot", help="write a picture of tok/s and peak RSS here (matplotlib)")
@@ -481,7 +572,7 @@ def main(argv=None) -> int:
     gguf = _gguf(args.model, args.cache_dir) if "llama" in peers else None
     base = dict(model=args.model, threads=args.threads, tokens=args.tokens, warmup=args.warmup,
                 prompt_tokens=args.prompt_tokens, policy=args.policy,
-                page_size_kb=args.page_size_kb)  # fmt: skip
+                page_size_kb=args.page_size_kb, breakdown=args.breakdown)  # fmt: skip
     print(f"# {args.model}: {_gib(expert_bytes)} GiB of experts; batch 1, {args.prompt_tokens}"
           f"-token prompt, {args.tokens} greedy tokens, {args.threads} threads, policy "
           f"{args.policy}, {args.page_size_kb} KiB pages; warm rows after a {args.warmup}-token "
@@ -618,6 +709,15 @@ def _show(r: dict, args) -> dict:
           f"{_gib(r['VmHWM'])} ({_gib(r['load_peak'])}) | {r['storage_per_token'] / 2**20:.1f} | "
           f"{asked / 2**20 if asked else 0:.1f} | {ratio} | {hit} | {recall} | "
           f"{r.get('load_avg', 0):.2f} |", flush=True)  # fmt: skip
+    if "where_ms" in r:
+        parts = ", ".join(f"{k} {r['where_ms'][k]:.2f}" for k in WHERE)
+        print(f"|   where a token goes, ms of {r['token_ms']:.2f}: {parts} |" + " |" * 12)
+        engines = ", ".join(
+            f"{shape} {engine} <= {rows} rows"
+            + (f" ({1e6 * ours:.0f} vs {1e6 * theirs:.0f} us)" if ours else "")
+            for shape, (engine, rows, ours, theirs) in r.get("linears", {}).items()
+        )
+        print(f"|   linears (1 row: colibri vs torch): {engines} |" + " |" * 12)
     return r
 
 

@@ -37,3 +37,12 @@ def ffn_sum(
     path: str | None = None,
 ) -> None: ...
 def read_pass(words: np.ndarray, num_threads: int = 0) -> int: ...
+def linear(
+    x: np.ndarray,
+    w: np.ndarray,
+    kind: int,
+    y: np.ndarray,
+    num_threads: int,
+    bias: np.ndarray | None = None,
+    path: str | None = None,
+) -> None: ...

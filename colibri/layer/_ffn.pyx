@@ -1,5 +1,6 @@
-"""colibri's compiled expert kernels (include/colibri/ffn.h) and the SIMD dispatch facts
-(include/colibri/cpu.h): which path runs, which ones this CPU can run."""
+"""colibri's compiled expert kernels (include/colibri/ffn.h), its linear kernel
+(include/colibri/linear.h) and the SIMD dispatch facts (include/colibri/cpu.h): which path
+runs, which ones this CPU can run."""
 
 from libc.stdint cimport int32_t, int64_t, uint16_t, uint64_t
 from libc.stdlib cimport free, malloc
@@ -300,3 +301,78 @@ def read_pass(const uint64_t[::1] words, int num_threads=0):
     with nogil:
         total = colibri_read_pass(&words[0], words.shape[0], num_threads)
     return total
+
+
+cdef extern from "colibri/linear.h" nogil:
+    ctypedef struct colibri_linear_t:
+        int32_t n, in_dim, out_dim
+        int32_t kind
+        int32_t path
+        const float *x
+        int64_t ldx
+        const uint16_t *w
+        int64_t ldw
+        const float *bias
+        uint16_t *xs
+        float *y
+        int64_t ldy
+    size_t colibri_linear_split_bytes(const colibri_linear_t *l) noexcept
+    void colibri_linear_run(const colibri_linear_t *l, int threads) noexcept
+
+
+def linear(const float[:, :] x, const uint16_t[:, :] w, int kind, float[:, :] y,
+           int num_threads, const float[::1] bias=None, path=None):
+    """y = x @ w.T (+ bias): colibri's linear kernel (include/colibri/linear.h).
+
+    x [n, in] float32 (rows contiguous), w [out, in] uint16 bits of float16 (kind 1) or
+    bfloat16 (kind 2), rows contiguous; y [n, out] float32 (rows contiguous), written;
+    bias float32 [out] or None, added in float32. Any n (decode: a few rows); float32
+    accumulation, the bits independent of ``num_threads`` (< 1: colibri's default).
+    ``path``: a name from PATHS (tests), None for the dispatched one."""
+    cdef colibri_linear_t f
+    cdef size_t split
+    cdef uint16_t *xs = NULL
+    if w.shape[1] != x.shape[1] or y.shape[0] != x.shape[0] or y.shape[1] != w.shape[0]:
+        raise ValueError(
+            f"linear(): x [n, in], w [out, in] and y [n, out] (got x {(x.shape[0], x.shape[1])}, "
+            f"w {(w.shape[0], w.shape[1])}, y {(y.shape[0], y.shape[1])})")
+    if bias is not None and bias.shape[0] != w.shape[0]:
+        raise ValueError(f"linear(): bias must be float32 [{w.shape[0]}] (got "
+                         f"[{bias.shape[0]}])")
+    if kind != COLIBRI_W_F16 and kind != COLIBRI_W_BF16:
+        raise ValueError(f"linear(): kind must be one of {WEIGHT_KINDS} (got {kind})")
+    if x.shape[0] > 0x7fffffff or w.shape[0] > 0x7fffffff or w.shape[1] > 0x7fffffff:
+        raise ValueError("linear(): more than 2^31 - 1 rows or features")
+    if (x.shape[1] > 1 and x.strides[1] != 4) or (y.shape[1] > 1 and y.strides[1] != 4):
+        raise ValueError("linear(): x and y rows must be contiguous float32")
+    if x.shape[1] < 1:
+        raise ValueError("linear(): empty weights (in = 0)")
+    if w.shape[1] > 1 and w.strides[1] != 2:
+        raise ValueError(f"linear(): w rows must be contiguous (got strides "
+                         f"{(w.strides[0], w.strides[1])}); pass np.ascontiguousarray(w)")
+    f.n = <int32_t>x.shape[0]
+    f.in_dim = <int32_t>x.shape[1]
+    f.out_dim = <int32_t>w.shape[0]
+    f.kind = kind
+    f.path = path_index(path)
+    if f.n == 0 or f.out_dim == 0:
+        return
+    f.w = &w[0, 0]
+    f.ldw = w.strides[0] // 2
+    f.x = &x[0, 0]
+    f.ldx = x.strides[0] // 4
+    f.y = &y[0, 0]
+    f.ldy = y.strides[0] // 4
+    f.bias = &bias[0] if bias is not None else NULL
+    f.xs = NULL
+    split = colibri_linear_split_bytes(&f)
+    if split:
+        xs = <uint16_t *>malloc(split)
+        if xs == NULL:
+            raise MemoryError()
+        f.xs = xs
+    if num_threads < 1:
+        num_threads = colibri_max_threads()
+    with nogil:
+        colibri_linear_run(&f, num_threads)
+    free(xs)

@@ -14,7 +14,8 @@
  * bfloat16 weights go through native bf16 dot products on x split into two bfloat16 parts,
  * hi + lo, which carry 16 of x's 24 significand bits), AVX2 + F16C + FMA (8 lanes), NEON
  * (4 lanes) and plain C. Paths differ only in summation order: each is within the bound
- * test_kernels.py states of a float64 reference.
+ * test_kernels.py states of a float64 reference. The dot products (colibri_dot_rows) serve
+ * colibri/linear.h too.
  */
 #ifndef COLIBRI_FFN_H
 #define COLIBRI_FFN_H
@@ -325,38 +326,40 @@ static void colibri_dot_neon(int kind, const uint16_t *w, int32_t K, const float
 }
 #endif
 
-/* One weight row against all n rows of x (blocks of 4 rows; the row stays in L1). */
-static inline void colibri_dot_rows(const colibri_ffn_t *f, const uint16_t *w, int32_t K,
+/* One weight row (`kind`, K elements) against all n rows of x on SIMD path `path` (blocks
+ * of 4 rows; the row stays in L1): y[r * ldy] = w . x[r * ldx]. On the avx512_bf16 path
+ * with bfloat16 weights, xs holds x split as colibri_split_rows writes it ([2, n, K]). */
+static inline void colibri_dot_rows(int path, int kind, int32_t n, const uint16_t *w, int32_t K,
                                     const float *x, int64_t ldx, const uint16_t *xs, float *y,
                                     int64_t ldy)
 {
     int32_t r, nb;
-    for (r = 0; r < f->n; r += nb) {
-        nb = f->n - r < COLIBRI_FFN_ROW_BLOCK ? f->n - r : COLIBRI_FFN_ROW_BLOCK;
-        switch (f->path) {
+    for (r = 0; r < n; r += nb) {
+        nb = n - r < COLIBRI_FFN_ROW_BLOCK ? n - r : COLIBRI_FFN_ROW_BLOCK;
+        switch (path) {
 #ifdef COLIBRI_FFN_X86
         case COLIBRI_PATH_AVX512_BF16:
-            if (f->kind == COLIBRI_W_BF16) {
-                colibri_dot_bf16(w, K, xs + r * (int64_t)K, xs + (f->n + r) * (int64_t)K, K, nb,
+            if (kind == COLIBRI_W_BF16) {
+                colibri_dot_bf16(w, K, xs + r * (int64_t)K, xs + (n + r) * (int64_t)K, K, nb,
                                  y + r * ldy, ldy);
                 break;
             }
-            colibri_dot_avx512(f->kind, w, K, x + r * ldx, ldx, nb, y + r * ldy, ldy);
+            colibri_dot_avx512(kind, w, K, x + r * ldx, ldx, nb, y + r * ldy, ldy);
             break;
         case COLIBRI_PATH_AVX512:
-            colibri_dot_avx512(f->kind, w, K, x + r * ldx, ldx, nb, y + r * ldy, ldy);
+            colibri_dot_avx512(kind, w, K, x + r * ldx, ldx, nb, y + r * ldy, ldy);
             break;
         case COLIBRI_PATH_AVX2:
-            colibri_dot_avx2(f->kind, w, K, x + r * ldx, ldx, nb, y + r * ldy, ldy);
+            colibri_dot_avx2(kind, w, K, x + r * ldx, ldx, nb, y + r * ldy, ldy);
             break;
 #endif
 #ifdef COLIBRI_FFN_NEON
         case COLIBRI_PATH_NEON:
-            colibri_dot_neon(f->kind, w, K, x + r * ldx, ldx, nb, y + r * ldy, ldy);
+            colibri_dot_neon(kind, w, K, x + r * ldx, ldx, nb, y + r * ldy, ldy);
             break;
 #endif
         default:
-            colibri_dot_scalar(f->kind, w, K, x + r * ldx, ldx, nb, y + r * ldy, ldy);
+            colibri_dot_scalar(kind, w, K, x + r * ldx, ldx, nb, y + r * ldy, ldy);
         }
     }
 }
@@ -386,9 +389,26 @@ static inline void colibri_split_bf16(float v, uint16_t *hi, uint16_t *lo)
     *lo = colibri_float_to_bf16(rest == rest ? rest : 0.0f); /* inf - inf: hi carries it */
 }
 
+/* Whether path and kind take x as two bfloat16 parts (the native bf16 dot products). */
+static inline int colibri_uses_split(int path, int kind)
+{
+    return path == COLIBRI_PATH_AVX512_BF16 && kind == COLIBRI_W_BF16;
+}
+
 static inline int colibri_ffn_uses_split(const colibri_ffn_t *f)
 {
-    return f->path == COLIBRI_PATH_AVX512_BF16 && f->kind == COLIBRI_W_BF16;
+    return colibri_uses_split(f->path, f->kind);
+}
+
+/* x [n, K] (row stride ldx) as xs[0:n K] = hi, xs[n K:2 n K] = lo (rows contiguous). */
+static inline void colibri_split_rows(const float *x, int64_t ldx, int32_t n, int32_t K,
+                                      uint16_t *xs)
+{
+    int64_t i;
+    for (i = 0; i < (int64_t)n * K; i++) {
+        int64_t r = i / K, k = i % K;
+        colibri_split_bf16(x[r * ldx + k], xs + i, xs + (int64_t)n * K + i);
+    }
 }
 
 /* ---- the two passes, by chunks of output rows -------------------------------------- */
@@ -402,8 +422,8 @@ static inline void colibri_ffn_gate_up(const colibri_ffn_t *f, int32_t o0, int32
     float g[COLIBRI_FFN_MAX_ROWS], u[COLIBRI_FFN_MAX_ROWS];
     int32_t o, r;
     for (o = o0; o < o1; o++) {
-        colibri_dot_rows(f, f->gate + o * f->ldg, f->H, f->x, f->ldx, xs, g, 1);
-        colibri_dot_rows(f, f->up + o * f->ldu, f->H, f->x, f->ldx, xs, u, 1);
+        colibri_dot_rows(f->path, f->kind, n, f->gate + o * f->ldg, f->H, f->x, f->ldx, xs, g, 1);
+        colibri_dot_rows(f->path, f->kind, n, f->up + o * f->ldu, f->H, f->x, f->ldx, xs, u, 1);
         for (r = 0; r < n; r++) {
             float v = colibri_act(f->act, g[r]) * u[r];
             f->h[r * (int64_t)I + o] = v;
@@ -419,7 +439,8 @@ static inline void colibri_ffn_down(const colibri_ffn_t *f, int32_t o0, int32_t 
     const uint16_t *hs = colibri_ffn_uses_split(f) ? f->xs + 2 * (int64_t)f->n * f->H : NULL;
     int32_t o;
     for (o = o0; o < o1; o++)
-        colibri_dot_rows(f, f->down + o * f->ldd, f->I, f->h, f->I, hs, f->y + o, f->ldy);
+        colibri_dot_rows(f->path, f->kind, f->n, f->down + o * f->ldd, f->I, f->h, f->I, hs,
+                         f->y + o, f->ldy);
 }
 
 /* Bytes of scratch f->xs needs (0 unless the bf16 path runs). */
@@ -459,18 +480,11 @@ static inline void colibri_ffn_run_many(const colibri_ffn_t *f, int32_t count, i
                                         int threads)
 {
     int32_t j;
-    int64_t i;
     if (count < 1)
         return;
-    for (j = 0; j < count; j++) {
-        if (colibri_ffn_uses_split(&f[j])) {
-            for (i = 0; i < (int64_t)f[j].n * f[j].H; i++) {
-                int64_t r = i / f[j].H, k = i % f[j].H;
-                colibri_split_bf16(f[j].x[r * f[j].ldx + k], f[j].xs + i,
-                                   f[j].xs + (int64_t)f[j].n * f[j].H + i);
-            }
-        }
-    }
+    for (j = 0; j < count; j++)
+        if (colibri_ffn_uses_split(&f[j]))
+            colibri_split_rows(f[j].x, f[j].ldx, f[j].n, f[j].H, f[j].xs);
     first[0] = 0;
     for (j = 0; j < count; j++) {
         int32_t c1 = colibri_ffn_chunk_rows(2 * f[j].H);

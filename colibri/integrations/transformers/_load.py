@@ -45,6 +45,7 @@ from colibri.integrations.transformers._experts import (
     paged_layers,
 )
 from colibri.integrations.transformers._gguf import QUANTIZED_TYPES, GGUFCheckpoint, is_gguf
+from colibri.integrations.transformers._linears import LINEAR_MODES, install
 from colibri.integrations.transformers._patch import _STATE, patch
 from colibri.integrations.transformers._predict import READ_AHEAD_MODES, link_layers
 
@@ -230,6 +231,7 @@ def from_pretrained(
     topk_groups: int = 1,
     record_trace: bool = False,
     io: str | None = None,
+    linears: str = "auto",
 ) -> nn.Module:
     """Load a transformers MoE checkpoint with its routed experts paged under ``budget``.
 
@@ -287,6 +289,12 @@ def from_pretrained(
     io : str, optional
         The pager's backend (:class:`colibri.Pager`'s ``io``: ``"mmap"``, ``"view"`` or
         ``"read"``; default: the pager's). ``"read"`` suits files that may change while in use.
+    linears : str
+        Where the other linears (attention, shared experts, dense MLPs, LM head; bfloat16 or
+        float16 weights on the CPU) run for inputs of a few rows: ``"auto"`` (default) times
+        colibri's kernel against torch's ``F.linear`` once per weight shape at load and keeps
+        the faster, ``"colibri"`` or ``"torch"`` force one (``model.colibri.linears``
+        records each shape's engine and timings).
 
     Returns
     -------
@@ -319,6 +327,7 @@ def from_pretrained(
         check_threads(num_threads, "from_pretrained(): num_threads")
     if io is not None:
         check_choice("from_pretrained(): io", io, IO_BACKENDS)
+    check_choice("from_pretrained(): linears", linears, LINEAR_MODES)
     checkpoint = GGUFCheckpoint(path) if is_gguf(path) else Checkpoint(path)
     config = _config(checkpoint)
     torch_dtype = _torch_dtype(config, checkpoint, dtype)
@@ -364,6 +373,7 @@ def from_pretrained(
         _generation_config(model, checkpoint)
         model.eval()
         patch(model, num_threads=num_threads)
+        paging.linears = install(model, linears, num_threads or 0, [n for n, _ in modules])
         if partition is not None:
             _partition(model, partition, topk_groups)
         layers = paged_layers(paging)

@@ -159,3 +159,22 @@ def experts(
         serves the experts under its budget; the read-ahead guesses the next layer's.
     """
     return torch.ops.colibri.experts(hidden, ids, weights, number)
+
+
+# -- non-expert linears -------------------------------------------------------------------
+
+
+@torch.library.custom_op("colibri::linear", mutates_args=())
+def _linear_op(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, num_threads: int
+) -> torch.Tensor:
+    """``x @ weight.T + bias`` on colibri's linear kernel (``_linears.compute``): ``x``
+    ``[..., in]``, ``weight`` ``[out, in]`` bfloat16/float16; ``[..., out]`` in ``x``'s dtype."""
+    from colibri.integrations.transformers._linears import compute
+
+    return compute(x, weight, bias, num_threads)
+
+
+@_linear_op.register_fake
+def _(x, weight, bias, num_threads):
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))

@@ -1,0 +1,263 @@
+"""The non-expert linears of a model from :func:`from_pretrained` on colibri's kernel.
+
+Every ``nn.Linear`` that is not inside a routed experts module (attention projections,
+shared experts, dense MLPs, the LM head, ...) with bfloat16 or float16 weights on the CPU
+runs colibri's linear kernel (``include/colibri/linear.h``: the expert kernel's dot products,
+the weights read once at memory speed, float32 accumulation) when its input has few rows
+(decoding), else torch's ``F.linear``. torch's half-precision GEMV is slow on CPUs without
+native bf16 and pays torch's per-op overhead; on others torch may win, and its GEMM wins as
+rows grow, so ``linears="auto"`` times both once per distinct weight shape at load: colibri's
+kernel where it wins at one row, up to the most rows (of 2, 4, :data:`MAX_ROWS`) where it
+still wins (``model.colibri.linears`` records the choice and the timings).
+
+The output equals torch's up to float32 summation order: both accumulate the exact products
+in float32, add the bias in float32 and round once to the input's dtype.
+"""
+
+from __future__ import annotations
+
+import time
+import types
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from colibri._validate import check_choice
+from colibri.integrations.transformers import _ops  # noqa: F401 (colibri::linear)
+from colibri.layer import _ffn
+
+__all__ = ["LINEAR_MODES", "MAX_ROWS", "LinearChoice", "compute", "install"]
+
+LINEAR_MODES = ("auto", "colibri", "torch")
+# Most input rows colibri's kernel takes (more: torch's GEMM; "auto" may choose fewer). The
+# kernel reads the weights once whatever the rows, but its arithmetic grows with them (4 rows
+# per pass over a weight row in L1) while a GEMM's barely does: decode sizes.
+MAX_ROWS = 8
+_STEPS = (MAX_ROWS, 4, 2)  # the row counts "auto" tries, after one row
+_KINDS = {
+    torch.bfloat16: _ffn.WEIGHT_KINDS["bfloat16"],
+    torch.float16: _ffn.WEIGHT_KINDS["float16"],
+}
+_STATE = "_colibri_linear"
+_REPEATS = 5  # timings per engine in "auto" (the minimum counts)
+
+
+@dataclass
+class LinearChoice:
+    """The engine of one distinct linear shape (an entry of ``model.colibri.linears``).
+
+    Attributes
+    ----------
+    engine : str
+        ``"colibri"`` (inputs of up to ``rows`` rows on colibri's kernel) or ``"torch"``.
+    rows : int
+        Most input rows colibri's kernel takes (0 with ``engine="torch"``): ``MAX_ROWS``,
+        or with ``linears="auto"`` the most of 1, 2, 4, ``MAX_ROWS`` at which it won.
+    modules : list of str
+        The model's linears of this shape.
+    colibri_s, torch_s : float or None
+        With ``linears="auto"``: the best of a few timings of one input row, in seconds.
+    by_rows : dict
+        With ``linears="auto"``: ``{rows: (colibri_s, torch_s)}`` of every row count timed.
+    """
+
+    engine: str
+    rows: int
+    modules: list[str]
+    colibri_s: float | None = None
+    torch_s: float | None = None
+    by_rows: dict[int, tuple[float, float]] = field(default_factory=dict)
+
+
+def _bits(weight: torch.Tensor) -> np.ndarray:
+    """The uint16 bits of a half-precision ``[out, in]`` weight (a view, no copy)."""
+    return weight.detach().view(torch.int16).numpy().view(np.uint16)
+
+
+def compute(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    num_threads: int,
+    bits: np.ndarray | None = None,
+    bias32: np.ndarray | None = None,
+) -> torch.Tensor:
+    """``x @ weight.T + bias`` on colibri's kernel.
+
+    Parameters
+    ----------
+    x : torch.Tensor
+        ``[..., in]`` on the CPU, any float dtype.
+    weight : torch.Tensor
+        ``[out, in]`` bfloat16 or float16, rows contiguous, on the CPU.
+    bias : torch.Tensor or None
+        ``[out]``, added in float32.
+    num_threads : int
+        colibri's threads (0: colibri's default).
+    bits, bias32 : numpy.ndarray, optional
+        ``weight``'s uint16 bits and ``bias`` as float32, when the caller holds them.
+
+    Returns
+    -------
+    torch.Tensor
+        ``[..., out]``, ``x``'s dtype (float32 accumulation, rounded once).
+    """
+    if bits is None:
+        bits = _bits(weight)
+    if bias32 is None and bias is not None:
+        bias32 = bias.detach().to(torch.float32).numpy()
+    rows = x.detach().reshape(-1, x.shape[-1]).to(torch.float32).contiguous()
+    y = torch.empty((rows.shape[0], weight.shape[0]), dtype=torch.float32)
+    _ffn.linear(rows.numpy(), bits, _KINDS[weight.dtype], y.numpy(), num_threads, bias32)
+    return y.to(x.dtype).reshape(*x.shape[:-1], weight.shape[0])
+
+
+class _Linear:
+    """One linear's colibri state: its weight's bits (refreshed when the weight moves)."""
+
+    def __init__(self, module: nn.Linear, num_threads: int, rows: int) -> None:
+        self.num_threads = num_threads
+        self.rows = rows
+        self.refresh(module)
+
+    def refresh(self, module: nn.Linear) -> None:
+        weight, bias = module.weight, module.bias
+        self.key = _key(weight, bias)
+        usable = weight.dtype in _KINDS and weight.device.type == "cpu" and weight.is_contiguous()
+        self.bits = _bits(weight) if usable else None  # a view: follows in-place changes
+        self.bias32 = None if bias is None else bias.detach().to(torch.float32).numpy()
+
+
+def _key(weight: torch.Tensor, bias: torch.Tensor | None) -> tuple:
+    """What a :class:`_Linear` was made from: the weight's memory and dtype, the bias's
+    memory and version (its float32 copy is stale after an in-place change)."""
+    if bias is None:
+        return weight.data_ptr(), weight.dtype
+    return weight.data_ptr(), weight.dtype, bias.data_ptr(), bias._version
+
+
+def _needs_grad(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    return torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
+
+
+def _forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    state: _Linear = self.__dict__[_STATE]
+    weight = self.weight
+    few = 0 < x.numel() <= state.rows * self.in_features
+    if torch.compiler.is_compiling():  # an opaque node of the graph
+        if few and weight.dtype in _KINDS and not _needs_grad(x, weight):
+            return torch.ops.colibri.linear(x, weight, self.bias, state.num_threads)
+        return F.linear(x, weight, self.bias)
+    if not few or x.device.type != "cpu" or _needs_grad(x, weight):
+        return F.linear(x, weight, self.bias)
+    bias = self.bias
+    if _key(weight, bias) != state.key:  # moved (.to(), a copy) or a new bias: read again
+        state.refresh(self)
+    if state.bits is None:
+        return F.linear(x, weight, bias)
+    return compute(x, weight, bias, state.num_threads, state.bits, state.bias32)
+
+
+def _candidates(model: nn.Module, skip: list[str]) -> list[tuple[str, nn.Linear]]:
+    """The ``nn.Linear`` modules of ``model`` colibri's kernel may run: half-precision
+    contiguous weights on the CPU, outside the ``skip`` modules (the routed experts), not
+    already given another forward (a patched router)."""
+    prefixes = tuple(f"{name}." for name in skip)
+    found = []
+    for name, module in model.named_modules():
+        if not isinstance(module, nn.Linear) or name.startswith(prefixes) or name in skip:
+            continue
+        weight = module.weight
+        if weight.device.type != "cpu" or weight.dtype not in _KINDS or weight.is_meta:
+            continue
+        if not weight.is_contiguous() or "forward" in module.__dict__:
+            continue
+        found.append((name, module))
+    return found
+
+
+def _best(fn, repeats: int) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def _measure(module: nn.Linear, num_threads: int, rows: int) -> tuple[float, float]:
+    """The best of a few timings of ``rows`` input rows: colibri's kernel, then ``F.linear``."""
+    weight, bias = module.weight, module.bias
+    x = torch.randn(rows, module.in_features).to(weight.dtype)
+    bits = _bits(weight)
+    bias32 = None if bias is None else bias.detach().to(torch.float32).numpy()
+    with torch.no_grad():
+        ours = _best(lambda: compute(x, weight, bias, num_threads, bits, bias32), _REPEATS)
+        theirs = _best(lambda: F.linear(x, weight, bias), _REPEATS)
+    return ours, theirs
+
+
+def _choose(module: nn.Linear, num_threads: int, names: list[str]) -> LinearChoice:
+    """``"auto"``: colibri's kernel if it beats ``F.linear`` at one row, up to the most rows
+    of :data:`_STEPS` at which it still does (tried from the most)."""
+    timed = {1: _measure(module, num_threads, 1)}
+    choice = LinearChoice("torch", 0, names, *timed[1], by_rows=timed)
+    if timed[1][0] >= timed[1][1]:
+        return choice
+    choice.engine, choice.rows = "colibri", 1
+    for rows in _STEPS:
+        timed[rows] = _measure(module, num_threads, rows)
+        if timed[rows][0] < timed[rows][1]:
+            choice.rows = rows
+            break
+    return choice
+
+
+def install(
+    model: nn.Module, mode: str, num_threads: int = 0, skip: list[str] = ()
+) -> dict[tuple[int, int, str], LinearChoice]:
+    """Run the non-expert linears of ``model`` on colibri's kernel as ``mode`` says.
+
+    Parameters
+    ----------
+    model : nn.Module
+        A model with its weights loaded (ties made).
+    mode : str
+        ``"auto"`` (per distinct ``(out, in, dtype)``: colibri's kernel where a timed row
+        beats ``F.linear``, for as many rows as it still wins at), ``"colibri"`` (everywhere,
+        up to :data:`MAX_ROWS` rows) or ``"torch"`` (nowhere).
+    num_threads : int
+        colibri's threads (0: colibri's default).
+    skip : list of str
+        Names of modules whose linears stay torch's (the routed experts).
+
+    Returns
+    -------
+    dict
+        ``{(out, in, dtype name): LinearChoice}`` for every candidate linear's shape.
+    """
+    check_choice("from_pretrained(): linears", mode, LINEAR_MODES)
+    by_shape: dict[tuple[int, int, str], list[tuple[str, nn.Linear]]] = {}
+    for name, module in _candidates(model, list(skip)):
+        out, inp = module.weight.shape
+        key = (int(out), int(inp), str(module.weight.dtype).removeprefix("torch."))
+        by_shape.setdefault(key, []).append((name, module))
+    choices = {}
+    for key, members in by_shape.items():
+        names = [name for name, _ in members]
+        choice = LinearChoice("torch", 0, names)
+        if mode == "colibri":
+            choice = LinearChoice("colibri", MAX_ROWS, names)
+        elif mode == "auto":
+            choice = _choose(members[0][1], num_threads, names)
+        choices[key] = choice
+        if choice.engine == "colibri":
+            for _, module in members:
+                # plain instance attributes, as patch() does for routers
+                module.__dict__[_STATE] = _Linear(module, num_threads, choice.rows)
+                module.__dict__["forward"] = types.MethodType(_forward, module)
+    return choices

@@ -1,0 +1,67 @@
+/*
+ * colibri's linear layer for half-precision weights, for a few rows at a time:
+ *
+ *     y[r, o] = W[o] . x[r] (+ bias[o])      r < n, o < out
+ *
+ * W [out, in] in float16 or bfloat16 (each row contiguous, any row stride), x [n, in] and
+ * y [n, out] float32, bias float32 [out] or none. The dot products are the FFN kernel's
+ * (colibri/ffn.h: colibri_dot_rows, every SIMD path), so W is read once, in its stored
+ * dtype, at the speed memory delivers it; chunks of output rows run on colibri's pool
+ * (colibri/pool.h). Each output element is computed by one thread in a fixed order: the
+ * bits do not depend on the thread count.
+ */
+#ifndef COLIBRI_LINEAR_H
+#define COLIBRI_LINEAR_H
+
+#include "colibri/ffn.h"
+
+typedef struct {
+    int32_t n, in_dim, out_dim; /* rows, input and output features */
+    int32_t kind;               /* COLIBRI_W_F16 or COLIBRI_W_BF16 */
+    int32_t path;               /* COLIBRI_PATH_* (one this CPU runs) */
+    const float *x;             /* [n, in], row stride ldx */
+    int64_t ldx;
+    const uint16_t *w; /* [out, in], row stride ldw (elements) */
+    int64_t ldw;
+    const float *bias; /* [out] or NULL */
+    uint16_t *xs;      /* scratch for the bf16 path: [2, n, in] */
+    float *y;          /* [n, out], row stride ldy */
+    int64_t ldy;
+} colibri_linear_t;
+
+/* Bytes of scratch l->xs needs (0 unless the bf16 path runs). */
+static inline size_t colibri_linear_split_bytes(const colibri_linear_t *l)
+{
+    if (!colibri_uses_split(l->path, l->kind))
+        return 0;
+    return 2 * sizeof(uint16_t) * (size_t)l->n * (size_t)l->in_dim;
+}
+
+static void colibri_linear_chunk(void *arg, int32_t c)
+{
+    const colibri_linear_t *l = (const colibri_linear_t *)arg;
+    const int32_t rows = colibri_ffn_chunk_rows(l->in_dim);
+    const int32_t o1 = (c + 1) * rows < l->out_dim ? (c + 1) * rows : l->out_dim;
+    int32_t o, r;
+    for (o = c * rows; o < o1; o++) {
+        colibri_dot_rows(l->path, l->kind, l->n, l->w + o * l->ldw, l->in_dim, l->x, l->ldx, l->xs,
+                         l->y + o, l->ldy);
+        if (l->bias != NULL)
+            for (r = 0; r < l->n; r++)
+                l->y[r * l->ldy + o] += l->bias[o];
+    }
+}
+
+/* The whole layer on up to `threads` threads; l->xs must hold colibri_linear_split_bytes(l)
+ * bytes. */
+static inline void colibri_linear_run(const colibri_linear_t *l, int threads)
+{
+    const int32_t rows = colibri_ffn_chunk_rows(l->in_dim);
+    if (l->n < 1 || l->out_dim < 1)
+        return;
+    if (colibri_uses_split(l->path, l->kind))
+        colibri_split_rows(l->x, l->ldx, l->n, l->in_dim, l->xs);
+    colibri_pool_run(colibri_linear_chunk, (void *)l, (l->out_dim + rows - 1) / rows, threads);
+}
+
+#endif /* COLIBRI_LINEAR_H */

@@ -1,0 +1,260 @@
+"""The non-expert linears of a ``from_pretrained`` model on colibri's linear kernel
+(``linears="colibri"``) against torch's ``F.linear`` (``linears="torch"``), on a tiny bf16
+qwen3_moe (hidden 32, two layers).
+
+Both engines accumulate the exact products of a row in float32, add the bias in float32 and
+round once to bfloat16; only the summation order differs. For one linear with the same input
+x, each float32 result is within (K + 1) u S of the exact one (u = 2^-24, S = sum |w x| +
+|b|), and rounding each to bfloat16 moves it by at most half an ulp (2^-8 |y|): so
+|colibri - torch| <= 2 (K + 1) u S + 2^-8 (|colibri| + |torch|), checked at every linear
+call. Through the model these one-rounding differences feed later layers; the logits are
+compared to LOGITS_BOUND (a few bf16 roundings, 2^-6 of the largest logit).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+pytest.importorskip("safetensors")
+
+from _support.hf_families import build_model, randomise_routers, token_ids  # noqa: E402
+from colibri.integrations.transformers import (  # noqa: E402
+    _linears,
+    from_pretrained,
+    patch,
+    unpatch,
+)
+from colibri.layer import _ffn  # noqa: E402
+
+U = 2.0**-24
+LOGITS_BOUND = 2.0**-6  # relative to the largest |logit|
+
+
+def _save(folder, **overrides):
+    model = build_model("qwen3_moe", **overrides).to(torch.bfloat16)
+    randomise_routers(model, [r.name for r in patch(model)])
+    unpatch(model)
+    with torch.no_grad():  # transformers initialises biases to zeros
+        for module in model.modules():
+            if isinstance(module, torch.nn.Linear) and module.bias is not None:
+                module.bias.normal_(0, 0.5)
+    model.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def untied(tmp_path_factory):
+    return _save(tmp_path_factory.mktemp("linears"), attention_bias=True)  # biases too
+
+
+@pytest.fixture(scope="module")
+def tied(tmp_path_factory):
+    return _save(tmp_path_factory.mktemp("tied"), tie_word_embeddings=True)
+
+
+def _load(folder, linears):
+    return from_pretrained(folder, budget="64MiB", linears=linears)
+
+
+@pytest.fixture(scope="module")
+def models(untied):
+    """``(colibri, torch)``: the untied checkpoint with each engine's linears."""
+    return _load(untied, "colibri"), _load(untied, "torch")
+
+
+@pytest.fixture
+def kernel_calls(monkeypatch):
+    """How many times colibri's linear kernel runs (a list, one entry per call: its rows)."""
+    calls = []
+    real = _ffn.linear
+
+    def counting(x, *args):
+        calls.append(x.shape[0])
+        return real(x, *args)
+
+    monkeypatch.setattr(_linears._ffn, "linear", counting)
+    return calls
+
+
+def _logits(model, ids):
+    with torch.no_grad():
+        return model(ids).logits.float()
+
+
+def _check_close(got, want):
+    bound = LOGITS_BOUND * want.abs().max().item()
+    assert (got - want).abs().max().item() <= bound
+
+
+def test_every_linear_within_one_bf16_rounding_of_torch(models, kernel_calls):
+    """Each linear call on colibri's kernel against F.linear on the same input (the bound
+    of the module docstring), and the logits against the torch-linears model's."""
+    model, ref = models
+    names = {name for choice in model.colibri.linears.values() for name in choice.modules}
+    assert {"lm_head", "model.layers.0.self_attn.q_proj"} <= names
+    assert all(c.engine == "colibri" for c in model.colibri.linears.values())
+    assert all(c.engine == "torch" for c in ref.colibri.linears.values())
+    seen = []
+
+    def check(module, args, out):
+        x, w, b = args[0], module.weight, module.bias
+        want = torch.nn.functional.linear(x, w, b)
+        size = x.float().abs() @ w.float().abs().T + (0 if b is None else b.float().abs())
+        bound = 2 * (w.shape[1] + 1) * U * size + 2.0**-8 * (out.float().abs() + want.float().abs())
+        assert out.dtype == x.dtype
+        assert ((out.float() - want.float()).abs() <= bound).all()
+        seen.append(module)
+
+    hooks = [m.register_forward_hook(check) for n, m in model.named_modules() if n in names]
+    ids = token_ids(3, batch=1, length=4)
+    got = _logits(model, ids)
+    for hook in hooks:
+        hook.remove()
+    assert len(seen) == len(names) == len(kernel_calls)  # every one on colibri's kernel
+    _check_close(got, _logits(ref, ids))
+    _check_close(_logits(model, ids[:, :1]), _logits(ref, ids[:, :1]))  # one decoding row
+
+
+def test_generate_gives_torchs_tokens(models):
+    """Greedy generation: the same tokens, on prompts whose top-2 logits at every step are
+    further apart than the logits bound (else a rounding could flip the argmax)."""
+    model, ref = models
+    compared = 0
+    for seed in range(8):
+        ids = token_ids(seed, batch=1, length=5)
+        options = dict(max_new_tokens=2, do_sample=False, output_logits=True,
+                       return_dict_in_generate=True, pad_token_id=0)  # fmt: skip
+        want = ref.generate(ids, **options)
+        top2 = [(s.float().topk(2).values[0], s.abs().max()) for s in want.logits]
+        if any(t[0] - t[1] <= 2 * LOGITS_BOUND * top for t, top in top2):
+            continue  # near-tied: either token is right
+        got = model.generate(ids, **options)
+        assert torch.equal(got.sequences, want.sequences)
+        compared += 1
+    assert compared >= 3
+
+
+def test_more_than_max_rows_go_to_torch(models, kernel_calls):
+    """MAX_ROWS input rows run colibri's kernel; one more row runs torch's F.linear on every
+    linear (the prefill of a longer prompt)."""
+    model = models[0]
+    count = sum(len(c.modules) for c in model.colibri.linears.values())
+    rows = _linears.MAX_ROWS
+    _logits(model, token_ids(1, batch=1, length=rows))
+    assert kernel_calls == [rows] * count
+    kernel_calls.clear()
+    _logits(model, token_ids(1, batch=1, length=rows + 1))
+    assert kernel_calls == []
+    _logits(model, token_ids(1, batch=2, length=rows // 2 + 1))  # rows of all sequences
+    assert kernel_calls == []
+
+
+def test_tied_lm_head(tied, kernel_calls):
+    """With tied embeddings the LM head runs colibri's kernel on the embedding's own memory
+    (no copy): the logits match torch's, and follow an in-place change of the embedding."""
+    model, ref = _load(tied, "colibri"), _load(tied, "torch")
+    head = model.get_output_embeddings()
+    assert head.weight is model.get_input_embeddings().weight
+    assert any("lm_head" in c.modules and c.engine == "colibri"
+               for c in model.colibri.linears.values())  # fmt: skip
+    ids = token_ids(5, batch=1, length=3)
+    _check_close(_logits(model, ids), _logits(ref, ids))
+    assert kernel_calls
+    with torch.no_grad():
+        for m in (model, ref):
+            m.get_input_embeddings().weight.mul_(-1)
+    _check_close(_logits(model, ids), _logits(ref, ids))
+
+
+def test_follows_changed_weights(untied, kernel_calls):
+    """In-place changes of a weight and of a bias, and a weight replaced by another (new
+    memory: read again): the logits follow as torch's do."""
+    model, ref = _load(untied, "colibri"), _load(untied, "torch")
+    count = sum(len(c.modules) for c in model.colibri.linears.values())
+    ids = token_ids(6, batch=1, length=3)
+    with torch.no_grad():
+        for m in (model, ref):
+            attention = m.model.layers[1].self_attn
+            attention.q_proj.weight.mul_(2)
+            attention.v_proj.bias.mul_(-4)
+    _check_close(_logits(model, ids), _logits(ref, ids))
+    with torch.no_grad():
+        for m in (model, ref):
+            m.lm_head.weight = torch.nn.Parameter(-m.lm_head.weight, requires_grad=False)
+    kernel_calls.clear()
+    _check_close(_logits(model, ids), _logits(ref, ids))
+    assert len(kernel_calls) == count
+
+
+def test_auto_records_its_measurement(untied):
+    """``"auto"`` times both engines once per distinct shape and keeps the faster, on
+    colibri's kernel for as many rows as it won at."""
+    model = _load(untied, "auto")
+    choices = model.colibri.linears
+    assert (96, 32, "bfloat16") in choices  # the LM head
+    for choice in choices.values():
+        assert choice.colibri_s > 0 and choice.torch_s > 0
+        assert choice.engine == ("colibri" if choice.colibri_s < choice.torch_s else "torch")
+        assert choice.by_rows[1] == (choice.colibri_s, choice.torch_s)
+        if choice.engine == "torch":
+            assert choice.rows == 0 and list(choice.by_rows) == [1]
+            continue
+        # the most rows at which colibri's kernel won; every larger count tried lost
+        assert choice.rows in choice.by_rows and choice.rows <= _linears.MAX_ROWS
+        ours, theirs = choice.by_rows[choice.rows]
+        assert ours < theirs
+        for rows, (ours, theirs) in choice.by_rows.items():
+            assert rows <= choice.rows or ours >= theirs
+        modules = dict(model.named_modules())
+        for name in choice.modules:
+            assert ("forward" in modules[name].__dict__) == (choice.engine == "colibri")
+
+
+def test_auto_follows_the_timings(untied, monkeypatch, kernel_calls):
+    """Timings made up per shape: colibri's kernel wins everywhere (q/o: MAX_ROWS rows), up to
+    4 rows (the LM head) or nowhere (k/v); the forward follows each choice."""
+    wins = {32: _linears.MAX_ROWS, 96: 4, 16: 0}  # out features -> most rows colibri wins at
+
+    def made_up(module, num_threads, rows):
+        return (1.0, 2.0) if rows <= wins[module.out_features] else (2.0, 1.0)
+
+    monkeypatch.setattr(_linears, "_measure", made_up)
+    model = _load(untied, "auto")
+    choices = model.colibri.linears
+    got = {key[0]: (c.engine, c.rows, sorted(c.by_rows)) for key, c in choices.items()}
+    assert got == {32: ("colibri", 8, [1, 8]), 96: ("colibri", 4, [1, 4, 8]),
+                   16: ("torch", 0, [1])}  # fmt: skip
+    _logits(model, token_ids(1, batch=1, length=4))
+    assert len(kernel_calls) == 2 * 2 + 1  # q/o of two layers and the LM head
+    kernel_calls.clear()
+    _logits(model, token_ids(1, batch=1, length=5))
+    assert len(kernel_calls) == 2 * 2  # the LM head's 5 rows went to torch
+
+
+def test_compiles_in_one_graph(models):
+    """Under torch.compile each linear is a ``colibri::linear`` node (fullgraph: no break)."""
+    torch._dynamo.reset()
+    model = models[0]
+    count = sum(len(c.modules) for c in model.colibri.linears.values())
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    ids = token_ids(2, batch=1, length=3)
+    want = _logits(model, ids)
+    got = _logits(torch.compile(model, fullgraph=True, backend=backend), ids)
+    torch._dynamo.reset()
+    assert torch.equal(got, want)
+    assert len(graphs) == 1
+    assert graphs[0].code.count("torch.ops.colibri.linear") == count
+
+
+def test_bad_option(tmp_path):
+    """Refused before any file is read (the directory does not exist)."""
+    with pytest.raises(ValueError, match=r"from_pretrained\(\): linears"):
+        from_pretrained(tmp_path / "nowhere", budget="64MiB", linears="fast")
