@@ -67,6 +67,9 @@ class Paging:
         ``{layer index: experts module}`` (the model's own, now paged).
     auto_budget : AutoBudget or None
         How ``budget="auto"`` sized the budget (None for a given budget).
+    linears : dict
+        ``{(out, in, dtype): LinearChoice}``: which engine runs the model's other linears of
+        each shape, and the timings that chose it (``from_pretrained(linears=...)``).
     """
 
     pager: Any
@@ -78,6 +81,7 @@ class Paging:
     layers: dict[int, int] = field(default_factory=dict)
     modules: dict[int, nn.Module] = field(default_factory=dict, repr=False)
     auto_budget: Any = None
+    linears: dict = field(default_factory=dict)
     predictor: Predictor = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
