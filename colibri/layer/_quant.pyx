@@ -25,9 +25,9 @@ cdef extern from "colibri/quant.h" nogil:
     void colibri_q_dequantize_block(int type, const uint8_t *b, float *out) noexcept
     float colibri_q_scale(int type, const uint8_t *b, int32_t j, int half, float *min) noexcept
     void colibri_q8_row(const float *x, int32_t K, float *d, int8_t *q, int32_t *s) noexcept
-    void colibri_q_dot(int path, int type, const uint8_t *w, int32_t K, const float *d,
-                       const int8_t *q, const int32_t *s, int32_t nb, float *y,
-                       int64_t ldy) noexcept
+    void colibri_q_dot_rows(int path, int type, const uint8_t *w, int64_t ldw, int32_t rows,
+                            int32_t K, const float *d, const int8_t *q, const int32_t *s,
+                            int32_t nb, float *y, int64_t ldo, int64_t ldy) noexcept
 
 
 cdef extern from "colibri/qffn.h" nogil:
@@ -201,15 +201,17 @@ def matmul(qtype, w, x, path=None):
     cdef const int32_t[:, ::1] sv = s
     out = np.empty((q.shape[0], w.shape[0]), np.float32)
     cdef float[:, ::1] ov = out
-    cdef Py_ssize_t r, o, n = qv.shape[0]
+    cdef Py_ssize_t r, n = qv.shape[0]
     cdef int32_t nb
+    if wv.shape[0] == 0:
+        return out
     with nogil:
         for r in range(0, n, 4):
             nb = <int32_t>min(4, n - r)
-            for o in range(wv.shape[0]):
-                colibri_q_dot(
-                    p, t, &wv[o, 0], K, &dv[r, 0], &qv[r, 0], &sv[r, 0], nb, &ov[r, o], ov.shape[1]
-                )
+            colibri_q_dot_rows(
+                p, t, &wv[0, 0], wv.shape[1], <int32_t>wv.shape[0], K, &dv[r, 0], &qv[r, 0],
+                &sv[r, 0], nb, &ov[r, 0], 1, ov.shape[1]
+            )
     return out
 
 

@@ -45,32 +45,38 @@ typedef struct {
 /* Output rows per gate/up chunk: whole blocks of h's q8 rows. */
 #define COLIBRI_QFFN_CHUNK 32
 
-/* y[r * ldy] = w . x_r for r < n, the q8 rows x (d, q, s) of K values, 4 rows at a time. */
-static inline void colibri_qffn_dot(const colibri_qffn_t *f, int type, const uint8_t *w, int32_t K,
-                                    const float *d, const int8_t *q, const int32_t *s, float *y,
+/* y[o * ldo + r * ldy] = w_o . x_r for o < rows (w_o = w + o * ldw bytes) and r < n, the q8
+ * rows x (d, q, s) of K values, 4 q8 rows at a time. */
+static inline void colibri_qffn_dot(const colibri_qffn_t *f, int type, const uint8_t *w,
+                                    int64_t ldw, int32_t rows, int32_t K, const float *d,
+                                    const int8_t *q, const int32_t *s, float *y, int64_t ldo,
                                     int64_t ldy)
 {
     const int32_t G = K / 32;
     int32_t r;
     for (r = 0; r < f->n; r += COLIBRI_Q_ROW_BLOCK) {
         int32_t nb = f->n - r < COLIBRI_Q_ROW_BLOCK ? f->n - r : COLIBRI_Q_ROW_BLOCK;
-        colibri_q_dot(f->path, type, w, K, d + (size_t)r * G, q + (size_t)r * K, s + (size_t)r * G,
-                      nb, y + r * ldy, ldy);
+        colibri_q_dot_rows(f->path, type, w, ldw, rows, K, d + (size_t)r * G, q + (size_t)r * K,
+                           s + (size_t)r * G, nb, y + r * ldy, ldo, ldy);
     }
 }
 
-/* h[:, o0:o1] = act(gate x) * (up x), then its q8 blocks (o0, o1 multiples of 32). */
+/* h[:, o0:o1] = act(gate x) * (up x), then its q8 blocks (o0, o1 multiples of 32, o1 - o0 <=
+ * COLIBRI_QFFN_CHUNK): gate's rows into h, up's into a buffer, then combined. */
 static inline void colibri_qffn_gate_up(const colibri_qffn_t *f, int32_t o0, int32_t o1)
 {
     const int32_t n = f->n, H = f->H, I = f->I;
-    float g[COLIBRI_FFN_MAX_ROWS], u[COLIBRI_FFN_MAX_ROWS];
+    float u[COLIBRI_FFN_MAX_ROWS * COLIBRI_QFFN_CHUNK];
     int32_t o, r;
-    for (o = o0; o < o1; o++) {
-        colibri_qffn_dot(f, f->type, f->gate + o * f->ldg, H, f->xd, f->xq, f->xs, g, 1);
-        colibri_qffn_dot(f, f->type, f->up + o * f->ldu, H, f->xd, f->xq, f->xs, u, 1);
-        for (r = 0; r < n; r++)
-            f->h[r * (int64_t)I + o] = colibri_act(f->act, g[r]) * u[r];
-    }
+    colibri_qffn_dot(f, f->type, f->gate + o0 * f->ldg, f->ldg, o1 - o0, H, f->xd, f->xq, f->xs,
+                     f->h + o0, 1, I);
+    colibri_qffn_dot(f, f->type, f->up + o0 * f->ldu, f->ldu, o1 - o0, H, f->xd, f->xq, f->xs, u, 1,
+                     COLIBRI_QFFN_CHUNK);
+    for (r = 0; r < n; r++)
+        for (o = o0; o < o1; o++) {
+            float *h = f->h + r * (int64_t)I + o;
+            *h = colibri_act(f->act, *h) * u[r * COLIBRI_QFFN_CHUNK + o - o0];
+        }
     for (r = 0; r < n; r++)
         colibri_q8_row(f->h + r * (int64_t)I + o0, o1 - o0, f->hd + r * (int64_t)(I / 32) + o0 / 32,
                        f->hq + r * (int64_t)I + o0, f->hs + r * (int64_t)(I / 32) + o0 / 32);
@@ -79,10 +85,8 @@ static inline void colibri_qffn_gate_up(const colibri_qffn_t *f, int32_t o0, int
 /* y[:, o] = down[o] . h for o in [o0, o1). */
 static inline void colibri_qffn_down(const colibri_qffn_t *f, int32_t o0, int32_t o1)
 {
-    int32_t o;
-    for (o = o0; o < o1; o++)
-        colibri_qffn_dot(f, f->down_type, f->down + o * f->ldd, f->I, f->hd, f->hq, f->hs, f->y + o,
-                         f->ldy);
+    colibri_qffn_dot(f, f->down_type, f->down + o0 * f->ldd, f->ldd, o1 - o0, f->I, f->hd, f->hq,
+                     f->hs, f->y + o0, 1, f->ldy);
 }
 
 static void colibri_qffn_gate_up_chunk(void *arg, int32_t c)

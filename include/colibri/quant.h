@@ -248,34 +248,48 @@ static inline void colibri_q_dot_scalar(int type, const uint8_t *w, int32_t K, c
 #include "colibri/quant/neon.h"
 #endif
 
-/* colibri_q_dot_scalar on SIMD path `path` (a COLIBRI_PATH_* this CPU runs): the same bits. */
-static inline void colibri_q_dot(int path, int type, const uint8_t *w, int32_t K, const float *d,
-                                 const int8_t *q, const int32_t *s, int32_t nb, float *y,
-                                 int64_t ldy)
+/* y[o * ldo + r * ldy] = w_o . x_r for `rows` weight rows w_o = w + o * ldw (bytes) and nb <= 4
+ * q8 rows, on SIMD path `path` (a COLIBRI_PATH_* this CPU runs): colibri_q_dot_scalar's bits.
+ * One call per many rows: the x86 paths loop inside their target code. */
+static inline void colibri_q_dot_rows(int path, int type, const uint8_t *w, int64_t ldw,
+                                      int32_t rows, int32_t K, const float *d, const int8_t *q,
+                                      const int32_t *s, int32_t nb, float *y, int64_t ldo,
+                                      int64_t ldy)
 {
+    int32_t o;
 #ifdef COLIBRI_QUANT_X86_H
     static int vnni = -1;
     if (path == COLIBRI_PATH_AVX512 || path == COLIBRI_PATH_AVX512_BF16) {
         if (vnni < 0) /* racing first calls compute the same value */
             vnni = colibri_cpu_has_avx512vnni();
         if (vnni) {
-            colibri_q_dot_vnni(type, w, K, d, q, s, nb, y, ldy);
+            colibri_q_dot_vnni(type, w, ldw, rows, K, d, q, s, nb, y, ldo, ldy);
             return;
         }
     }
     if (path >= COLIBRI_PATH_AVX2 && path <= COLIBRI_PATH_AVX512_BF16) {
-        colibri_q_dot_avx2(type, w, K, d, q, s, nb, y, ldy);
+        colibri_q_dot_avx2(type, w, ldw, rows, K, d, q, s, nb, y, ldo, ldy);
         return;
     }
 #endif
+    for (o = 0; o < rows; o++) {
 #ifdef COLIBRI_QUANT_NEON_H
-    if (path == COLIBRI_PATH_NEON) {
-        colibri_q_dot_neon(type, w, K, d, q, s, nb, y, ldy);
-        return;
-    }
+        if (path == COLIBRI_PATH_NEON) {
+            colibri_q_dot_neon(type, w + o * ldw, K, d, q, s, nb, y + o * ldo, ldy);
+            continue;
+        }
 #endif
+        colibri_q_dot_scalar(type, w + o * ldw, K, d, q, s, nb, y + o * ldo, ldy);
+    }
     (void)path;
-    colibri_q_dot_scalar(type, w, K, d, q, s, nb, y, ldy);
+}
+
+/* colibri_q_dot_rows for one weight row. */
+static inline void colibri_q_dot(int path, int type, const uint8_t *w, int32_t K, const float *d,
+                                 const int8_t *q, const int32_t *s, int32_t nb, float *y,
+                                 int64_t ldy)
+{
+    colibri_q_dot_rows(path, type, w, 0, 1, K, d, q, s, nb, y, 0, ldy);
 }
 
 #endif /* COLIBRI_QUANT_H */

@@ -241,6 +241,32 @@ def test_every_simd_path_gives_the_scalar_bits(qtype, path):
     np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
 
 
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("qtype", list(GGUF_TYPES))
+def test_every_simd_path_gives_the_scalar_bits_at_extreme_levels(qtype, path):
+    """Every byte 0x00, 0xff, 0x80 or 0x7f (the largest levels of each sign: no int16
+    saturation, no wrong offset in the unsigned-byte dot products) against q8 rows of
+    +-127 of one sign, alternating signs, and random."""
+    K = 512
+    size, blocks = _quant.BLOCK_BYTES[qtype], K // _quant.BLOCK[qtype]
+    w = np.repeat(np.array([0x00, 0xFF, 0x80, 0x7F], np.uint8), blocks * size).reshape(4, -1)
+    finite = _blocks(np.random.default_rng(3), qtype, 4, blocks).reshape(4, blocks, size)
+    w = w.reshape(4, blocks, size)
+    for at in F16_FIELDS[qtype]:
+        w[:, :, at : at + 2] = finite[:, :, at : at + 2]
+    if qtype == "mxfp4":
+        w[:, :, 0] = finite[:, :, 0]
+    w = w.reshape(4, -1)
+    x = np.ones((5, K), np.float32)
+    x[1] = -1
+    x[2, 1::2] = -1
+    x[3, ::3] = -1
+    x[4] = np.random.default_rng(4).standard_normal(K)
+    want = _quant.matmul(qtype, w, x, path="scalar")
+    got = _quant.matmul(qtype, w, x, path=path)
+    np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+
+
 def _write_gguf(path, layers):
     """A GGUF file of stacked experts: layers[l] = (gate, up, down) raw blocks
     [E, rows, row_bytes] with their types."""
