@@ -16,7 +16,7 @@ expert implementation.
 from colibri.formats import ExpertWeights
 from colibri.layer._dispatch import DispatchPlan, combine, dispatch, gather
 from colibri.layer._engine import KERNEL_MAX_ROWS, ExpertStore, run_experts
-from colibri.layer._expert import activation_function, expert_ffn
+from colibri.layer._expert import activation_function, expert_ffn, half_linear
 from colibri.layer._ffn import detected_path, ffn_path, simd_path
 from colibri.layer._moe import InMemoryExperts, MoELayer
 from colibri.layer._quant import check_row_values, dequantize, quantize
@@ -37,6 +37,7 @@ __all__ = [
     "expert_ffn",
     "ffn_path",
     "gather",
+    "half_linear",
     "quantize",
     "run_experts",
     "simd_path",

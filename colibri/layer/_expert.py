@@ -22,7 +22,7 @@ from colibri._errors import FormatError
 from colibri.formats import FP8_BLOCKED, ExpertWeights
 from colibri.layer import _ffn, _fp8, _quant, _rows
 
-__all__ = ["activation_function", "expert_ffn"]
+__all__ = ["activation_function", "expert_ffn", "half_linear"]
 
 
 def _gelu_tanh(x: np.ndarray) -> np.ndarray:
@@ -117,6 +117,39 @@ def half_bits(w: Any) -> np.ndarray:
 # Weight rows converted per block: about 256 KiB of float32, so the block stays in cache
 # between its conversion and its GEMM (a whole converted matrix would go to DRAM and back).
 _BLOCK_BYTES = 1 << 18
+
+
+def half_linear(
+    x: np.ndarray,
+    bits: np.ndarray,
+    dtype: str,
+    bias: np.ndarray | None = None,
+    num_threads: int = 0,
+) -> np.ndarray:
+    """``x @ W.T + bias`` on colibri's linear kernel (float32 accumulation, each output
+    summed by one thread in a fixed order: the same bits for any thread count).
+
+    Parameters
+    ----------
+    x : numpy.ndarray
+        ``[n, in]`` float32 rows.
+    bits : numpy.ndarray
+        ``[out, in]`` ``uint16``: the weight's ``dtype`` bits, rows contiguous.
+    dtype : str
+        ``"bfloat16"`` or ``"float16"``.
+    bias : numpy.ndarray, optional
+        ``[out]`` float32.
+    num_threads : int
+        Threads (0: colibri's default).
+
+    Returns
+    -------
+    numpy.ndarray
+        ``[n, out]`` float32.
+    """
+    y = np.empty((x.shape[0], bits.shape[0]), np.float32)
+    _ffn.linear(x, bits, KERNEL_KINDS[dtype], y, num_threads, bias)
+    return y
 
 
 def linear(x: np.ndarray, w: Any, dtype: str) -> np.ndarray:

@@ -20,16 +20,14 @@ import time
 import types
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 from torch import nn
 from torch.nn import functional as F
 
 from colibri._validate import check_choice
-from colibri.integrations.transformers import _ops  # noqa: F401 (colibri::linear)
-from colibri.layer import _ffn
+from colibri.integrations.transformers._ops import bits_of, compute
 
-__all__ = ["LINEAR_MODES", "MAX_ROWS", "LinearChoice", "compute", "install"]
+__all__ = ["LINEAR_MODES", "MAX_ROWS", "LinearChoice", "install"]
 
 LINEAR_MODES = ("auto", "colibri", "torch")
 # Most input rows colibri's kernel takes (more: torch's GEMM; "auto" may choose fewer). The
@@ -37,10 +35,8 @@ LINEAR_MODES = ("auto", "colibri", "torch")
 # per pass over a weight row in L1) while a GEMM's barely does: decode sizes.
 MAX_ROWS = 8
 _STEPS = (MAX_ROWS, 4, 2)  # the row counts "auto" tries, after one row
-_KINDS = {
-    torch.bfloat16: _ffn.WEIGHT_KINDS["bfloat16"],
-    torch.float16: _ffn.WEIGHT_KINDS["float16"],
-}
+#: The weight dtypes colibri's linear kernel reads.
+_HALVES = (torch.bfloat16, torch.float16)
 _STATE = "_colibri_linear"
 _REPEATS = 5  # timings per engine in "auto" (the minimum counts)
 
@@ -72,49 +68,6 @@ class LinearChoice:
     by_rows: dict[int, tuple[float, float]] = field(default_factory=dict)
 
 
-def _bits(weight: torch.Tensor) -> np.ndarray:
-    """The uint16 bits of a half-precision ``[out, in]`` weight (a view, no copy)."""
-    return weight.detach().view(torch.int16).numpy().view(np.uint16)
-
-
-def compute(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    num_threads: int,
-    bits: np.ndarray | None = None,
-    bias32: np.ndarray | None = None,
-) -> torch.Tensor:
-    """``x @ weight.T + bias`` on colibri's kernel.
-
-    Parameters
-    ----------
-    x : torch.Tensor
-        ``[..., in]`` on the CPU, any float dtype.
-    weight : torch.Tensor
-        ``[out, in]`` bfloat16 or float16, rows contiguous, on the CPU.
-    bias : torch.Tensor or None
-        ``[out]``, added in float32.
-    num_threads : int
-        colibri's threads (0: colibri's default).
-    bits, bias32 : numpy.ndarray, optional
-        ``weight``'s uint16 bits and ``bias`` as float32, when the caller holds them.
-
-    Returns
-    -------
-    torch.Tensor
-        ``[..., out]``, ``x``'s dtype (float32 accumulation, rounded once).
-    """
-    if bits is None:
-        bits = _bits(weight)
-    if bias32 is None and bias is not None:
-        bias32 = bias.detach().to(torch.float32).numpy()
-    rows = x.detach().reshape(-1, x.shape[-1]).to(torch.float32).contiguous()
-    y = torch.empty((rows.shape[0], weight.shape[0]), dtype=torch.float32)
-    _ffn.linear(rows.numpy(), bits, _KINDS[weight.dtype], y.numpy(), num_threads, bias32)
-    return y.to(x.dtype).reshape(*x.shape[:-1], weight.shape[0])
-
-
 class _Linear:
     """One linear's colibri state: its weight's bits (refreshed when the weight moves)."""
 
@@ -126,8 +79,8 @@ class _Linear:
     def refresh(self, module: nn.Linear) -> None:
         weight, bias = module.weight, module.bias
         self.key = _key(weight, bias)
-        usable = weight.dtype in _KINDS and weight.device.type == "cpu" and weight.is_contiguous()
-        self.bits = _bits(weight) if usable else None  # a view: follows in-place changes
+        usable = weight.dtype in _HALVES and weight.device.type == "cpu" and weight.is_contiguous()
+        self.bits = bits_of(weight) if usable else None  # a view: follows in-place changes
         self.bias32 = None if bias is None else bias.detach().to(torch.float32).numpy()
 
 
@@ -148,7 +101,7 @@ def _forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     weight = self.weight
     few = 0 < x.numel() <= state.rows * self.in_features
     if torch.compiler.is_compiling():  # an opaque node of the graph
-        if few and weight.dtype in _KINDS and not _needs_grad(x, weight):
+        if few and weight.dtype in _HALVES and not _needs_grad(x, weight):
             return torch.ops.colibri.linear(x, weight, self.bias, state.num_threads)
         return F.linear(x, weight, self.bias)
     if not few or x.device.type != "cpu" or _needs_grad(x, weight):
@@ -171,7 +124,7 @@ def _candidates(model: nn.Module, skip: list[str]) -> list[tuple[str, nn.Linear]
         if not isinstance(module, nn.Linear) or name.startswith(prefixes) or name in skip:
             continue
         weight = module.weight
-        if weight.device.type != "cpu" or weight.dtype not in _KINDS or weight.is_meta:
+        if weight.device.type != "cpu" or weight.dtype not in _HALVES or weight.is_meta:
             continue
         if not weight.is_contiguous() or "forward" in module.__dict__:
             continue
@@ -193,7 +146,7 @@ def _measure(module: nn.Linear, num_threads: int, rows: int) -> tuple[float, flo
     """The best of a few timings of ``rows`` input rows: colibri's kernel, then ``F.linear``."""
     weight, bias = module.weight, module.bias
     x = torch.randn(rows, module.in_features).to(weight.dtype)
-    bits = _bits(weight)
+    bits = bits_of(weight)
     bias32 = None if bias is None else bias.detach().to(torch.float32).numpy()
     with torch.no_grad():
         ours = _best(lambda: compute(x, weight, bias, num_threads, bits, bias32), _REPEATS)

@@ -18,9 +18,12 @@ import itertools
 import weakref
 from typing import Any
 
+import numpy as np
 import torch
 
-__all__ = ["experts", "handle", "lookup", "route"]
+from colibri.layer import half_linear
+
+__all__ = ["bits_of", "compute", "experts", "handle", "lookup", "route"]
 
 _REGISTRY: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
 _NEXT = itertools.count(1)
@@ -164,14 +167,55 @@ def experts(
 # -- non-expert linears -------------------------------------------------------------------
 
 
+def bits_of(weight: torch.Tensor) -> np.ndarray:
+    """The uint16 bits of a half-precision ``[out, in]`` weight (a view, no copy)."""
+    return weight.detach().view(torch.int16).numpy().view(np.uint16)
+
+
+def compute(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    num_threads: int,
+    bits: np.ndarray | None = None,
+    bias32: np.ndarray | None = None,
+) -> torch.Tensor:
+    """``x @ weight.T + bias`` on colibri's kernel.
+
+    Parameters
+    ----------
+    x : torch.Tensor
+        ``[..., in]`` on the CPU, any float dtype.
+    weight : torch.Tensor
+        ``[out, in]`` bfloat16 or float16, rows contiguous, on the CPU.
+    bias : torch.Tensor or None
+        ``[out]``, added in float32.
+    num_threads : int
+        colibri's threads (0: colibri's default).
+    bits, bias32 : numpy.ndarray, optional
+        ``weight``'s uint16 bits and ``bias`` as float32, when the caller holds them.
+
+    Returns
+    -------
+    torch.Tensor
+        ``[..., out]``, ``x``'s dtype (float32 accumulation, rounded once).
+    """
+    if bits is None:
+        bits = bits_of(weight)
+    if bias32 is None and bias is not None:
+        bias32 = bias.detach().to(torch.float32).numpy()
+    rows = x.detach().reshape(-1, x.shape[-1]).to(torch.float32).contiguous()
+    dtype = str(weight.dtype).removeprefix("torch.")
+    y = torch.from_numpy(half_linear(rows.numpy(), bits, dtype, bias32, num_threads))
+    return y.to(x.dtype).reshape(*x.shape[:-1], weight.shape[0])
+
+
 @torch.library.custom_op("colibri::linear", mutates_args=())
 def _linear_op(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, num_threads: int
 ) -> torch.Tensor:
-    """``x @ weight.T + bias`` on colibri's linear kernel (``_linears.compute``): ``x``
+    """``x @ weight.T + bias`` on colibri's linear kernel (:func:`compute`): ``x``
     ``[..., in]``, ``weight`` ``[out, in]`` bfloat16/float16; ``[..., out]`` in ``x``'s dtype."""
-    from colibri.integrations.transformers._linears import compute
-
     return compute(x, weight, bias, num_threads)
 
 
