@@ -59,6 +59,16 @@ def _checked(check, text: str) -> int:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds (got {text!r})")
+    return value
+
+
 def _threads(text: str) -> int:
     return _checked(lambda n: check_threads(n, "the thread count"), text)
 
@@ -114,6 +124,24 @@ def add_arguments(parser: argparse.ArgumentParser, *, model: bool = True) -> Non
             help="memory for expert weights: bytes or with a unit (805306368, 768MiB, 3GiB = "
             "3*2**30, 3GB = 3*10**9), or auto: what the memory this process may use leaves "
             "(cgroup limit or MemAvailable, less the resident weights and a margin)",
+        )
+        parser.add_argument(
+            "--expert-parallel",
+            action="store_true",
+            help="spread the experts over the ranks of a torch.distributed (gloo) group; on by "
+            "itself when started by torchrun with more than one process (docs/distributed.md)",
+        )
+        parser.add_argument(
+            "--timeout",
+            type=_seconds,
+            default=None,
+            help="expert parallel: seconds rank 0 waits for a rank before it fails (default 120)",
+        )
+        parser.add_argument(
+            "--placement",
+            default=None,
+            metavar="FILE",
+            help="expert parallel: a placement JSON (colibri.distributed.Placement.save)",
         )
     parser.add_argument(
         "--prompt", type=_prompt, default="The quick brown fox", help="text to continue"
@@ -312,6 +340,7 @@ def load(args, budget: int):
     if args.threads:
         torch.set_num_threads(args.threads)
     io = {"io": args.io} if getattr(args, "io", None) else {}
+    parallel = _expert_parallel(args)
     model = from_pretrained(
         args.model_dir,
         budget=budget,
@@ -322,7 +351,10 @@ def load(args, budget: int):
         partition=args.partition,
         topk_groups=args.topk_groups,
         **io,
+        **parallel,
     )
+    if model is None:  # a rank that served rank 0's experts until rank 0 was done
+        return None, None
     try:
         from transformers import AutoTokenizer
 
@@ -340,6 +372,19 @@ def load(args, budget: int):
         model.colibri.close()
         raise
     return model, tokenizer
+
+
+def _expert_parallel(args) -> dict:
+    """``from_pretrained``'s ``expert_parallel`` option: with ``--expert-parallel`` or under
+    torchrun with more than one process, else none."""
+    from colibri.distributed import DEFAULT_TIMEOUT, launched
+
+    if not hasattr(args, "expert_parallel"):  # colibri demo: one process
+        return {}
+    if not (args.expert_parallel or launched()):
+        return {}
+    timeout = getattr(args, "timeout", None) or DEFAULT_TIMEOUT
+    return {"expert_parallel": {"timeout": timeout, "placement": getattr(args, "placement", None)}}
 
 
 def _is_gguf(path: str) -> bool:
@@ -382,6 +427,8 @@ def run(args: argparse.Namespace) -> int:
         )
     requirements("generate")
     model, tokenizer = load(args, args.budget)
+    if model is None:  # expert parallel: this rank served rank 0, which prints the text
+        return 0
     try:
         if model.colibri.auto_budget is not None:
             print(model.colibri.auto_budget)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -28,7 +29,15 @@ from colibri.integrations.transformers._checkpoint import CheckpointError, layer
 from colibri.integrations.transformers._predict import Predictor
 from colibri.layer import ExpertWeights, run_experts
 
-__all__ = ["IMPLEMENTATION", "Paging", "UnsupportedCheckpointError", "find_experts", "page"]
+__all__ = [
+    "IMPLEMENTATION",
+    "Paging",
+    "UnsupportedCheckpointError",
+    "computation",
+    "expert_rows",
+    "find_experts",
+    "page",
+]
 
 #: The experts implementation's name in transformers' ``ExpertsInterface``.
 IMPLEMENTATION = "colibri"
@@ -82,6 +91,10 @@ class Paging:
     modules: dict[int, nn.Module] = field(default_factory=dict, repr=False)
     auto_budget: Any = None
     linears: dict = field(default_factory=dict)
+    #: Experts spread over ranks (:mod:`colibri.distributed`): computes every paged experts
+    #: module instead of :func:`run_experts`, ``remote(layer, x [T, H], ids [T, k] numpy,
+    #: weights [T, k]) -> [T, H]``.
+    remote: Callable | None = field(default=None, repr=False)
     predictor: Predictor = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -115,7 +128,9 @@ class Paging:
 
     def close(self) -> None:
         """Release the pager (idempotent, safe in any order with :func:`unpatch`); the model
-        raises a clear error if run afterwards."""
+        raises a clear error if run afterwards (a distributed model's ranks stop serving)."""
+        if self.remote is not None:
+            self.remote.close()
         self.pager.close()
 
     def open_pager(self):
@@ -307,6 +322,37 @@ def _spans(n: int) -> list[int]:
     return [1 << b for b in range(n.bit_length() - 1, -1, -1) if n >> b & 1]
 
 
+def computation(module: nn.Module) -> tuple[int, Callable, str | None] | None:
+    """How an experts module's experts are computed elsewhere (:mod:`colibri.distributed`):
+    ``(E, torch path (weights, x [n, H]) -> [n, H], fused kernel's activation or None)``;
+    None for a family paged its own way (:data:`OWN_PAGING`)."""
+    if type(module).__name__ in OWN_PAGING:
+        return None
+    act = module.act_fn
+    return int(module.gate_up_proj.shape[0]), partial(expert_rows, act), _kernel_activation(act)
+
+
+def expert_rows(act_fn: Callable, w: ExpertWeights, x_e: torch.Tensor) -> torch.Tensor:
+    """One expert on rows ``x_e [n, H]`` in torch: ``down(act_fn(gate x) * up x)``, ``[n, H]``
+    in ``x_e``'s dtype, on zero-copy views of the pager's memory (a copy if the model runs in
+    another dtype than stored)."""
+    with warnings.catch_warnings():  # torch warns: the pager's arrays are read-only
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        gate, up, down = (_torch_view(m, w.dtype, x_e) for m in w)
+    if gate.dtype != x_e.dtype:  # a model run in another dtype than stored: a copy
+        gate, up, down = gate.to(x_e.dtype), up.to(x_e.dtype), down.to(x_e.dtype)
+    h = x_e.new_empty(x_e.shape[0], down.shape[0])
+    start = 0
+    # Row counts in powers of two: oneDNN keeps a kernel per matmul shape it has run, and
+    # every token count an expert gets would add one (+29 MiB of peak RSS over a run).
+    for size in _spans(x_e.shape[0]):
+        rows = slice(start, start + size)
+        part = x_e[rows]
+        h[rows] = F.linear(act_fn(F.linear(part, gate)) * F.linear(part, up), down)
+        start += size
+    return h
+
+
 def experts_forward(
     self: nn.Module,
     hidden_states: torch.Tensor,
@@ -320,28 +366,16 @@ def experts_forward(
     if torch.compiler.is_compiling():  # an opaque node of the graph
         return _ops.experts(state.handle, hidden_states, top_k_index, top_k_weights)
     ids, weights, ids_np = routed(state, top_k_index, top_k_weights)
+    if state.paging.remote is not None:  # experts spread over ranks (colibri.distributed)
+        return state.paging.remote(state.layer, hidden_states, ids_np, weights)
     x = hidden_states.detach().float().numpy()  # no copy for float32
     out = torch.zeros_like(hidden_states)
 
     def fallback(e: int, w: ExpertWeights, tokens: np.ndarray, assignments: np.ndarray) -> None:
         token_t = torch.from_numpy(tokens)
         slot_t = torch.from_numpy(assignments % ids.shape[1])
-        x_e = hidden_states[token_t]
-        with warnings.catch_warnings():  # torch warns: the pager's arrays are read-only
-            warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
-            gate, up, down = (_torch_view(m, w.dtype, hidden_states) for m in w)
-        if gate.dtype != x_e.dtype:  # a model run in another dtype than stored: a copy
-            gate, up, down = gate.to(x_e.dtype), up.to(x_e.dtype), down.to(x_e.dtype)
-        scale = weights[token_t, slot_t, None]
-        start = 0
-        # Row counts in powers of two: oneDNN keeps a kernel per matmul shape it has run, and
-        # every token count an expert gets would add one (+29 MiB of peak RSS over a run).
-        for size in _spans(len(tokens)):
-            rows = slice(start, start + size)
-            part = x_e[rows]
-            h = F.linear(self.act_fn(F.linear(part, gate)) * F.linear(part, up), down)
-            out.index_add_(0, token_t[rows], (h * scale[rows]).to(out.dtype))
-            start += size
+        h = expert_rows(self.act_fn, w, hidden_states[token_t])
+        out.index_add_(0, token_t, (h * weights[token_t, slot_t, None]).to(out.dtype))
 
     paging = state.paging
     sums = run_experts(

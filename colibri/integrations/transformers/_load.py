@@ -40,6 +40,7 @@ from colibri.integrations.transformers._checkpoint import (
 from colibri.integrations.transformers._experts import (
     Paging,
     UnsupportedCheckpointError,
+    computation,
     find_experts,
     page,
     paged_layers,
@@ -232,7 +233,8 @@ def from_pretrained(
     record_trace: bool = False,
     io: str | None = None,
     linears: str = "auto",
-) -> nn.Module:
+    expert_parallel: Any = None,
+) -> nn.Module | None:
     """Load a transformers MoE checkpoint with its routed experts paged under ``budget``.
 
     Parameters
@@ -295,6 +297,11 @@ def from_pretrained(
         colibri's kernel against torch's ``F.linear`` once per weight shape at load and keeps
         the faster, ``"colibri"`` or ``"torch"`` force one (``model.colibri.linears``
         records each shape's engine and timings).
+    expert_parallel : bool, dict or colibri.distributed.ExpertParallel, optional
+        Spread the routed experts over the ranks of a torch.distributed (gloo) group: call
+        on every rank; rank 0 gets the model, every other rank serves its share of the
+        experts until rank 0's ``model.colibri.close()``, then gets None
+        (``docs/distributed.md``).
 
     Returns
     -------
@@ -367,6 +374,15 @@ def from_pretrained(
         auto_budget=chosen,
     )
     try:
+        if expert_parallel is not None and expert_parallel is not False:
+            from colibri.distributed import start
+
+            paging.remote = start(expert_parallel, pager,
+                                  {layer_index(n): computation(m) for n, m in modules}, source,
+                                  num_threads=num_threads or 0, read_ahead=read_ahead)  # fmt: skip
+            if paging.remote is None:  # a serving rank, served until rank 0 closed
+                pager.close()
+                return None
         for name, module in modules:
             page(name, module, paging)
         paging.resident_bytes = _load_resident(model, checkpoint, plan, torch_dtype)
@@ -380,7 +396,7 @@ def from_pretrained(
         for here, nxt in link_layers(model, layers).items():
             layers[here].next = nxt
     except BaseException:
-        pager.close()
+        paging.close()
         raise
     model.__dict__["colibri"] = paging
     return model
