@@ -155,18 +155,28 @@ static inline int colibri_path_capped(int detected, int cap)
 }
 
 /* The path the kernels take: detected once per module, capped by COLIBRI_SIMD. */
+/* colibri_cpu_detect's answer, computed once: cpuid traps into the hypervisor in VMs
+ * (~25 us a call measured in one), and explicit paths are checked on every kernel call. */
+static inline int colibri_cpu_path(void)
+{
+    static int path = -1;
+    if (path < 0) /* racing first calls compute the same value */
+        path = colibri_cpu_detect();
+    return path;
+}
+
 static inline int colibri_simd_path(void)
 {
     static int path = -1;
     if (path < 0) /* racing first calls compute the same value */
-        path = colibri_path_capped(colibri_cpu_detect(), colibri_simd_env());
+        path = colibri_path_capped(colibri_cpu_path(), colibri_simd_env());
     return path;
 }
 
 /* Whether `path` runs on this CPU (what tests iterate over). */
 static inline int colibri_path_runs(int path)
 {
-    int detected = colibri_cpu_detect();
+    int detected = colibri_cpu_path();
     if (path == COLIBRI_PATH_SCALAR)
         return 1;
     if (detected == COLIBRI_PATH_NEON || path == COLIBRI_PATH_NEON)
