@@ -138,6 +138,13 @@ def _plan(checkpoint, qtype: str) -> list[str]:
     names = checkpoint.expert_names()
     if not names:
         raise ValueError(f"quantize: {checkpoint.path} holds no routed-expert tensors")
+    if checkpoint.config.get("model_type") == "gpt_oss":
+        raise ValueError(
+            f"quantize: {checkpoint.path} is a gpt-oss checkpoint, whose experts (one "
+            "transposed gate_up tensor with gate and up interleaved, and biases) colibri "
+            "quantize does not rewrite; gpt-oss is released with MXFP4 experts, which "
+            "from_pretrained pages as they are"
+        )
     for name in names:
         info = checkpoint.tensors[name]
         if info.dtype not in _SOURCE_DTYPES:

@@ -261,3 +261,14 @@ def test_plain_reader_refuses_mxfp4(saved):
 
     with pytest.raises(FormatError, match="holds gpt-oss MXFP4 experts"):
         open_weights(saved["mxfp4"][0] / "model.safetensors")
+
+
+def test_colibri_quantize_refuses_gpt_oss(saved, tmp_path, capsys):
+    """gpt-oss's experts are no gate/up/down matrices: quantize says so before writing."""
+    from colibri.__main__ import main
+
+    folder, _ = saved["bf16"]
+    code = main(["quantize", str(folder), str(tmp_path / "out"), "--type", "q8_0"])
+    err = capsys.readouterr().err
+    assert code == 2 and "gpt-oss checkpoint" in err and err.count("\n") == 1
+    assert not (tmp_path / "out").exists()
