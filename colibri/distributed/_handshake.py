@@ -48,27 +48,28 @@ def _raise(found: list[str]) -> None:
         raise DistributedError("expert parallel: refused at start: " + "; ".join(found))
 
 
-def agree(group, rank: int, world: int, opts: ExpertParallel, source, layers, budget: int):
-    """Exchange and check what the ranks hold, then the placement rank 0 decides; every rank
-    raises the same :class:`DistributedError` on a mismatch. Returns the :class:`Placement`."""
+def agree(group, rank: int, world: int, opts: ExpertParallel, source, layers, budget: int,
+          capacity: int):  # fmt: skip
+    """Exchange and check what the ranks hold, then the placement rank 0 decides (``budget``
+    bytes and ``capacity`` experts: this rank's pager's); every rank raises the same
+    :class:`DistributedError` on a mismatch. Returns the :class:`Placement`."""
     import colibri
 
-    info = {"version": colibri.__version__, "layers": dict(layers), "budget": int(budget)}
+    info = {"version": colibri.__version__, "layers": dict(layers), "budget": int(budget),
+            "capacity": int(capacity)}  # fmt: skip
     infos: list = [None] * world
     dist.all_gather_object(infos, info, group=group)
     found = problems([{**i, "fingerprints": {}} for i in infos])
     placement = None
     if rank == 0 and not found:
         try:
-            placement = _placement(opts, layers, [i["budget"] for i in infos], world)
+            placement = _placement(opts, layers, infos, world)
         except (ValueError, OSError) as exc:
             found = [f"rank 0: {exc}"]
     shared = [found, placement.to_dict() if placement is not None else None]
     dist.broadcast_object_list(shared, src=dist.get_global_rank(group, 0), group=group)
     _raise(shared[0])
-    placement = Placement(
-        {int(k): v for k, v in shared[1]["layers"].items()}, shared[1]["num_ranks"]
-    )
+    placement = Placement.from_dict(shared[1])
     owned = [(layer, int(e)) for layer, ids in placement.experts_of(rank).items() for e in ids]
     info["fingerprints"] = fingerprint(source, owned)
     dist.all_gather_object(infos, info, group=group)
@@ -84,11 +85,13 @@ def agree(group, rank: int, world: int, opts: ExpertParallel, source, layers, bu
     return placement
 
 
-def _placement(opts: ExpertParallel, layers: dict, budgets: list[int], world: int) -> Placement:
-    """The options' placement (loaded and checked against the model), else :func:`place`."""
+def _placement(opts: ExpertParallel, layers: dict, infos: list[dict], world: int) -> Placement:
+    """The options' placement (loaded and checked against the model), else :func:`place`
+    from the ranks' budgets and capacities."""
     chosen = opts.placement
     if chosen is None:
-        return place(layers, budgets, opts.usage)
+        budgets, capacities = [i["budget"] for i in infos], [i["capacity"] for i in infos]
+        return place(layers, budgets, opts.usage, capacities)
     if not isinstance(chosen, Placement):
         chosen = Placement.load_file(chosen)
     if chosen.num_ranks != world:

@@ -34,7 +34,8 @@ def start(value, pager, layers: dict, source, *, num_threads: int, read_ahead: s
         )
     group, rank, world = join(opts.group, opts.timeout)
     counts = {layer: how[0] for layer, how in layers.items()}
-    placement = agree(group, rank, world, opts, source, counts, pager.budget_bytes)
+    placement = agree(group, rank, world, opts, source, counts, pager.budget_bytes,
+                      pager.capacity)  # fmt: skip
     if rank == 0:
         return Remote(group, world, placement, opts.timeout, layers, pager, num_threads,
                       read_ahead != "off")  # fmt: skip

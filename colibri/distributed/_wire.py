@@ -2,7 +2,9 @@
 
 Rank 0 asks a rank for one layer's experts with a header, the rows and their expert ids; the
 rank answers with a header and, per row, its expert's output (float32) and whether it came
-from the torch path (see :mod:`._compute`), or an error message. Every wait of rank 0 is
+from the torch path (see :mod:`._compute`), or an error message. A read-ahead hint (a header
+and the expert ids of the next layer the rank holds and rank 0 predicts) gets no answer; a
+request for the rank's pager counters gets them as JSON text. Every wait of rank 0 is
 bounded by the user's timeout, and a peer that is gone or silent becomes a
 :class:`DistributedError` naming the rank, never a hang.
 """
@@ -25,7 +27,7 @@ __all__ = ["DTYPES", "HEADER", "DistributedError", "Link"]
 HEADER = 8
 #: Dtypes of the rows sent, by code.
 DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
-OP_STOP, OP_EXPERTS = 0, 1
+OP_STOP, OP_EXPERTS, OP_READ_AHEAD, OP_STATS = 0, 1, 2, 3
 OK, FAILED = 0, 1
 
 
@@ -86,7 +88,8 @@ class Link:
         return DistributedError(f"expert parallel: rank {peer}: {what}: {cause}; {fix}")
 
     def send_text(self, peer: int, status: int, sequence: int, text: str) -> None:
-        """An answer without rows: ``status`` and ``text`` (an error message)."""
+        """An answer without rows: ``status`` and ``text`` (an error message, or a rank's
+        counters as JSON)."""
         data = torch.from_numpy(np.frombuffer(text.encode()[:65536], np.uint8).copy())
         header = torch.tensor([status, sequence, 0, data.numel()], dtype=torch.int64)
         self.wait(peer, self.send(peer, [header, data], "sending an error"), "sending an error")

@@ -1,10 +1,10 @@
 """One rank of the expert-parallel tests, run as its own process by test_expert_parallel.py.
 
-``python _rank.py RANK WORLD PORT CHECKPOINT BUDGET MODE OUT``: joins a gloo group on
-127.0.0.1, loads CHECKPOINT with ``expert_parallel``; rank 0 generates and compares with one
-process (tokens and every logit bit for bit) and writes what it saw to OUT (JSON). MODE on
-rank 1: ``die`` (SIGKILL itself at its 3rd request), ``hang`` (sleep at it); elsewhere
-``run``.
+``python _rank.py RANK WORLD PORT CHECKPOINT BUDGET MODE OUT [PLACEMENT]``: joins a gloo
+group on 127.0.0.1, loads CHECKPOINT with ``expert_parallel`` (PLACEMENT: a saved placement);
+rank 0 generates and compares with one process (tokens and every logit bit for bit) and
+writes what it saw to OUT (JSON), every rank's pager counters too. MODE on rank 1: ``die``
+(SIGKILL itself at its 3rd request), ``hang`` (sleep at it); elsewhere ``run``.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import time
 import torch
 
 rank, world, port, checkpoint, budget, mode, out = sys.argv[1:8]
+placement = sys.argv[8] if len(sys.argv) > 8 else None
 os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, RANK=rank, WORLD_SIZE=world)
 torch.set_num_threads(1)
 
@@ -44,13 +45,16 @@ report: dict = {}
 start = time.monotonic()
 try:
     model = from_pretrained(checkpoint, budget=int(budget), page_size_kb=4,
-                            expert_parallel={"timeout": 3.0})  # fmt: skip
+                            expert_parallel={"timeout": 3.0, "placement": placement})  # fmt: skip
     if model is not None:
         with torch.no_grad():
             got = model.generate(IDS, **GEN)
         remote = model.colibri.remote
         report["sent"], report["received"] = remote.sent_bytes, remote.received_bytes
         report["placement"] = remote.placement.to_dict()
+        report["rows_sent"] = remote.rows_sent
+        report["ranks"] = remote.rank_stats()
+        report["recall"] = model.colibri.prediction["gate"].recall
         model.colibri.close()
         ref = from_pretrained(checkpoint, budget=int(budget), page_size_kb=4)
         with torch.no_grad():

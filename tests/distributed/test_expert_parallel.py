@@ -4,9 +4,10 @@ Each rank is its own process (``_rank.py``, spawned here, bounded in time, kille
 end) on a tiny bf16 Qwen3-MoE checkpoint (decode rows take colibri's fused kernel, prefill
 rows torch's GEMMs: both of the ways one process sums experts). Rank 0 generates with its
 experts spread over the ranks and with one process, and compares the tokens and every
-logit bit for bit. Faults: a rank killed mid-generation, a rank that hangs, a rank whose
-checkpoint differs. The placement and the start-up checks (another colibri version too) are
-tested as plain functions.
+logit bit for bit, with and without replicas of experts; each rank's pager shows the
+experts rank 0 predicted read ahead. Faults: a rank killed mid-generation, a rank that hangs,
+a rank whose checkpoint differs. The placement (replicas too) and the start-up checks
+(another colibri version too) are tested as plain functions.
 """
 
 from __future__ import annotations
@@ -73,8 +74,9 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
-def _run(tmp_path, folders, modes=None, budgets=None) -> list[dict]:
-    """Start one process per rank (``folders[r]`` its checkpoint), wait for rank 0 (at most
+def _run(tmp_path, folders, modes=None, budgets=None, placement=None) -> list[dict]:
+    """Start one process per rank (``folders[r]`` its checkpoint; ``placement``: a saved
+    placement's path), wait for rank 0 (at most
     LIMIT seconds) and the others a few seconds more, then kill any left; returns each
     rank's report (``{}``: it wrote none). Their output goes to ``rank{r}.log``."""
     world = len(folders)
@@ -88,6 +90,8 @@ def _run(tmp_path, folders, modes=None, budgets=None) -> list[dict]:
             out = tmp_path / f"rank{rank}.json"
             args = [sys.executable, RANK, str(rank), str(world), port, str(folders[rank]),
                     str(budgets[rank]), modes[rank], str(out)]  # fmt: skip
+            if placement is not None:
+                args.append(str(placement))
             with open(tmp_path / f"rank{rank}.log", "wb") as log:
                 procs.append(subprocess.Popen(args, env=env, cwd=tmp_path, stdout=log,
                                               stderr=subprocess.STDOUT))  # fmt: skip
@@ -115,6 +119,29 @@ def test_two_ranks_generate_what_one_process_does(tmp_path, checkpoint):
     assert first["logits_equal"], "every logit must be bit for bit one process's"
     assert first["sent"] > 0 and first["received"] > 0  # rows did cross to rank 1
     assert second == {"elapsed": second["elapsed"]}  # served, then stopped cleanly
+    # read-ahead: rank 1 holds 4 experts a layer in 2 slots, so a layer's experts do not
+    # stay resident; those rank 0 predicted were fetched ahead and then found there
+    ranks = first["ranks"]
+    assert ranks[1]["capacity"] < 4 and ranks[1]["answered"] > 0
+    assert ranks[1]["prefetched"] > 0 and ranks[1]["prefetch_hits"] > 0, ranks
+    assert first["recall"] > 0  # rank 0's prediction is scored (it was 0 before)
+
+
+@pytest.mark.slow
+def test_replicated_experts_generate_what_one_process_does(tmp_path, checkpoint):
+    """Experts 0-3 of each layer on both ranks: each step's rows of one go to the holder with
+    fewer rows; the tokens stay those of one process."""
+    replicas = {layer: {e: [1 - e % 2] for e in range(4)} for layer in (0, 1)}
+    placement = Placement({0: np.arange(8) % 2, 1: np.arange(8) % 2}, 2, replicas)
+    placement.save(tmp_path / "placement.json")
+    first, second = _run(tmp_path, [checkpoint, checkpoint], budgets=[2 * BUDGET] * 2,
+                         placement=tmp_path / "placement.json")  # fmt: skip
+    assert "error" not in first, first
+    assert first["tokens"] == first["want"] and first["logits_equal"]
+    assert Placement.from_dict(first["placement"]) == placement
+    computed = [{(layer, e) for layer, e in r["experts"]} for r in first["ranks"]]
+    assert computed[0] & {(0, 1), (0, 3), (1, 1), (1, 3)}  # rank 0 computed its copies
+    assert computed[1] & {(0, 0), (0, 2), (1, 0), (1, 2)}  # and rank 1 its copies
 
 
 @pytest.mark.slow
@@ -229,6 +256,34 @@ def test_placement_balances_skewed_usage():
     assert place({0: 64}, [1] * 4, {0: stats}).owners(0).tolist() == placement.owners(0).tolist()
 
 
+def test_hot_experts_are_replicated_where_memory_is_spare():
+    counts = np.round(4000 / (1 + np.arange(64)) ** 1.1)
+    usage = {0: counts}
+    alone = place({0: 64, 3: 64}, [1 << 30] * 4, usage)
+    placement = place({0: 64, 3: 64}, [1 << 30] * 4, usage, capacities=[40] * 4)
+    copies = placement.replicas(0)
+    assert copies and placement.replicas(3) == {}  # no usage: no expert is hot
+    assert set(copies) <= set(np.flatnonzero(counts > counts.mean()))  # the hot ones
+    assert len(copies[0]) == 3  # the hottest on every rank
+    held = placement.holders(0).sum(axis=0) + placement.holders(3).sum(axis=0)
+    assert (held <= 40).all() and held.sum() == 128 + sum(len(r) for r in copies.values())
+    load = placement.expected_load(usage) - 16  # layer 3: 16 experts each, uniform
+    assert load.max() <= 1.02 * counts.sum() / 4  # balanced, which no placement without
+    assert (alone.expected_load(usage) - 16).max() > 1.15 * counts.sum() / 4  # copies is
+    assert place({0: 64}, [1] * 4, usage, capacities=[16] * 4).replicas(0) == {}  # no spare
+    # routing: every row of an expert to one holder, the least loaded; deterministic
+    experts = np.sort(np.random.default_rng(0).choice(64, 400, p=counts / counts.sum()))
+    ranks = placement.route(0, experts)
+    assert all(len(set(ranks[experts == e])) == 1 for e in np.unique(experts))
+    assert all(ranks[experts == e][0] in (placement.owners(0)[e], *copies.get(e, ()))
+               for e in np.unique(experts))  # fmt: skip
+    spread, fixed = np.bincount(ranks, minlength=4), np.bincount(alone.route(0, experts))
+    assert spread.max() - spread.min() < fixed.max() - fixed.min()
+    assert placement.route(0, experts).tolist() == ranks.tolist()
+    with pytest.raises(ValueError, match="capacities must give one count per rank"):
+        place({0: 4}, [1, 1], usage={0: [1, 2, 3, 4]}, capacities=[8])
+
+
 def test_placement_honours_budgets():
     placement = place({0: 12}, [3 << 30, 1 << 30, 0])
     assert np.bincount(placement.owners(0), minlength=3).tolist() == [9, 3, 0]
@@ -240,9 +295,13 @@ def test_placement_honours_budgets():
 
 
 def test_placement_save_and_load(tmp_path):
-    placement = place({0: 8, 2: 8}, [1, 1, 2])
+    placement = place({0: 8, 2: 8}, [1, 1, 2], {0: [9, 1, 1, 1, 1, 1, 1, 1]}, [6, 6, 9])
+    assert placement.replicas(0)  # expert 0 is hot, and the ranks have room to spare
     placement.save(tmp_path / "p.json")
     assert Placement.load_file(tmp_path / "p.json") == placement
+    assert Placement.load_file(tmp_path / "p.json").replicas(0) == placement.replicas(0)
+    assert Placement.from_dict(placement.to_dict()) == placement
+    assert placement != Placement({0: placement.owners(0), 2: placement.owners(2)}, 3)
     with pytest.raises(FileExistsError):
         placement.save(tmp_path / "p.json")
     document = placement.to_dict()
@@ -250,6 +309,13 @@ def test_placement_save_and_load(tmp_path):
     (tmp_path / "bad.json").write_text(json.dumps(document))
     with pytest.raises(FormatError, match=r"bad.json: 'layers\[0\]\[0\]' must be an integer"):
         Placement.load_file(tmp_path / "bad.json")
+    document = placement.to_dict()
+    document["replicas"]["0"]["0"] = [int(placement.owners(0)[0])]  # its owner again
+    (tmp_path / "twice.json").write_text(json.dumps(document))
+    with pytest.raises(FormatError, match="twice.json: invalid placement: replicas"):
+        Placement.load_file(tmp_path / "twice.json")
+    with pytest.raises(ValueError, match="layer 0 expert 9, which the placement"):
+        Placement({0: [0, 1]}, 2, {0: {9: [1]}})
 
 
 def test_options_are_checked():

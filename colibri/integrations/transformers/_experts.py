@@ -367,7 +367,8 @@ def experts_forward(
         return _ops.experts(state.handle, hidden_states, top_k_index, top_k_weights)
     ids, weights, ids_np = routed(state, top_k_index, top_k_weights)
     if state.paging.remote is not None:  # experts spread over ranks (colibri.distributed)
-        return state.paging.remote(state.layer, hidden_states, ids_np, weights)
+        guess = next_guess(state, hidden_states)
+        return state.paging.remote(state.layer, hidden_states, ids_np, weights, guess)
     x = hidden_states.detach().float().numpy()  # no copy for float32
     out = torch.zeros_like(hidden_states)
 
