@@ -26,12 +26,14 @@ def launched() -> bool:
 
 def join(group, timeout: float):
     """``(group, rank, world size)``: ``group``, else the default group, initialised with
-    gloo from the launcher's environment when it is not yet (``timeout``: its collectives').
+    gloo from the launcher's environment when it is not yet (``timeout``: how long the ranks
+    wait for each other to join, and its collectives' bound).
 
     Raises
     ------
     DistributedError
-        No group and no launcher environment, or a group whose backend is not gloo.
+        No group and no launcher environment, the other ranks not all joined within
+        ``timeout``, or a group whose backend is not gloo.
     """
     if group is None:
         if not dist.is_available():  # pragma: no cover - torch built without distributed
@@ -45,7 +47,16 @@ def join(group, timeout: float):
                     "--nproc-per-node 2 ...) or call torch.distributed.init_process_group"
                     '("gloo") first'
                 )
-            dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=timeout))
+            try:
+                dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=timeout))
+            except (RuntimeError, TimeoutError, OSError) as exc:  # torch's Dist*Error too
+                where = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
+                raise DistributedError(
+                    f"expert parallel: rank {os.environ['RANK']} of {os.environ['WORLD_SIZE']} "
+                    f"could not join the group at {where} within {timeout:g} s ({exc}); fix: "
+                    "start every rank with the same MASTER_ADDR and MASTER_PORT, or raise "
+                    "start_timeout= if they start far apart"
+                ) from None
         group = dist.group.WORLD
     backend = str(dist.get_backend(group))
     if "gloo" not in backend:

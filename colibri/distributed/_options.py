@@ -10,10 +10,13 @@ from typing import Any
 
 from colibri.distributed._placement import Placement
 
-__all__ = ["DEFAULT_TIMEOUT", "ExpertParallel", "options"]
+__all__ = ["DEFAULT_START_TIMEOUT", "DEFAULT_TIMEOUT", "ExpertParallel", "options"]
 
-#: Seconds rank 0 waits for a rank's answer (and every rank for the others at start).
+#: Seconds rank 0 waits for a rank's answer.
 DEFAULT_TIMEOUT = 120.0
+#: Seconds every rank waits for the others to join and agree at start (ranks start at
+#: different times: by hand on several machines, or each loading its checkpoint).
+DEFAULT_START_TIMEOUT = 600.0
 
 
 @dataclass
@@ -28,8 +31,11 @@ class ExpertParallel:
     usage : mapping, optional
         ``{layer: UsageStats or counts [E]}`` for :func:`place` (rank 0's is used).
     timeout : float
-        Seconds rank 0 waits for any rank's answer, and every rank for the others at start;
-        past it the wait ends in a :class:`DistributedError` naming the rank.
+        Seconds rank 0 waits for any rank's answer; past it the wait ends in a
+        :class:`DistributedError` naming the rank.
+    start_timeout : float
+        Seconds every rank waits for the others to join the group and agree on the model at
+        start (a :class:`DistributedError` past it).
     group : torch.distributed.ProcessGroup, optional
         A gloo group to use (default: the default group, which colibri initialises with gloo
         from torchrun's environment, ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``,
@@ -39,6 +45,7 @@ class ExpertParallel:
     placement: Placement | str | os.PathLike | None = None
     usage: Mapping[int, Any] | None = None
     timeout: float = DEFAULT_TIMEOUT
+    start_timeout: float = DEFAULT_START_TIMEOUT
     group: Any = None
 
 
@@ -62,7 +69,8 @@ def options(value: Any) -> ExpertParallel | None:
             "from_pretrained(): expert_parallel must be True, a dict of options or a "
             f"colibri.distributed.ExpertParallel (got {type(value).__name__})"
         )
-    t = value.timeout
-    if isinstance(t, bool) or not isinstance(t, int | float) or not math.isfinite(t) or t <= 0:
-        raise ValueError(f"expert_parallel: timeout must be positive seconds (got {t!r})")
+    for name in ("timeout", "start_timeout"):
+        t = getattr(value, name)
+        if isinstance(t, bool) or not isinstance(t, int | float) or not math.isfinite(t) or t <= 0:
+            raise ValueError(f"expert_parallel: {name} must be positive seconds (got {t!r})")
     return value

@@ -32,7 +32,7 @@ def start(value, pager, layers: dict, source, *, num_threads: int, read_ahead: s
             "(gpt-oss: biases, clamped activation), which colibri does not spread over ranks "
             "yet; load this model without expert_parallel"
         )
-    group, rank, world = join(opts.group, opts.timeout)
+    group, rank, world = join(opts.group, opts.start_timeout)
     counts = {layer: how[0] for layer, how in layers.items()}
     placement = agree(group, rank, world, opts, source, counts, pager.budget_bytes,
                       pager.capacity)  # fmt: skip

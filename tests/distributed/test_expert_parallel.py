@@ -326,6 +326,8 @@ def test_options_are_checked():
         options({"timout": 5})
     with pytest.raises(ValueError, match="timeout must be positive"):
         options({"timeout": 0})
+    with pytest.raises(ValueError, match="start_timeout must be positive"):
+        options({"start_timeout": float("inf")})
 
 
 def test_no_group_and_no_launcher_is_a_clear_error(monkeypatch, checkpoint):
@@ -337,6 +339,27 @@ def test_no_group_and_no_launcher_is_a_clear_error(monkeypatch, checkpoint):
         monkeypatch.delenv(name, raising=False)
     with pytest.raises(DistributedError, match="no process group and no RANK"):
         from_pretrained(checkpoint, budget=BUDGET, page_size_kb=4, expert_parallel=True)
+
+
+def test_ranks_that_never_join_are_a_clear_error_within_the_start_timeout(monkeypatch):
+    """Rank 0 of 2 alone: the rendezvous ends after start_timeout in one named error (not
+    torch's store traceback), and leaves no group behind."""
+    import time
+
+    import torch.distributed as dist
+
+    from colibri.distributed._group import join
+
+    if dist.is_initialized():  # pragma: no cover - the suite starts no group
+        pytest.skip("a process group exists")
+    env = dict(RANK="0", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_port()))
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    start = time.monotonic()
+    with pytest.raises(DistributedError, match=r"rank 0 of 2 could not join .* within 1 s"):
+        join(None, 1.0)
+    assert time.monotonic() - start < 30
+    assert not dist.is_initialized()
 
 
 # -- every family the paged path serves: the split and the sum, in one process --------------
