@@ -390,14 +390,20 @@ def _run(spec: dict, lock: str | None) -> dict:
 
 def _repeat(spec: dict, args) -> dict:
     """``args.repeat`` fresh runs of ``spec``: medians, and the tok/s range."""
-    runs = [_run(spec, args.lock) for _ in range(args.repeat)]
+    return _medians(spec, [_run(spec, args.lock) for _ in range(args.repeat)])
+
+
+def _medians(spec: dict, runs: list[dict]) -> dict:
+    """The first good run of ``runs`` with each measured number the median of the good runs
+    (a number some runs lack: of those that have it), and the tok/s range; the first run if
+    none is good."""
     good = [r for r in runs if "error" not in r]
     if not good:
         return runs[0]
     out = dict(good[0])
     for key, value in good[0].items():
         if isinstance(value, float | int) and not isinstance(value, bool) and key not in spec:
-            out[key] = statistics.median(r[key] for r in good)
+            out[key] = statistics.median(r[key] for r in good if r.get(key) is not None)
     speeds = [r["decode_tok_s"] for r in good]
     out.update(tok_s_min=min(speeds), tok_s_max=max(speeds), runs=len(good))
     return out
