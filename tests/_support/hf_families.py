@@ -314,3 +314,17 @@ def logits(model: torch.nn.Module, ids) -> torch.Tensor:
     """``model(ids).logits`` as float32, without autograd."""
     with torch.no_grad():
         return model(ids).logits.float()
+
+
+def save_patched(model: torch.nn.Module, folder, max_shard_size: str) -> torch.nn.Module:
+    """Save ``model`` to ``folder`` as a checkpoint with a tokenizer, its routers randomised
+    first (so that routing is not a tie), and return it patched with colibri: the reference
+    for what ``from_pretrained(folder)`` computes."""
+    from colibri.integrations.transformers import patch, unpatch
+
+    randomise_routers(model, [r.name for r in patch(model)])
+    unpatch(model)
+    model.save_pretrained(folder, max_shard_size=max_shard_size)
+    save_tokenizer(folder)
+    patch(model)
+    return model

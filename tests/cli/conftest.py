@@ -12,14 +12,7 @@ def checkpoint(tmp_path_factory):
     pytest.importorskip("torch")
     pytest.importorskip("transformers")
     pytest.importorskip("accelerate")
-    from _support.hf_families import build_model, randomise_routers, save_tokenizer
-    from colibri.integrations.transformers import patch, unpatch
+    from _support.hf_families import build_model, save_patched
 
     folder = tmp_path_factory.mktemp("gen")
-    model = build_model("qwen3_moe")
-    randomise_routers(model, [r.name for r in patch(model)])
-    unpatch(model)
-    model.save_pretrained(folder, max_shard_size="20KB")
-    save_tokenizer(folder)
-    patch(model)
-    return folder, model
+    return folder, save_patched(build_model("qwen3_moe"), folder, "20KB")

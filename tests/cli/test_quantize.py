@@ -23,7 +23,7 @@ pytest.importorskip("accelerate")
 gguf = pytest.importorskip("gguf")
 safetensors = pytest.importorskip("safetensors")
 
-from _support.hf_families import build_model, randomise_routers, save_tokenizer  # noqa: E402
+from _support.hf_families import build_model, save_patched  # noqa: E402
 from colibri.__main__ import main  # noqa: E402
 from colibri.formats import FormatError  # noqa: E402
 from colibri.formats.safetensors import read_header  # noqa: E402
@@ -44,13 +44,7 @@ def source(tmp_path_factory):
     """``(folder, model)``: the float32 checkpoint and its model, patched (routing as colibri
     routes: the reference's router is the loaded model's)."""
     folder = tmp_path_factory.mktemp("quantize") / "src"
-    model = build_model("qwen3_moe", **SIZES)
-    randomise_routers(model, [r.name for r in patch(model)])
-    unpatch(model)
-    model.save_pretrained(folder, max_shard_size="400KB")
-    save_tokenizer(folder)
-    patch(model)
-    return folder, model
+    return folder, save_patched(build_model("qwen3_moe", **SIZES), folder, "400KB")
 
 
 def _snapshot(folder) -> dict:

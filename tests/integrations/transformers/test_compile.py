@@ -26,11 +26,11 @@ from _support.hf_families import (  # noqa: E402
     build_model,
     logits,
     randomise_routers,
-    save_tokenizer,
+    save_patched,
     token_ids,
 )
 from colibri.cli import generate as cli_generate  # noqa: E402
-from colibri.integrations.transformers import from_pretrained, patch, unpatch  # noqa: E402
+from colibri.integrations.transformers import from_pretrained, patch  # noqa: E402
 from colibri.integrations.transformers._patch import _STATE  # noqa: E402
 
 BUDGET = 48 * 1024  # four 4 KiB-paged experts of this model: less than a layer's eight
@@ -42,13 +42,7 @@ def tiny(tmp_path_factory):
     """``(folder, model)``: the checkpoint (with a tokenizer) and the resident model it was
     saved from, patched with colibri."""
     folder = tmp_path_factory.mktemp("compile")
-    model = build_model("qwen3_moe")
-    randomise_routers(model, [r.name for r in patch(model)])
-    unpatch(model)
-    model.save_pretrained(folder, max_shard_size="20KB")
-    save_tokenizer(folder)
-    patch(model)
-    return folder, model
+    return folder, save_patched(build_model("qwen3_moe"), folder, "20KB")
 
 
 @pytest.fixture(autouse=True)
