@@ -3,10 +3,12 @@
 Every rank is its own process in its own memory cgroup (v1 or v2, made as root; without root
 or a memory controller the rows say "no cgroup") whose limit is the rank's expert budget
 plus ``--overhead`` for everything else of the process (Python, torch, the resident
-weights), so that "N machines of X GiB" is simulated honestly: the page cache a rank faults
-in is charged to it. The ranks talk over loopback (gloo). Rows, each a fresh set of
-processes, same checkpoint, same random prompt, greedy decode, page cache emptied of the
-checkpoint before each row:
+weights), and whose storage reads are capped at ``--read-cap`` bytes/s (2 GB/s: a laptop's
+NVMe drive), so that "N machines of X GiB" is simulated honestly: the page cache a rank
+faults in is charged to it, and a miss costs what a drive costs. The ranks talk over
+loopback (gloo). Rows, each a fresh set of processes, same checkpoint, same random prompt,
+greedy decode, page cache emptied of the checkpoint before each row, then ``--warmup``
+tokens of another prompt (the experts each rank holds paged in) before the timed ones:
 
 - 1 rank with the whole budget (every expert held: the speed ceiling of one machine);
 - 1 rank with one rank's budget (``--share`` of the experts: paging from disk);
@@ -20,13 +22,12 @@ at half the experts each >= 0.7x one rank holding all of them and >= 2x one rank
 half the memory.
 
     python bench/bench_distributed.py                      # the demo model (2.9 GiB)
-    python bench/bench_distributed.py --shape tiny --tokens 8 --overhead 1GiB
+    python bench/bench_distributed.py --shape tiny --tokens 8 --warmup 8 --read-cap 0
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import socket
@@ -34,6 +35,7 @@ import subprocess
 import sys
 import time
 
+from _cgroups import Group, block_device, cgroup_kind
 from bench_generate import _evict, _prompt, _status
 
 from colibri._units import format_bytes, parse_size
@@ -46,72 +48,9 @@ TARGETS = (
     ("2 ranks / 1 rank holding all", 2, "all", 0.7),
     ("2 ranks / 1 rank paging at one rank's budget", 2, "share", 2.0),
 )
-_V1 = "/sys/fs/cgroup/memory"
 
 
 # -- cgroups --------------------------------------------------------------------------------
-
-
-class Cgroup:
-    """A memory cgroup of one rank (``limit`` bytes), v1 or v2; ``path`` None where none
-    can be made (not root, no memory controller)."""
-
-    def __init__(self, name: str, limit: int) -> None:
-        self.v1 = os.path.isdir(_V1)
-        root = _V1 if self.v1 else "/sys/fs/cgroup"
-        self.path: str | None = os.path.join(root, name)
-        try:
-            if not self.v1:
-                with open(f"{root}/cgroup.controllers") as f:
-                    if "memory" not in f.read():
-                        raise OSError("no memory controller")
-            os.makedirs(self.path, exist_ok=True)
-            self._write("memory.limit_in_bytes" if self.v1 else "memory.max", str(limit))
-            if not self.v1:
-                with contextlib.suppress(OSError):
-                    self._write("memory.swap.max", "0")
-        except OSError:
-            self.path = None
-
-    def _write(self, name: str, value: str) -> None:
-        with open(os.path.join(self.path, name), "w") as f:
-            f.write(value)
-
-    def _read(self, name: str) -> int | None:
-        try:
-            with open(os.path.join(self.path, name)) as f:
-                text = f.read().split()
-            return int(text[1] if text[0] == "max" else text[0]) if text else None
-        except (OSError, ValueError, IndexError, TypeError):
-            return None
-
-    def prefix(self) -> list[str]:
-        """A command prefix that runs the command inside the group."""
-        if self.path is None:
-            return []
-        procs = os.path.join(self.path, "cgroup.procs")
-        return ["sh", "-c", f'echo $$ > {procs} && exec "$@"', "sh"]
-
-    def peak(self) -> int | None:
-        if self.path is None:
-            return None
-        return self._read("memory.max_usage_in_bytes" if self.v1 else "memory.peak")
-
-    def failures(self) -> int | None:
-        if self.path is None:
-            return None
-        if self.v1:
-            return self._read("memory.failcnt")
-        try:
-            with open(os.path.join(self.path, "memory.events")) as f:
-                return sum(int(v) for k, v in (x.split() for x in f) if k in ("max", "oom"))
-        except OSError:
-            return None
-
-    def remove(self) -> None:
-        if self.path is not None:
-            with contextlib.suppress(OSError):
-                os.rmdir(self.path)
 
 
 # -- one rank -------------------------------------------------------------------------------
@@ -158,8 +97,8 @@ def worker(spec: dict) -> dict | None:
         return scores
 
     with torch.no_grad():
-        model.generate(torch.tensor([_prompt(spec["model"], 8, seed=1)]), max_new_tokens=4,
-                       do_sample=False)  # fmt: skip
+        model.generate(torch.tensor([_prompt(spec["model"], 8, seed=1)]),
+                       max_new_tokens=spec["warmup"], do_sample=False)  # fmt: skip
         sent = received = 0
         before: list[dict] = []
         if timed is not None:
@@ -197,23 +136,30 @@ def _port() -> int:
 
 def run_row(args, world: int, budget: int, limit_s: float) -> dict:
     """Start ``world`` ranks of ``budget`` each, every one in its cgroup; rank 0's row with
-    each rank's peak memory and cgroup failures."""
+    each rank's peak memory and OOM kills."""
     _evict(os.path.join(args.model, f) for f in os.listdir(args.model))
     port = str(_port())
     groups, procs = [], []
+    kind = cgroup_kind() if os.geteuid() == 0 else None
+    cap = int(args.read_cap) or None
+    device = block_device(args.model) if kind is not None and cap else None
     try:
         for rank in reversed(range(world)):  # rank 0 last: the others are ready to serve
-            group = Cgroup(f"colibri-bench-rank{rank}", budget + args.overhead)
+            group = None
+            if kind is not None:
+                group = Group(kind, f"colibri-bench-rank{rank}", budget + args.overhead, cap,
+                              device)  # fmt: skip
             groups.insert(0, group)
             spec = {"model": args.model, "budget": budget, "world": world, "threads": args.threads,
                     "tokens": args.tokens, "prompt_tokens": args.prompt_tokens,
-                    "timeout": args.timeout}  # fmt: skip
+                    "warmup": args.warmup, "timeout": args.timeout}  # fmt: skip
             env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world),
                    "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port,
                    "OMP_NUM_THREADS": str(args.threads)}  # fmt: skip
-            command = [*group.prefix(), sys.executable, __file__, "--worker", json.dumps(spec)]
+            command = [sys.executable, __file__, "--worker", json.dumps(spec)]
             procs.insert(0, subprocess.Popen(command, env=env, text=True, stdout=subprocess.PIPE
-                                             if rank == 0 else subprocess.DEVNULL))  # fmt: skip
+                                             if rank == 0 else subprocess.DEVNULL,
+                                             preexec_fn=group.join if group else None))  # fmt: skip
         text = procs[0].communicate(timeout=limit_s)[0].strip().splitlines()
         for proc in procs[1:]:
             proc.wait(timeout=30)
@@ -225,12 +171,13 @@ def run_row(args, world: int, budget: int, limit_s: float) -> dict:
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
-        row_peaks = [g.peak() for g in groups]
-        row_fails = [g.failures() for g in groups]
+        row_peaks = [g.peak() if g else None for g in groups]
+        row_kills = [g.oom_kills() if g else None for g in groups]
         for group in groups:
-            group.remove()
-    row.update(world=world, budget=budget, peaks=row_peaks, failures=row_fails,
-               cgroup=groups[0].path is not None)  # fmt: skip
+            if group is not None:
+                group.remove()
+    row.update(world=world, budget=budget, peaks=row_peaks, oom_kills=row_kills,
+               cgroup=kind is not None)  # fmt: skip
     return row
 
 
@@ -253,7 +200,7 @@ def _show(name: str, row: dict) -> None:
     trip = f"{row['round_trip_ms']:.2f}" if "round_trip_ms" in row else "-"
     print(f"| {name} | {row['world']} | {format_bytes(row['budget'])} | {row['tok_s']:.2f} | "
           f"{_kib(wire / tokens)} | {_kib(wire / tokens / layers)} | {trip} | {_kib(read)} | "
-          f"{hits} | {peaks} | {row['failures']} |")  # fmt: skip
+          f"{hits} | {peaks} | {row['oom_kills']} |")  # fmt: skip
 
 
 def main(argv=None) -> int:
@@ -265,11 +212,20 @@ def main(argv=None) -> int:
     parser.add_argument("--share", type=float, default=0.5,
                         help="each rank's budget, a fraction of the expert bytes")  # fmt: skip
     parser.add_argument("--ranks", default="1,2,3")
-    parser.add_argument("--overhead", type=parse_size, default=parse_size("1536MiB"),
+    parser.add_argument("--overhead", type=parse_size, default=parse_size("1GiB"),
                         help="each cgroup's memory beyond the budget (process, resident "
                              "weights)")  # fmt: skip
     parser.add_argument("--threads", type=int, default=1, help="threads per rank")
     parser.add_argument("--tokens", type=int, default=32)
+    parser.add_argument(
+        "--warmup",
+        type=int,
+        default=32,
+        help="greedy tokens of another prompt first (experts paged in)",
+    )
+    parser.add_argument("--read-cap", type=float, default=2e9,
+                        help="each group's storage reads, bytes/s, as a laptop's drive reads "
+                             "(0: none)")  # fmt: skip
     parser.add_argument("--prompt-tokens", type=int, default=16)
     parser.add_argument("--timeout", type=float, default=120.0)
     args = parser.parse_args(argv)
@@ -287,10 +243,11 @@ def main(argv=None) -> int:
     experts = Checkpoint(args.model).expert_source().total_expert_nbytes
     share = int(experts * args.share)
     print(f"{args.model}: experts {format_bytes(experts)}; a rank's budget {args.share:g} of "
-          f"them ({format_bytes(share)}); cgroup limit budget + {format_bytes(args.overhead)}; "
+          f"them ({format_bytes(share)}); cgroup limit budget + {format_bytes(args.overhead)}, "
+          f"reads capped at {args.read_cap:g} B/s; "
           f"{args.threads} thread(s) a rank; load {os.getloadavg()[0]:.1f}")  # fmt: skip
     print("\n| run | ranks | budget/rank | tok/s | wire/token | wire/layer | round trip ms "
-          "| read/token | read-ahead hits | peak/rank | cgroup failures |")  # fmt: skip
+          "| read/token | read-ahead hits | peak/rank | OOM kills |")  # fmt: skip
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | --- |")
     limit_s = 60 + 10 * args.tokens
     rows = {}
