@@ -25,9 +25,12 @@ from colibri.distributed._wire import (
     OP_STOP,
     DistributedError,
     Link,
+    header,
 )
 
 __all__ = ["Remote"]
+
+_NONE = np.zeros(0, np.int64)
 
 
 class Remote:
@@ -80,21 +83,23 @@ class Remote:
         self.sequence += 1
         refused = None  # a rank's (or rank 0's own) error: raised once every answer is in
         try:
+            guess = next_layer() if next_layer is not None else None
+            hints = self._hints(*guess) if guess is not None else {}
             pending = {}
             for rank in range(1, self.world):
                 sel = np.flatnonzero(owners == rank)
                 if sel.size:
-                    pending[rank] = (sel, self._ask(rank, layer, x, rows, sel))
-            guess = next_layer() if next_layer is not None else None
-            own = self._hint(*guess) if guess is not None else None
+                    pending[rank] = (sel, self._ask(rank, layer, x, rows, sel, hints.get(rank)))
+                elif rank in hints:
+                    self._hint(rank, *hints[rank])
             mine = np.flatnonzero(owners == 0)
             if mine.size:
                 try:
                     y[mine], torch_path[mine] = self._local(layer, x, rows, mine)
                 except Exception as exc:  # the other ranks' answers are read all the same
                     refused = exc
-            if own is not None and refused is None:
-                prefetch_guess(self.pager, *own)
+            if 0 in hints and refused is None:
+                prefetch_guess(self.pager, *hints[0])
             for rank, (sel, works) in pending.items():
                 self.link.wait(rank, works, f"sending layer {layer}'s rows")
                 answer = self._answer(rank, layer, sel.size, hidden)
@@ -109,36 +114,44 @@ class Remote:
             raise refused
         return combine(hidden_states, weights, rows, y, torch_path)
 
-    def _ask(self, rank: int, layer: int, x, rows, sel) -> list:
+    def _ask(self, rank: int, layer: int, x, rows, sel, hint) -> list:
+        """Send ``rank`` its rows of ``layer`` (and its read-ahead ``hint``, ``(layer, ids)``
+        or None) as one message; the works."""
         self._settle(rank)
         self.rows_sent += sel.size
-        tokens = torch.from_numpy(rows.tokens[sel])
-        header = torch.tensor([OP_EXPERTS, layer, sel.size, x.shape[-1], DTYPES.index(x.dtype),
-                               0, self.sequence, 0], dtype=torch.int64)  # fmt: skip
-        part = x[tokens]
-        self.sent_bytes += part.numel() * part.element_size() + sel.size * 8 + HEADER * 8
-        experts = torch.from_numpy(rows.experts[sel])
-        return self.link.send(rank, [header, part, experts], f"sending layer {layer}'s rows")
+        hint_layer, hint_ids = hint if hint is not None else (0, _NONE)
+        part = x[torch.from_numpy(rows.tokens[sel])]
+        head = header(OP_EXPERTS, layer=layer, rows=sel.size, hidden=x.shape[-1],
+                      code=DTYPES.index(x.dtype), hint_layer=hint_layer, hints=hint_ids.size,
+                      sequence=self.sequence)  # fmt: skip
+        experts = rows.experts[sel]
+        self.sent_bytes += part.numel() * part.element_size() + (sel.size + hint_ids.size) * 8
+        self.sent_bytes += HEADER * 8
+        return self.link.send(rank, head, [experts, hint_ids, part],
+                              f"sending layer {layer}'s rows")  # fmt: skip
 
-    def _hint(self, layer: int, ids: np.ndarray) -> tuple[int, np.ndarray] | None:
-        """Send every other rank the predicted experts of ``layer`` it holds, in the guess's
-        order (most likely first), without waiting; rank 0's own ``(layer, ids)`` back."""
+    def _hints(self, layer: int, ids: np.ndarray) -> dict[int, tuple[int, np.ndarray]]:
+        """The predicted experts of ``layer`` (most likely first) each rank holds:
+        ``{rank: (layer, ids)}`` for the ranks that hold some (rank 0 included)."""
         if layer not in self.placement.layers:
-            return None
+            return {}
         ids = np.asarray(ids, dtype=np.int64)
         ids = ids[(ids >= 0) & (ids < self.placement.owners(layer).size)]
         held = self.placement.holders(layer)[ids]
-        for rank in range(1, self.world):
-            mine = ids[held[:, rank]]
+        found = {}
+        for rank in range(self.world):
+            mine = np.ascontiguousarray(ids[held[:, rank]])
             if mine.size:
-                self._settle(rank)
-                header = torch.tensor([OP_READ_AHEAD, layer, mine.size, 0, 0, 0, self.sequence,
-                                       0], dtype=torch.int64)  # fmt: skip
-                body = torch.from_numpy(np.ascontiguousarray(mine))
-                self.sent_bytes += HEADER * 8 + mine.size * 8
-                what = f"sending layer {layer}'s read-ahead"
-                self.hints[rank] = self.link.send(rank, [header, body], what)
-        return layer, ids[held[:, 0]]
+                found[rank] = (layer, mine)
+        return found
+
+    def _hint(self, rank: int, layer: int, ids: np.ndarray) -> None:
+        """Send ``rank`` a read-ahead hint alone (it has no rows this layer), not waited."""
+        self._settle(rank)
+        self.sent_bytes += HEADER * 8 + ids.size * 8
+        head = header(OP_READ_AHEAD, hint_layer=layer, hints=ids.size, sequence=self.sequence)
+        self.hints[rank] = self.link.send(rank, head, [ids],
+                                          f"sending layer {layer}'s read-ahead")  # fmt: skip
 
     def _settle(self, rank: int) -> None:
         """Wait for the read-ahead hint last sent to ``rank`` (long received by now: the rank
@@ -161,17 +174,14 @@ class Remote:
         if self.broken is not None or self.closed:
             raise DistributedError("expert parallel: the group failed or was closed")
         found = [counters(self.pager, None)]
-        ask = torch.zeros(HEADER, dtype=torch.int64)
-        ask[0] = OP_STATS
         try:
             for rank in range(1, self.world):
                 self._settle(rank)
-                self.link.wait(rank, self.link.send(rank, [ask], "asking for counters"),
+                self.link.wait(rank, self.link.send(rank, header(OP_STATS), [],
+                                                    "asking for counters"),
                                "asking for counters")  # fmt: skip
-                what = "waiting for its counters"
-                head = self.link.recv(rank, torch.empty(4, dtype=torch.int64), what).tolist()
-                text = self.link.recv(rank, torch.empty(head[3], dtype=torch.uint8), what)
-                found.append(json.loads(bytes(text.numpy())))
+                text = self.link.recv(rank, "waiting for its counters").payload
+                found.append(json.loads(bytes(text)))
         except DistributedError as exc:
             self.broken = str(exc)
             raise
@@ -186,23 +196,24 @@ class Remote:
 
     def _answer(self, rank: int, layer: int, n: int, hidden: int):
         what = f"waiting for layer {layer}'s experts"
-        head = self.link.recv(rank, torch.empty(4, dtype=torch.int64), what).tolist()
-        status, sequence, rows, length = head
-        if status == FAILED:
-            text = self.link.recv(rank, torch.empty(length, dtype=torch.uint8), what)
+        answer = self.link.recv(rank, what)
+        if answer.status == FAILED:
             return DistributedError(
                 f"expert parallel: rank {rank} answered layer {layer} with an error: "
-                + bytes(text.numpy()).decode(errors="replace")
+                + bytes(answer.payload).decode(errors="replace")
             )
-        if sequence != self.sequence or rows != n:
+        if answer.sequence != self.sequence or answer.rows != n:
             raise DistributedError(
-                f"expert parallel: rank {rank} answered request {sequence} ({rows} rows) to "
-                f"request {self.sequence} ({n} rows); the group is out of step"
+                f"expert parallel: rank {rank} answered request {answer.sequence} "
+                f"({answer.rows} rows) to request {self.sequence} ({n} rows); the group is "
+                "out of step"
             )
-        y = self.link.recv(rank, torch.empty((n, hidden), dtype=torch.float32), what)
-        path = self.link.recv(rank, torch.empty(n, dtype=torch.uint8), what)
-        self.received_bytes += y.numel() * 4 + n + 32
-        return y.numpy(), path.numpy().astype(bool)
+        try:
+            y, path = answer.parts(((n, hidden), np.float32), ((n,), np.uint8))
+        except ValueError as exc:
+            raise DistributedError(f"expert parallel: rank {rank}: {what}: {exc}") from None
+        self.received_bytes += answer.payload.size + HEADER * 8
+        return y, path.astype(bool)
 
     def close(self) -> None:
         """Tell every rank to stop serving (idempotent; a failed group is left as it is)."""
@@ -211,9 +222,8 @@ class Remote:
         self.closed = True
         if self.broken is not None:
             return
-        stop = torch.zeros(HEADER, dtype=torch.int64)
-        stop[0] = OP_STOP
         for rank in range(1, self.world):
             with contextlib.suppress(DistributedError):  # a rank gone: nothing to stop
                 self._settle(rank)
-                self.link.wait(rank, self.link.send(rank, [stop], "stopping"), "stopping")
+                works = self.link.send(rank, header(OP_STOP), [], "stopping")
+                self.link.wait(rank, works, "stopping")

@@ -13,12 +13,14 @@ from colibri.distributed._compute import compute
 from colibri.distributed._wire import (
     DTYPES,
     FAILED,
-    HEADER,
     OK,
+    OP_ANSWER,
+    OP_EXPERTS,
     OP_READ_AHEAD,
     OP_STATS,
     OP_STOP,
     Link,
+    header,
 )
 
 __all__ = ["IDLE", "counters", "prefetch_guess", "serve"]
@@ -26,6 +28,9 @@ __all__ = ["IDLE", "counters", "prefetch_guess", "serve"]
 #: Seconds a serving rank waits for rank 0's next request (rank 0 may sit idle between
 #: generations; a rank 0 that is gone ends the wait at once, as a closed connection).
 IDLE = 7 * 24 * 3600.0
+#: The numpy dtype whose bytes carry each row dtype (half precisions as int16).
+_NUMPY = {torch.float32: np.float32, torch.float64: np.float64, torch.bfloat16: np.int16,
+          torch.float16: np.int16}  # fmt: skip
 
 
 def prefetch_guess(pager, layer: int, ids: np.ndarray) -> int:
@@ -61,35 +66,45 @@ def serve(group, rank: int, pager, layers: dict, mine: dict, num_threads: int,
     link = Link(group, IDLE)
     answered = 0
     while True:
-        header = link.recv(0, torch.empty(HEADER, dtype=torch.int64), "waiting for requests")
-        op, layer, n, hidden, code, _, sequence, _ = header.tolist()
-        if op == OP_STOP:
+        ask = link.recv(0, "waiting for requests")
+        if ask.op == OP_STOP:
             return answered
-        if op == OP_STATS:
-            link.send_text(0, OK, sequence, json.dumps(counters(pager, answered)))
+        if ask.op == OP_STATS:
+            link.send_text(0, OK, ask.sequence, json.dumps(counters(pager, answered)))
             continue
-        if op == OP_READ_AHEAD:
-            ids = link.recv(0, torch.empty(n, dtype=torch.int64), "receiving a read-ahead").numpy()
-            if read_ahead:
-                prefetch_guess(pager, layer, ids[np.isin(ids, mine.get(layer, ()))])
+        if ask.op == OP_READ_AHEAD:
+            (hints,) = ask.parts(((ask.hints,), np.int64))
+            _read_ahead(pager, read_ahead, ask.hint_layer, hints, mine)
             continue
-        x = link.recv(0, torch.empty((n, hidden), dtype=DTYPES[code]), "receiving rows")
-        experts = link.recv(0, torch.empty(n, dtype=torch.int64), "receiving expert ids")
         try:
-            ids = experts.numpy()
-            if layer not in layers:
-                raise KeyError(f"layer {layer} has no paged experts here")
-            stray = sorted(set(ids.tolist()) - set(mine.get(layer, ()).tolist()))
+            if ask.op != OP_EXPERTS or not 0 <= ask.code < len(DTYPES):
+                raise ValueError(
+                    f"request {ask.op} (dtype {ask.code}) is not one this colibri knows: run "
+                    "the same colibri version on every rank"
+                )
+            dtype = DTYPES[ask.code]
+            ids, hints, x = ask.parts(((ask.rows,), np.int64), ((ask.hints,), np.int64),
+                                      ((ask.rows, ask.hidden), _NUMPY[dtype]))  # fmt: skip
+            x = torch.from_numpy(x).view(dtype)
+            if ask.layer not in layers:
+                raise KeyError(f"layer {ask.layer} has no paged experts here")
+            stray = sorted(set(ids.tolist()) - set(mine.get(ask.layer, ()).tolist()))
             if stray:
-                raise KeyError(f"layer {layer} experts {stray[:8]} are not this rank's")
-            num_experts, torch_path, activation = layers[layer]
-            y, took = compute(pager, layer, x, ids, torch_path=torch_path,
-                                    kernel_activation=activation, num_experts=num_experts,
-                                    num_threads=num_threads, read_ahead=read_ahead)  # fmt: skip
+                raise KeyError(f"layer {ask.layer} experts {stray[:8]} are not this rank's")
+            num_experts, torch_path, activation = layers[ask.layer]
+            y, took = compute(pager, ask.layer, x, ids, torch_path=torch_path,
+                              kernel_activation=activation, num_experts=num_experts,
+                              num_threads=num_threads, read_ahead=read_ahead)  # fmt: skip
         except (ColibriError, KeyError, ValueError, OSError, MemoryError) as exc:
-            link.send_text(0, FAILED, sequence, f"rank {rank}: {type(exc).__name__}: {exc}")
+            link.send_text(0, FAILED, ask.sequence, f"rank {rank}: {type(exc).__name__}: {exc}")
             continue
-        answer = torch.tensor([OK, sequence, n, 0], dtype=torch.int64)
-        path = torch.from_numpy(took.view("uint8"))
-        link.wait(0, link.send(0, [answer, torch.from_numpy(y), path], "answering"), "answering")
+        answer = header(OP_ANSWER, rows=ask.rows, sequence=ask.sequence, status=OK)
+        link.wait(0, link.send(0, answer, [y, took.view(np.uint8)], "answering"), "answering")
         answered += 1
+        _read_ahead(pager, read_ahead, ask.hint_layer, hints, mine)
+
+
+def _read_ahead(pager, read_ahead: bool, layer: int, ids: np.ndarray, mine: dict) -> None:
+    """Rank 0's hint: the predicted experts of ``layer`` this rank holds, read ahead."""
+    if read_ahead and ids.size:
+        prefetch_guess(pager, layer, ids[np.isin(ids, mine.get(layer, ()))])

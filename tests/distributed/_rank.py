@@ -4,7 +4,8 @@
 group on 127.0.0.1, loads CHECKPOINT with ``expert_parallel`` (PLACEMENT: a saved placement);
 rank 0 generates and compares with one process (tokens and every logit bit for bit) and
 writes what it saw to OUT (JSON), every rank's pager counters too. MODE on rank 1: ``die``
-(SIGKILL itself at its 3rd request), ``hang`` (sleep at it); elsewhere ``run``.
+(SIGKILL itself at its 3rd request), ``hang`` (sleep at it); elsewhere ``run``, or
+``split`` (any rank: messages cross in a first part of 256 bytes and a rest).
 """
 
 from __future__ import annotations
@@ -22,8 +23,11 @@ placement = sys.argv[8] if len(sys.argv) > 8 else None
 os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, RANK=rank, WORLD_SIZE=world)
 torch.set_num_threads(1)
 
-from colibri.distributed import DistributedError, _serve  # noqa: E402
+from colibri.distributed import DistributedError, _serve, _wire  # noqa: E402
 from colibri.integrations.transformers import from_pretrained  # noqa: E402
+
+if mode == "split":
+    _wire.FIRST = 256
 
 if mode in ("die", "hang"):
     answered = [0]

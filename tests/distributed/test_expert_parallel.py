@@ -128,6 +128,17 @@ def test_two_ranks_generate_what_one_process_does(tmp_path, checkpoint):
 
 
 @pytest.mark.slow
+def test_messages_larger_than_the_first_part_cross_whole(tmp_path, checkpoint):
+    """With a 256-byte first part, the prompt's rows, the answers and the counters each
+    cross in two messages; the tokens and logits stay one process's."""
+    first, second = _run(tmp_path, [checkpoint, checkpoint], modes=["split", "split"])
+    assert "error" not in first, first
+    assert first["tokens"] == first["want"] and first["logits_equal"]
+    assert first["ranks"][1]["answered"] > 0
+    assert second == {"elapsed": second["elapsed"]}
+
+
+@pytest.mark.slow
 def test_replicated_experts_generate_what_one_process_does(tmp_path, checkpoint):
     """Experts 0-3 of each layer on both ranks: each step's rows of one go to the holder with
     fewer rows; the tokens stay those of one process."""
