@@ -6,6 +6,7 @@ from libc.stdint cimport int32_t, int64_t, uint16_t, uint64_t
 from libc.stdlib cimport free, malloc
 
 from colibri._openmp cimport colibri_max_threads
+from colibri.layer._plan cimport check_plan
 
 
 cdef extern from "colibri/cpu.h" nogil:
@@ -194,16 +195,9 @@ def ffn_sum(const float[:, :] x, list experts, int kind, int act,
     cdef size_t hbytes = 0, sbytes = 0
     cdef const uint16_t[:, :] g, u, d
     cdef int p = path_index(path)
-    if bounds.shape[0] != count + 1 or bounds[0] != 0:
-        raise ValueError(f"ffn_sum(): bounds must be [{count + 1}] from 0")
-    total = bounds[count]
-    if rows.shape[0] != total or scale.shape[0] != total:
-        raise ValueError(f"ffn_sum(): rows and scale must be [{total}] (bounds[-1])")
     if y.shape[0] != T or y.shape[1] != H or (H > 1 and (x.strides[1] != 4 or y.strides[1] != 4)):
         raise ValueError(f"ffn_sum(): y must be [{T}, {H}] like x, rows contiguous float32")
-    for i in range(total):
-        if rows[i] < 0 or rows[i] >= T:
-            raise ValueError(f"ffn_sum(): row {rows[i]} outside x's {T} rows")
+    total = check_plan(count, T, bounds, rows, scale)
     if count == 0:
         return
     if num_threads < 1:
@@ -217,9 +211,6 @@ def ffn_sum(const float[:, :] x, list experts, int kind, int act,
             raise MemoryError()
         for j in range(count):
             n = bounds[j + 1] - bounds[j]
-            if n < 1 or n > COLIBRI_FFN_MAX_ROWS:
-                raise ValueError(f"ffn_sum(): expert {j} has {n} rows (1 to "
-                                 f"{COLIBRI_FFN_MAX_ROWS})")
             g, u, d = experts[j]
             if g.shape[1] != H or u.shape[0] != g.shape[0] or u.shape[1] != H \
                     or d.shape[0] != H or d.shape[1] != g.shape[0] or g.shape[0] < 1:

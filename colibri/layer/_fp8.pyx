@@ -8,6 +8,7 @@ from libc.stdlib cimport free, malloc
 import numpy as np
 
 from colibri._openmp cimport colibri_max_threads
+from colibri.layer._plan cimport check_plan
 from colibri.layer._ffn import ACTIVATIONS, path_index
 
 
@@ -193,7 +194,7 @@ def ffn_sum(const float[:, ::1] x, list experts, act, const int64_t[::1] bounds,
     cdef int p = path_index(path)
     cdef int a = ACTIVATIONS.get(act, -1)
     cdef Py_ssize_t count = len(experts), j
-    cdef int64_t T = x.shape[0], H = x.shape[1], total, n, i, k, I, hsize = 0
+    cdef int64_t T = x.shape[0], H = x.shape[1], total, i, k, I, hsize = 0
     cdef const uint8_t[:, ::1] g, u, d
     cdef const float[:, ::1] gs, us, ds
     if a < 0:
@@ -201,18 +202,7 @@ def ffn_sum(const float[:, ::1] x, list experts, act, const int64_t[::1] bounds,
     if H < 1 or y.shape[0] != T or y.shape[1] != H:
         raise ValueError(f"ffn_sum(): x must be [T, H] and y like it (got x {[T, H]}, y "
                          f"{[y.shape[0], y.shape[1]]})")
-    if bounds.shape[0] != count + 1 or bounds[0] != 0:
-        raise ValueError(f"ffn_sum(): bounds must be [{count + 1}] from 0")
-    for j in range(count):
-        n = bounds[j + 1] - bounds[j]
-        if n < 1 or n > COLIBRI_FFN_MAX_ROWS:
-            raise ValueError(f"ffn_sum(): expert {j} has {n} rows (1 to {COLIBRI_FFN_MAX_ROWS})")
-    total = bounds[count]
-    if rows.shape[0] != total or scale.shape[0] != total:
-        raise ValueError(f"ffn_sum(): rows and scale must be [{total}] (bounds[-1])")
-    for i in range(total):
-        if rows[i] < 0 or rows[i] >= T:
-            raise ValueError(f"ffn_sum(): row {rows[i]} outside x's {T} rows")
+    total = check_plan(count, T, bounds, rows, scale)
     if count == 0:
         return
     held = []  # the contiguous arrays the C structs point into

@@ -7,6 +7,7 @@ from libc.stdlib cimport free, malloc
 import numpy as np
 
 from colibri._openmp cimport colibri_max_threads
+from colibri.layer._plan cimport check_plan
 from colibri.layer._ffn import path_index
 
 
@@ -292,7 +293,7 @@ def ffn_sum(const float[:, ::1] x, list experts, qtype, act, const int64_t[::1] 
     cdef int td = t if down_type is None else _type(down_type)
     cdef int a = ACTIVATIONS.get(act, -1)
     cdef Py_ssize_t count = len(experts), j
-    cdef int64_t T = x.shape[0], H = x.shape[1], total, n, i, k, I, G, hsize = 0
+    cdef int64_t T = x.shape[0], H = x.shape[1], total, i, k, I, G, hsize = 0
     cdef const uint8_t[:, ::1] g, u, d
     if a < 0:
         raise ValueError(f"act must be one of {', '.join(ACTIVATIONS)} (got {act!r})")
@@ -301,18 +302,7 @@ def ffn_sum(const float[:, ::1] x, list experts, qtype, act, const int64_t[::1] 
             f"ffn_sum(): x must be [T, H] with H a multiple of 32 and y like it (got x "
             f"{[T, H]}, y {[y.shape[0], y.shape[1]]})"
         )
-    if bounds.shape[0] != count + 1 or bounds[0] != 0:
-        raise ValueError(f"ffn_sum(): bounds must be [{count + 1}] from 0")
-    for j in range(count):
-        n = bounds[j + 1] - bounds[j]
-        if n < 1 or n > COLIBRI_FFN_MAX_ROWS:
-            raise ValueError(f"ffn_sum(): expert {j} has {n} rows (1 to {COLIBRI_FFN_MAX_ROWS})")
-    total = bounds[count]
-    if rows.shape[0] != total or scale.shape[0] != total:
-        raise ValueError(f"ffn_sum(): rows and scale must be [{total}] (bounds[-1])")
-    for i in range(total):
-        if rows[i] < 0 or rows[i] >= T:
-            raise ValueError(f"ffn_sum(): row {rows[i]} outside x's {T} rows")
+    total = check_plan(count, T, bounds, rows, scale)
     if count == 0:
         return
     cdef colibri_qffn_t *f = <colibri_qffn_t *>malloc(count * sizeof(colibri_qffn_t))

@@ -1,0 +1,34 @@
+# The checks of a layer's plan, once, for the ffn_sum of _ffn.pyx, _quant.pyx and _fp8.pyx:
+# which assignments each expert takes (bounds), the rows of x they read and their scales.
+
+from libc.stdint cimport int64_t
+
+
+cdef extern from "colibri/ffn.h" nogil:
+    enum:
+        COLIBRI_FFN_MAX_ROWS
+
+
+cdef inline int64_t check_plan(Py_ssize_t count, int64_t T, const int64_t[::1] bounds,
+                               const int64_t[::1] rows, const float[::1] scale) except -1:
+    """The number of assignments, ``bounds[count]``, once the plan is checked.
+
+    bounds int64 [count + 1] from 0, 1 to COLIBRI_FFN_MAX_ROWS assignments an expert; rows
+    int64 and scale float32 [bounds[count]], rows in [0, T). ValueError naming ffn_sum()
+    otherwise.
+    """
+    cdef Py_ssize_t j
+    cdef int64_t i, n, total
+    if bounds.shape[0] != count + 1 or bounds[0] != 0:
+        raise ValueError(f"ffn_sum(): bounds must be [{count + 1}] from 0")
+    for j in range(count):
+        n = bounds[j + 1] - bounds[j]
+        if n < 1 or n > COLIBRI_FFN_MAX_ROWS:
+            raise ValueError(f"ffn_sum(): expert {j} has {n} rows (1 to {COLIBRI_FFN_MAX_ROWS})")
+    total = bounds[count]
+    if rows.shape[0] != total or scale.shape[0] != total:
+        raise ValueError(f"ffn_sum(): rows and scale must be [{total}] (bounds[-1])")
+    for i in range(total):
+        if rows[i] < 0 or rows[i] >= T:
+            raise ValueError(f"ffn_sum(): row {rows[i]} outside x's {T} rows")
+    return total
