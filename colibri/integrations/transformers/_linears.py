@@ -26,6 +26,7 @@ from torch.nn import functional as F
 
 from colibri._validate import check_choice
 from colibri.integrations.transformers._ops import bits_of, compute
+from colibri.integrations.transformers._threads import DECODE_ROWS, one_thread
 
 __all__ = ["LINEAR_MODES", "MAX_ROWS", "LinearChoice", "install"]
 
@@ -33,7 +34,7 @@ LINEAR_MODES = ("auto", "colibri", "torch")
 # Most input rows colibri's kernel takes (more: torch's GEMM; "auto" may choose fewer). The
 # kernel reads the weights once whatever the rows, but its arithmetic grows with them (4 rows
 # per pass over a weight row in L1) while a GEMM's barely does: decode sizes.
-MAX_ROWS = 8
+MAX_ROWS = DECODE_ROWS
 _STEPS = (MAX_ROWS, 4, 2)  # the row counts "auto" tries, after one row
 #: The weight dtypes colibri's linear kernel reads.
 _HALVES = (torch.bfloat16, torch.float16)
@@ -143,14 +144,16 @@ def _best(fn, repeats: int) -> float:
 
 
 def _measure(module: nn.Linear, num_threads: int, rows: int) -> tuple[float, float]:
-    """The best of a few timings of ``rows`` input rows: colibri's kernel, then ``F.linear``."""
+    """The best of a few timings of ``rows`` input rows: colibri's kernel, then ``F.linear``
+    on one torch thread, as a decoding step runs it (:mod:`._threads`)."""
     weight, bias = module.weight, module.bias
     x = torch.randn(rows, module.in_features).to(weight.dtype)
     bits = bits_of(weight)
     bias32 = None if bias is None else bias.detach().to(torch.float32).numpy()
     with torch.no_grad():
         ours = _best(lambda: compute(x, weight, bias, num_threads, bits, bias32), _REPEATS)
-        theirs = _best(lambda: F.linear(x, weight, bias), _REPEATS)
+        with one_thread():
+            theirs = _best(lambda: F.linear(x, weight, bias), _REPEATS)
     return ours, theirs
 
 

@@ -26,7 +26,7 @@ from colibri._errors import FormatError
 from colibri._regular import open_regular
 from colibri._units import parse_size
 from colibri._validate import check_choice, check_threads
-from colibri.integrations.transformers import _gpt_oss
+from colibri.integrations.transformers import _gpt_oss, _threads
 from colibri.integrations.transformers._budget import for_model
 from colibri.integrations.transformers._checkpoint import (
     TORCH_DTYPES,
@@ -272,7 +272,9 @@ def from_pretrained(
         expert is read once and stays; a guess would cost more than it hides).
     num_threads : int, optional
         Threads of colibri's routing and expert kernels (default: colibri's; torch's own:
-        ``torch.set_num_threads``).
+        ``torch.set_num_threads``). A step of at most 8 tokens (decoding) runs torch's
+        operations on one thread, colibri's pool doing the parallel work, and gives torch
+        its threads back after the step.
     dtype : torch.dtype or str, optional
         Compute dtype; default: the dtype the experts are stored in (then expert views are
         used as they are; another dtype converts each expert on use); for block-quantized
@@ -390,6 +392,7 @@ def from_pretrained(
         model.eval()
         patch(model, num_threads=num_threads)
         paging.linears = install(model, linears, num_threads or 0, [n for n, _ in modules])
+        _threads.install(model)
         if partition is not None:
             _partition(model, partition, topk_groups)
         layers = paged_layers(paging)
