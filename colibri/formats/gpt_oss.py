@@ -42,6 +42,7 @@ __all__ = [
     "GptOssLayout",
     "GptOssWeights",
     "assemble_gpt_oss",
+    "check_scales",
     "dequantize_mxfp4",
     "gpt_oss_source",
 ]
@@ -238,7 +239,19 @@ def _at(t: TensorInfo, e: int) -> TensorRef:
                      tuple(t.shape[1:]))  # fmt: skip
 
 
-def dequantize_mxfp4(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
+def check_scales(scales: np.ndarray, what: str) -> None:
+    """Raise :class:`FormatError` if an e8m0 scale byte of ``scales`` (uint8 ``[R, G]``) is
+    0xFF, e8m0's NaN, naming ``what``, the row and the block."""
+    bad = np.flatnonzero(np.asarray(scales).reshape(-1) == 0xFF)
+    if bad.size:
+        row, block = divmod(int(bad[0]), scales.shape[-1])
+        raise FormatError(
+            f"{what}: the e8m0 scale of row {row}, block {block} is 0xFF, which MXFP4 reads "
+            "as NaN (no weight has it): the weight file is corrupt"
+        )
+
+
+def dequantize_mxfp4(blocks: np.ndarray, scales: np.ndarray, what: str = "scales") -> np.ndarray:
     """MXFP4 as gpt-oss stores it, to float32 (exact: every value is representable).
 
     Parameters
@@ -247,11 +260,19 @@ def dequantize_mxfp4(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
         Packed e2m1 values, two a byte, low nibble first.
     scales : uint8 [R, G]
         e8m0 exponents (bias 127) of each group of 32 values.
+    what : str
+        The scales' name in errors.
 
     Returns
     -------
     float32 [R, G * 32]
+
+    Raises
+    ------
+    FormatError
+        A scale byte is 0xFF (NaN).
     """
+    check_scales(scales, what)
     rows, groups = scales.shape
     blocks = np.asarray(blocks).reshape(rows, groups, BLOCK_BYTES)
     values = np.empty((rows, groups, BLOCK_VALUES), np.float32)

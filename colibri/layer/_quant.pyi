@@ -7,13 +7,20 @@ TYPES: dict[str, int]
 TYPE_NAMES: dict[int, str]
 BLOCK: dict[str, int]
 BLOCK_BYTES: dict[str, int]
+MXFP4_OSS: str
 ACTIVATIONS: dict[str, int]
 
 def row_values(qtype: str, row_bytes: int) -> int: ...
 def dequantize(qtype: str, w: np.ndarray) -> np.ndarray: ...
 def nonfinite_block(qtype: str, w: np.ndarray) -> int: ...
 def quantize_q8(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]: ...
-def matmul(qtype: str, w: np.ndarray, x: np.ndarray, path: str | None = None) -> np.ndarray: ...
+def matmul(
+    qtype: str,
+    w: np.ndarray,
+    x: np.ndarray,
+    path: str | None = None,
+    scales: np.ndarray | None = None,
+) -> np.ndarray: ...
 def ffn(
     qtype: str,
     gate: np.ndarray,
@@ -27,7 +34,7 @@ def ffn(
 ) -> np.ndarray: ...
 def ffn_sum(
     x: np.ndarray,
-    experts: list[tuple[np.ndarray, np.ndarray, np.ndarray]],
+    experts: list[tuple[np.ndarray, ...]],
     qtype: str,
     act: str,
     bounds: np.ndarray,
@@ -37,6 +44,8 @@ def ffn_sum(
     num_threads: int = 0,
     path: str | None = None,
     down_type: str | None = None,
+    alpha: float = 1.702,
+    limit: float = 7.0,
 ) -> None: ...
 
 SMALL_BLOCK_TYPES: tuple[str, ...]

@@ -1,8 +1,9 @@
 """colibri's quantized weight blocks (include/colibri/quant.h): exact dequantization, q8
-activations, and weight-row products in the kernels' fixed summation order."""
+activations, and weight-row products in the kernels' fixed summation order; ``mxfp4_oss``
+(gpt-oss's MXFP4: values interleaved, scales apart) in :func:`matmul` and :func:`ffn_sum`."""
 
 from libc.stdint cimport int8_t, int32_t, int64_t, uint8_t
-from libc.stdlib cimport free, malloc
+from libc.stdlib cimport calloc, free, malloc
 
 import numpy as np
 
@@ -20,15 +21,18 @@ cdef extern from "colibri/quant.h" nogil:
         COLIBRI_Q6_K
         COLIBRI_IQ4_XS
         COLIBRI_MXFP4
+        COLIBRI_MXFP4_OSS
         COLIBRI_Q_COUNT
     const int32_t colibri_q_block[]
     const int32_t colibri_q_bytes[]
     void colibri_q_dequantize_block(int type, const uint8_t *b, float *out) noexcept
     float colibri_q_scale(int type, const uint8_t *b, int32_t j, int half, float *min) noexcept
     void colibri_q8_row(const float *x, int32_t K, float *d, int8_t *q, int32_t *s) noexcept
-    void colibri_q_dot_rows(int path, int type, const uint8_t *w, int64_t ldw, int32_t rows,
-                            int32_t K, const float *d, const int8_t *q, const int32_t *s,
-                            int32_t nb, float *y, int64_t ldo, int64_t ldy) noexcept
+    void colibri_q8_oss_order(int8_t *q, int32_t K) noexcept
+    void colibri_q_dot_rows(int path, int type, const uint8_t *w, int64_t ldw, const uint8_t *e,
+                            int64_t lde, int32_t rows, int32_t K, const float *d, const int8_t *q,
+                            const int32_t *s, int32_t nb, float *y, int64_t ldo,
+                            int64_t ldy) noexcept
 
 
 cdef extern from "colibri/qffn.h" nogil:
@@ -48,8 +52,18 @@ cdef extern from "colibri/qffn.h" nogil:
         int32_t *hs
         float *y
         int64_t ldy
+        const uint8_t *ge
+        const uint8_t *ue
+        const uint8_t *de
+        int64_t lge, lue, lde
+        const float *bg
+        const float *bu
+        const float *bd
+        int64_t ldb
+        float alpha, limit
     enum:
         COLIBRI_FFN_MAX_ROWS
+        COLIBRI_QFFN_ACT_GPT_OSS
     void colibri_qffn_run_many(const colibri_qffn_t *f, int32_t count, int32_t *first,
                                int threads) noexcept
 
@@ -58,14 +72,24 @@ TYPES = {
     "q8_0": COLIBRI_Q8_0, "q4_0": COLIBRI_Q4_0, "q4_k": COLIBRI_Q4_K, "q5_k": COLIBRI_Q5_K,
     "q6_k": COLIBRI_Q6_K, "iq4_xs": COLIBRI_IQ4_XS, "mxfp4": COLIBRI_MXFP4,
 }  # fmt: skip
-TYPE_NAMES = {t: name for name, t in TYPES.items()}
+#: gpt-oss's MXFP4 (colibri.formats.gpt_oss): blocks of 16 bytes, value 2i in byte i's low
+#: nibble and 2i + 1 in its high one, the e8m0 scales a separate uint8 array [rows, K / 32].
+#: Only :func:`matmul` (``scales=``) and :func:`ffn_sum` (gpt-oss experts) take it.
+MXFP4_OSS = "mxfp4_oss"
+TYPE_NAMES = {t: name for name, t in TYPES.items()} | {COLIBRI_MXFP4_OSS: MXFP4_OSS}
 BLOCK = {name: colibri_q_block[t] for name, t in TYPES.items()}
 BLOCK_BYTES = {name: colibri_q_bytes[t] for name, t in TYPES.items()}
 
 
-def _type(qtype):
+def _type(qtype, bint scales_apart=True):
+    if qtype == MXFP4_OSS and scales_apart:
+        return COLIBRI_MXFP4_OSS
     if qtype not in TYPES:
-        raise ValueError(f"quantized type must be one of {', '.join(TYPES)} (got {qtype!r})")
+        apart = f" ({MXFP4_OSS} keeps its scales apart: matmul(scales=) and ffn_sum only)"
+        raise ValueError(
+            f"quantized type must be one of {', '.join(TYPES)} (got {qtype!r})"
+            + (apart if qtype == MXFP4_OSS else "")
+        )
     return TYPES[qtype]
 
 
@@ -100,7 +124,7 @@ def dequantize(qtype, w):
     -------
     ndarray of float32, shape (rows, K)
     """
-    cdef int t = _type(qtype)
+    cdef int t = _type(qtype, False)
     w, K = _rows(qtype, w)
     cdef const uint8_t[:, ::1] wv = w
     out = np.empty((w.shape[0], K), np.float32)
@@ -123,7 +147,7 @@ def nonfinite_block(qtype, w):
     ----------
     w : ndarray of uint8, shape (rows, row_bytes)
     """
-    cdef int t = _type(qtype)
+    cdef int t = _type(qtype, False)
     w, K = _rows(qtype, w)
     cdef const uint8_t[:, ::1] wv = w
     cdef Py_ssize_t r, i, j, blocks = K // colibri_q_block[t], subs = colibri_q_block[t] // 32
@@ -176,7 +200,19 @@ def quantize_q8(x):
     return d, q, s
 
 
-def matmul(qtype, w, x, path=None):
+def _scales(e, int64_t rows, int64_t groups, str what):
+    """gpt-oss's e8m0 scales of ``rows`` rows of ``groups`` blocks: a C-contiguous uint8 array."""
+    e = np.asarray(e)
+    if e.dtype != np.uint8 or e.shape != (rows, groups):
+        raise ValueError(
+            f"{what}: {MXFP4_OSS} scales must be uint8 [{rows}, {groups}] (one e8m0 byte per "
+            f"block of 32 values of each row; got {e.dtype} {list(e.shape)}): the scales are "
+            "truncated or do not belong to these blocks"
+        )
+    return np.ascontiguousarray(e)
+
+
+def matmul(qtype, w, x, path=None, scales=None):
     """``x @ dequantize(w).T`` with x quantized to q8 rows, summed in the kernels' order.
 
     Parameters
@@ -187,6 +223,8 @@ def matmul(qtype, w, x, path=None):
     path : str, optional
         A SIMD path this CPU runs (tests); None: the dispatched one. Every path gives the
         same bits.
+    scales : ndarray of uint8, shape (rows, K / 32), optional
+        ``mxfp4_oss`` only (and required): the e8m0 scales of w's blocks.
 
     Returns
     -------
@@ -194,8 +232,18 @@ def matmul(qtype, w, x, path=None):
     """
     cdef int t = _type(qtype), p = path_index(path)
     cdef int32_t K
+    cdef const uint8_t *e = NULL
+    cdef const uint8_t[:, ::1] ev
     w, K = _rows(qtype, w)
     d, q, s = quantize_q8(_activations(x, K))
+    if (scales is not None) != (t == COLIBRI_MXFP4_OSS):
+        raise ValueError(f"matmul(): scales= goes with {MXFP4_OSS} weights, and only with them")
+    if t == COLIBRI_MXFP4_OSS:
+        ev = _scales(scales, w.shape[0], K // 32, "matmul()")
+        if ev.shape[0] and ev.shape[1]:
+            e = &ev[0, 0]
+        for row in q:
+            _oss_order(row)
     cdef const uint8_t[:, ::1] wv = w
     cdef const float[:, ::1] dv = d
     cdef const int8_t[:, ::1] qv = q
@@ -210,13 +258,20 @@ def matmul(qtype, w, x, path=None):
         for r in range(0, n, 4):
             nb = <int32_t>min(4, n - r)
             colibri_q_dot_rows(
-                p, t, &wv[0, 0], wv.shape[1], <int32_t>wv.shape[0], K, &dv[r, 0], &qv[r, 0],
-                &sv[r, 0], nb, &ov[r, 0], 1, ov.shape[1]
+                p, t, &wv[0, 0], wv.shape[1], e, K // 32, <int32_t>wv.shape[0], K, &dv[r, 0],
+                &qv[r, 0], &sv[r, 0], nb, &ov[r, 0], 1, ov.shape[1]
             )
     return out
 
 
-ACTIVATIONS = {"silu": 0, "gelu_tanh": 1, "gelu": 2, "relu": 3}
+def _oss_order(int8_t[::1] q):
+    """One q8 row's values, in place, in the order ``mxfp4_oss`` weights take."""
+    colibri_q8_oss_order(&q[0], <int32_t>q.shape[0])
+
+
+#: ``gpt_oss``: gpt-oss's clamped SwiGLU with biases (``mxfp4_oss`` experts, :func:`ffn_sum`).
+ACTIVATIONS = {"silu": 0, "gelu_tanh": 1, "gelu": 2, "relu": 3,
+               "gpt_oss": COLIBRI_QFFN_ACT_GPT_OSS}  # fmt: skip
 
 
 cdef const uint8_t *_matrix(const uint8_t[:, ::1] w, int t, int32_t rows, int32_t values,
@@ -271,7 +326,7 @@ def ffn(qtype, gate, up, down, x, act="silu", int num_threads=0, path=None, down
 
 def ffn_sum(const float[:, ::1] x, list experts, qtype, act, const int64_t[::1] bounds,
             const int64_t[::1] rows, const float[::1] scale, float[:, ::1] y,
-            int num_threads=0, path=None, down_type=None):
+            int num_threads=0, path=None, down_type=None, float alpha=1.702, float limit=7.0):
     """``y[rows[i]] += scale[i] * ffn_j(x[rows[i]])`` for i in ``[bounds[j], bounds[j + 1])``:
     a layer's quantized experts in one call, two pool runs for all of them.
 
@@ -281,6 +336,10 @@ def ffn_sum(const float[:, ::1] x, list experts, qtype, act, const int64_t[::1] 
     experts : list of (gate, up, down)
         C-contiguous uint8 rows of blocks: gate and up ``I`` rows of ``H`` values of
         ``qtype``, down ``H`` rows of ``I`` values of ``down_type`` (default ``qtype``).
+        gpt-oss's experts (``qtype`` ``"mxfp4_oss"``, ``act`` ``"gpt_oss"``): tuples
+        ``(gate_up, gate_up_scales, gate_up_bias, down, down_scales, down_bias)`` of uint8
+        ``[2I, H / 2]`` (gate the even rows, up the odd ones), uint8 ``[2I, H / 32]``,
+        float32 ``[2I]``, uint8 ``[H, I / 2]``, uint8 ``[H, I / 32]``, float32 ``[H]``.
     bounds : ndarray of int64, shape (len(experts) + 1,)
         From 0; expert j takes 1 to 64 assignments.
     rows : ndarray of int64, shape (bounds[-1],)
@@ -288,6 +347,9 @@ def ffn_sum(const float[:, ::1] x, list experts, qtype, act, const int64_t[::1] 
     scale : ndarray of float32, shape (bounds[-1],)
     y : ndarray of float32, shape (T, H), C-contiguous
         Added to in place, expert by expert in list order.
+    alpha, limit : float
+        gpt-oss's SwiGLU: ``(clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g)``,
+        ``g = min(gate, limit)``.
     """
     cdef int t = _type(qtype), p = path_index(path)
     cdef int td = t if down_type is None else _type(down_type)
@@ -305,7 +367,13 @@ def ffn_sum(const float[:, ::1] x, list experts, qtype, act, const int64_t[::1] 
     total = check_plan(count, T, bounds, rows, scale)
     if count == 0:
         return
-    cdef colibri_qffn_t *f = <colibri_qffn_t *>malloc(count * sizeof(colibri_qffn_t))
+    cdef bint oss = t == COLIBRI_MXFP4_OSS
+    if oss != (a == COLIBRI_QFFN_ACT_GPT_OSS) or (oss and td != t):
+        raise ValueError(
+            f"ffn_sum(): gpt-oss's experts are {MXFP4_OSS} weights with act 'gpt_oss', both "
+            f"or neither (got {qtype!r}, act {act!r}, down_type {down_type!r})"
+        )
+    cdef colibri_qffn_t *f = <colibri_qffn_t *>calloc(count, sizeof(colibri_qffn_t))
     cdef int32_t *first = <int32_t *>malloc((count + 1) * sizeof(int32_t))
     cdef char *scratch = NULL
     cdef float *xg
@@ -321,14 +389,17 @@ def ffn_sum(const float[:, ::1] x, list experts, qtype, act, const int64_t[::1] 
         if f == NULL or first == NULL:
             raise MemoryError()
         for j in range(count):
-            g, u, d = experts[j]
-            I = g.shape[0]
-            f[j].gate = _matrix(g, t, <int32_t>I, <int32_t>H, "gate", j)
-            f[j].up = _matrix(u, t, <int32_t>I, <int32_t>H, "up", j)
-            f[j].down = _matrix(d, td, <int32_t>H, <int32_t>I, "down", j)
+            if oss:
+                I = _gpt_oss_expert(&f[j], experts[j], H, alpha, limit, j)
+            else:
+                g, u, d = experts[j]
+                I = g.shape[0]
+                f[j].gate = _matrix(g, t, <int32_t>I, <int32_t>H, "gate", j)
+                f[j].up = _matrix(u, t, <int32_t>I, <int32_t>H, "up", j)
+                f[j].down = _matrix(d, td, <int32_t>H, <int32_t>I, "down", j)
+                f[j].ldg, f[j].ldu, f[j].ldd = g.shape[1], u.shape[1], d.shape[1]
             if I < 32 or I % 32:
                 raise ValueError(f"expert {j}: I={I} must be a positive multiple of 32")
-            f[j].ldg, f[j].ldu, f[j].ldd = g.shape[1], u.shape[1], d.shape[1]
             f[j].n, f[j].H, f[j].I = <int32_t>(bounds[j + 1] - bounds[j]), <int32_t>H, <int32_t>I
             f[j].type, f[j].down_type, f[j].act, f[j].path = t, td, a, p
             hsize += f[j].n * I
@@ -367,6 +438,8 @@ def ffn_sum(const float[:, ::1] x, list experts, qtype, act, const int64_t[::1] 
                 for k in range(H):
                     xg[i * H + k] = x[rows[i], k]
                 colibri_q8_row(xg + i * H, <int32_t>H, xd + i * G, xq + i * H, xs + i * G)
+                if oss:
+                    colibri_q8_oss_order(xq + i * H, <int32_t>H)
             colibri_qffn_run_many(f, <int32_t>count, first, num_threads)
             for i in range(total):
                 for k in range(H):
@@ -375,6 +448,46 @@ def ffn_sum(const float[:, ::1] x, list experts, qtype, act, const int64_t[::1] 
         free(f)
         free(first)
         free(scratch)
+
+
+cdef int64_t _gpt_oss_expert(colibri_qffn_t *f, tuple expert, int64_t H, float alpha,
+                             float limit, Py_ssize_t j) except -1:
+    """Fill f's weights from one gpt-oss expert (see :func:`ffn_sum`); its I."""
+    if len(expert) != 6:
+        raise ValueError(
+            f"expert {j}: a gpt-oss expert is (gate_up, gate_up_scales, gate_up_bias, down, "
+            f"down_scales, down_bias), got {len(expert)} arrays"
+        )
+    cdef const uint8_t[:, ::1] gu = expert[0]
+    cdef const uint8_t[:, ::1] d = expert[3]
+    cdef const uint8_t[:, ::1] gue
+    cdef const uint8_t[:, ::1] de
+    cdef const float[::1] gub
+    cdef const float[::1] db
+    cdef int t = COLIBRI_MXFP4_OSS
+    cdef int64_t I = gu.shape[0] // 2
+    if gu.shape[0] % 2 or I < 1:
+        raise ValueError(f"expert {j}: gate_up has {gu.shape[0]} rows; gpt-oss's are 2I, I >= 1")
+    f.gate = _matrix(gu, t, <int32_t>(2 * I), <int32_t>H, "gate_up", j)
+    f.up = f.gate + gu.shape[1]
+    f.down = _matrix(d, t, <int32_t>H, <int32_t>I, "down", j)
+    _scales(expert[1], 2 * I, H // 32, f"expert {j}: gate_up")
+    _scales(expert[4], H, I // 32, f"expert {j}: down")
+    gue, de = expert[1], expert[4]  # C-contiguous: pointers into the caller's arrays
+    gub, db = expert[2], expert[5]
+    if gub.shape[0] != 2 * I or db.shape[0] != H:
+        raise ValueError(
+            f"expert {j}: the biases must be float32 [{2 * I}] and [{H}] (got "
+            f"[{gub.shape[0]}] and [{db.shape[0]}])"
+        )
+    f.ldg = f.ldu = 2 * gu.shape[1]
+    f.ldd = d.shape[1]
+    f.ge, f.ue, f.de = &gue[0, 0], &gue[1, 0], &de[0, 0]
+    f.lge = f.lue = 2 * gue.shape[1]
+    f.lde = de.shape[1]
+    f.bg, f.bu, f.bd, f.ldb = &gub[0], &gub[1], &db[0], 2
+    f.alpha, f.limit = alpha, limit
+    return I
 
 
 # ---- quantizers: float rows -> blocks (include/colibri/quantize.h) ---------------------------
@@ -410,7 +523,7 @@ SMALL_BLOCK_TYPES = tuple(name for name in TYPES if colibri_q_block[TYPES[name]]
 def check_row_values(qtype, int values):
     """Raise ValueError unless rows of ``values`` values split into whole ``qtype`` blocks
     (the message names the type, the row length and the types that fit)."""
-    cdef int t = _type(qtype)
+    cdef int t = _type(qtype, False)
     if values > 0 and values % colibri_q_block[t] == 0:
         return
     if values > 0 and values % 32 == 0:
@@ -451,7 +564,7 @@ def quantize(x, qtype, int num_threads=0):
     """
     from colibri.layer import _rows
 
-    cdef int t = _type(qtype)
+    cdef int t = _type(qtype, False)
     x = np.asarray(x)
     name = x.dtype.name
     if name not in ("float32", "float16", "bfloat16") or x.ndim != 2:

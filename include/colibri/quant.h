@@ -14,6 +14,13 @@
  *
  * The scalar path is the contract, written here; the SIMD paths only compute the per-block
  * integer sums faster. Plain C99, header-only.
+ *
+ * COLIBRI_MXFP4_OSS is MXFP4 as gpt-oss stores it: a block is 16 bytes of e2m1 pairs, value
+ * 2i in byte i's low nibble and 2i + 1 in its high one, and the e8m0 scales are a separate
+ * array (one byte a block, `e`). The kernels read a block as MXFP4's (value i low, i + 16
+ * high) and take the q8 activations in the matching order (colibri_q8_oss_order: a block's
+ * even values, then its odd ones): the same integer dot products, one kernel for both. An
+ * e8m0 scale byte 0xFF (NaN in the OCP MX format) gives NaN.
  */
 #ifndef COLIBRI_QUANT_H
 #define COLIBRI_QUANT_H
@@ -35,12 +42,16 @@ enum {
     COLIBRI_Q6_K = 4,
     COLIBRI_IQ4_XS = 5,
     COLIBRI_MXFP4 = 6,
-    COLIBRI_Q_COUNT = 7
+    COLIBRI_MXFP4_OSS = 7, /* gpt-oss's MXFP4: values interleaved, scales apart (see above) */
+    COLIBRI_Q_COUNT = 8
 };
 
+/* Whether a type is MXFP4 (its levels e2m1, doubled), as GGUF or as gpt-oss stores it. */
+#define COLIBRI_Q_E2M1(type) ((type) == COLIBRI_MXFP4 || (type) == COLIBRI_MXFP4_OSS)
+
 /* Values per block, and bytes per block, of each format. */
-static const int32_t colibri_q_block[COLIBRI_Q_COUNT] = {32, 32, 256, 256, 256, 256, 32};
-static const int32_t colibri_q_bytes[COLIBRI_Q_COUNT] = {34, 18, 144, 176, 210, 136, 17};
+static const int32_t colibri_q_block[COLIBRI_Q_COUNT] = {32, 32, 256, 256, 256, 256, 32, 32};
+static const int32_t colibri_q_bytes[COLIBRI_Q_COUNT] = {34, 18, 144, 176, 210, 136, 17, 16};
 
 /* The q8 activations' block, and the lanes the blocks' terms are summed in. */
 #define COLIBRI_Q8_BLOCK 32
@@ -61,6 +72,12 @@ static inline float colibri_q_f16(const uint8_t *p)
 static inline float colibri_e8m0_half(uint8_t e)
 {
     return colibri_bits_to_float(e < 2 ? 0x00200000u << e : (uint32_t)(e - 1) << 23);
+}
+
+/* gpt-oss's e8m0 scale, halved: colibri_e8m0_half's, NaN for 0xFF (the OCP MX format's NaN). */
+static inline float colibri_e8m0_oss(uint8_t e)
+{
+    return e == 0xFF ? colibri_bits_to_float(0x7FC00000u) : colibri_e8m0_half(e);
 }
 
 /* Q4_K / Q5_K: the 6-bit scale and min of sub-block j (0..7) from the 12 packed bytes. */
@@ -87,6 +104,8 @@ static inline int32_t colibri_q_level(int type, const uint8_t *b, int32_t j, int
         return ((b[2 + (l & 15)] >> ((l >> 4) << 2)) & 15) - 8;
     case COLIBRI_MXFP4:
         return colibri_mxfp4_levels[(b[1 + (l & 15)] >> ((l >> 4) << 2)) & 15];
+    case COLIBRI_MXFP4_OSS: /* MXFP4's order over the q8 values colibri_q8_oss_order gives */
+        return colibri_mxfp4_levels[(b[l & 15] >> ((l >> 4) << 2)) & 15];
     case COLIBRI_Q4_K:
         return (b[16 + 32 * (j >> 1) + l] >> ((j & 1) << 2)) & 15;
     case COLIBRI_Q5_K:
@@ -103,7 +122,8 @@ static inline int32_t colibri_q_level(int type, const uint8_t *b, int32_t j, int
 }
 
 /* Sub-block j's float scale (and, for Q4_K / Q5_K, its min), as GGUF's dequantization
- * forms them: value = scale * level - min. Q6_K's scale is per 16: here, of half `half`. */
+ * forms them: value = scale * level - min. Q6_K's scale is per 16: here, of half `half`.
+ * COLIBRI_MXFP4_OSS: b is the block's scale byte (in the separate array). */
 static inline float colibri_q_scale(int type, const uint8_t *b, int32_t j, int half, float *min)
 {
     int32_t sc, m;
@@ -114,6 +134,8 @@ static inline float colibri_q_scale(int type, const uint8_t *b, int32_t j, int h
         return colibri_q_f16(b);
     case COLIBRI_MXFP4:
         return colibri_e8m0_half(b[0]);
+    case COLIBRI_MXFP4_OSS:
+        return colibri_e8m0_oss(b[0]);
     case COLIBRI_Q4_K:
     case COLIBRI_Q5_K:
         colibri_q_k_scale_min(b + 4, j, &sc, &m);
@@ -137,7 +159,8 @@ static inline void colibri_q_unpack(int type, const uint8_t *b, int32_t j, int8_
         lv[l] = (int8_t)colibri_q_level(type, b, j, l);
 }
 
-/* One block of `type` at b -> block(type) floats, the values GGUF's dequantization gives. */
+/* One block of `type` at b -> block(type) floats, the values GGUF's dequantization gives
+ * (not COLIBRI_MXFP4_OSS, whose scale is apart). */
 static inline void colibri_q_dequantize_block(int type, const uint8_t *b, float *out)
 {
     int32_t subs = colibri_q_block[type] / 32, j, l;
@@ -178,6 +201,21 @@ static inline void colibri_q8_row(const float *x, int32_t K, float *d, int8_t *q
     }
 }
 
+/* A q8 row's values q [K] -> the order COLIBRI_MXFP4_OSS weights take: in each block of 32,
+ * the even values, then the odd ones (d and s are unchanged). */
+static inline void colibri_q8_oss_order(int8_t *q, int32_t K)
+{
+    int8_t t[32];
+    int32_t j, i;
+    for (j = 0; j < K; j += 32) {
+        for (i = 0; i < 16; i++) {
+            t[i] = q[j + 2 * i];
+            t[16 + i] = q[j + 2 * i + 1];
+        }
+        memcpy(q + j, t, 32);
+    }
+}
+
 /* ---- one block of 32's integer dot product and its float term ---------------------------- */
 
 /* The integer dot of unpacked levels lv with q8 values q: sum lv * q; for Q6_K, the two
@@ -193,7 +231,8 @@ static inline int32_t colibri_q_isum(int type, const uint8_t *b, int32_t j, cons
     return sum[0] + sum[1];
 }
 
-/* The float term of sub-block j given its integer dot `isum` and the q8 block (d, s). */
+/* The float term of sub-block j given its integer dot `isum` and the q8 block (d, s); b: the
+ * block (COLIBRI_MXFP4_OSS: its scale byte). */
 static inline float colibri_q_term(int type, const uint8_t *b, int32_t j, int32_t isum, float d,
                                    int32_t s)
 {
@@ -213,11 +252,22 @@ static inline float colibri_q_lanes_sum(const float *a)
 /* Most q8 rows one weight row is multiplied with at once. */
 #define COLIBRI_Q_ROW_BLOCK 4
 
-/* y[r * ldy] = w . x_r for one weight row w (K values of `type`) and nb <= 4 q8 rows
- * (d + r * K / 32, q + r * K, s + r * K / 32): the contract every path matches. */
-static inline void colibri_q_dot_scalar(int type, const uint8_t *w, int32_t K, const float *d,
-                                        const int8_t *q, const int32_t *s, int32_t nb, float *y,
-                                        int64_t ldy)
+/* The bytes holding the scale of block i of a row: the block itself, or for
+ * COLIBRI_MXFP4_OSS byte i of the row's scales e. */
+static inline const uint8_t *colibri_q_scale_at(int type, const uint8_t *w, const uint8_t *e,
+                                                int32_t i)
+{
+    if (type == COLIBRI_MXFP4_OSS)
+        return e + i;
+    return w + (size_t)i * (size_t)colibri_q_bytes[type];
+}
+
+/* y[r * ldy] = w . x_r for one weight row w (K values of `type`; e: its scales for
+ * COLIBRI_MXFP4_OSS, else unused) and nb <= 4 q8 rows (d + r * K / 32, q + r * K,
+ * s + r * K / 32): the contract every path matches. */
+static inline void colibri_q_dot_scalar(int type, const uint8_t *w, const uint8_t *e, int32_t K,
+                                        const float *d, const int8_t *q, const int32_t *s,
+                                        int32_t nb, float *y, int64_t ldy)
 {
     float lanes[COLIBRI_Q_ROW_BLOCK][COLIBRI_Q_LANES];
     int8_t lv[32];
@@ -232,8 +282,8 @@ static inline void colibri_q_dot_scalar(int type, const uint8_t *w, int32_t K, c
             colibri_q_unpack(type, b, j, lv);
             for (r = 0; r < nb; r++) {
                 int32_t isum = colibri_q_isum(type, b, j, lv, q + (size_t)r * K + 32 * g);
-                lanes[r][g % COLIBRI_Q_LANES] +=
-                    colibri_q_term(type, b, j, isum, d[r * G + g], s[r * G + g]);
+                lanes[r][g % COLIBRI_Q_LANES] += colibri_q_term(
+                    type, colibri_q_scale_at(type, w, e, i), j, isum, d[r * G + g], s[r * G + g]);
             }
         }
     }
@@ -248,13 +298,14 @@ static inline void colibri_q_dot_scalar(int type, const uint8_t *w, int32_t K, c
 #include "colibri/quant/neon.h"
 #endif
 
-/* y[o * ldo + r * ldy] = w_o . x_r for `rows` weight rows w_o = w + o * ldw (bytes) and nb <= 4
- * q8 rows, on SIMD path `path` (a COLIBRI_PATH_* this CPU runs): colibri_q_dot_scalar's bits.
- * One call per many rows: the x86 paths loop inside their target code. */
+/* y[o * ldo + r * ldy] = w_o . x_r for `rows` weight rows w_o = w + o * ldw (bytes; for
+ * COLIBRI_MXFP4_OSS their scales e + o * lde, else e unused) and nb <= 4 q8 rows, on SIMD path
+ * `path` (a COLIBRI_PATH_* this CPU runs): colibri_q_dot_scalar's bits. One call per many
+ * rows: the x86 paths loop inside their target code. */
 static inline void colibri_q_dot_rows(int path, int type, const uint8_t *w, int64_t ldw,
-                                      int32_t rows, int32_t K, const float *d, const int8_t *q,
-                                      const int32_t *s, int32_t nb, float *y, int64_t ldo,
-                                      int64_t ldy)
+                                      const uint8_t *e, int64_t lde, int32_t rows, int32_t K,
+                                      const float *d, const int8_t *q, const int32_t *s, int32_t nb,
+                                      float *y, int64_t ldo, int64_t ldy)
 {
     int32_t o;
 #ifdef COLIBRI_QUANT_X86_H
@@ -263,33 +314,34 @@ static inline void colibri_q_dot_rows(int path, int type, const uint8_t *w, int6
         if (vnni < 0) /* racing first calls compute the same value */
             vnni = colibri_cpu_has_avx512vnni();
         if (vnni) {
-            colibri_q_dot_vnni(type, w, ldw, rows, K, d, q, s, nb, y, ldo, ldy);
+            colibri_q_dot_vnni(type, w, ldw, e, lde, rows, K, d, q, s, nb, y, ldo, ldy);
             return;
         }
     }
     if (path >= COLIBRI_PATH_AVX2 && path <= COLIBRI_PATH_AVX512_BF16) {
-        colibri_q_dot_avx2(type, w, ldw, rows, K, d, q, s, nb, y, ldo, ldy);
+        colibri_q_dot_avx2(type, w, ldw, e, lde, rows, K, d, q, s, nb, y, ldo, ldy);
         return;
     }
 #endif
     for (o = 0; o < rows; o++) {
+        const uint8_t *eo = e == NULL ? NULL : e + o * lde;
 #ifdef COLIBRI_QUANT_NEON_H
         if (path == COLIBRI_PATH_NEON) {
-            colibri_q_dot_neon(type, w + o * ldw, K, d, q, s, nb, y + o * ldo, ldy);
+            colibri_q_dot_neon(type, w + o * ldw, eo, K, d, q, s, nb, y + o * ldo, ldy);
             continue;
         }
 #endif
-        colibri_q_dot_scalar(type, w + o * ldw, K, d, q, s, nb, y + o * ldo, ldy);
+        colibri_q_dot_scalar(type, w + o * ldw, eo, K, d, q, s, nb, y + o * ldo, ldy);
     }
     (void)path;
 }
 
-/* colibri_q_dot_rows for one weight row. */
+/* colibri_q_dot_rows for one weight row of a GGUF type. */
 static inline void colibri_q_dot(int path, int type, const uint8_t *w, int32_t K, const float *d,
                                  const int8_t *q, const int32_t *s, int32_t nb, float *y,
                                  int64_t ldy)
 {
-    colibri_q_dot_rows(path, type, w, 0, 1, K, d, q, s, nb, y, 0, ldy);
+    colibri_q_dot_rows(path, type, w, 0, NULL, 0, 1, K, d, q, s, nb, y, 0, ldy);
 }
 
 #endif /* COLIBRI_QUANT_H */

@@ -24,8 +24,9 @@ PROGRAM = r"""
 #include "colibri/quant.h"
 
 /* argv: in.bin out.bin path... in.bin: int32 count, then per case int32 type rows K n, the
- * weight rows' bytes and float32 x [n, K]. out.bin: per case, per path, float32 y [n, rows]:
- * the rows of x quantized to q8 and multiplied. */
+ * weight rows' bytes (COLIBRI_MXFP4_OSS: then their scales, K / 32 bytes a row) and float32
+ * x [n, K]. out.bin: per case, per path, float32 y [n, rows]: the rows of x quantized to q8
+ * (in colibri_q8_oss_order's order for COLIBRI_MXFP4_OSS) and multiplied. */
 int main(int argc, char **argv)
 {
     FILE *f = argc > 3 ? fopen(argv[1], "rb") : NULL, *out = fopen(argv[2], "wb");
@@ -39,26 +40,33 @@ int main(int argc, char **argv)
         {
             const int32_t type = h[0], rows = h[1], K = h[2], n = h[3], G = K / 32;
             const size_t rb = (size_t)(K / colibri_q_block[type]) * (size_t)colibri_q_bytes[type];
-            uint8_t *w = malloc(rb * (size_t)rows);
+            const size_t eb = type == COLIBRI_MXFP4_OSS ? (size_t)G : 0;
+            uint8_t *w = malloc((rb + eb) * (size_t)rows), *e = eb ? w + rb * (size_t)rows : NULL;
             float *x = malloc(4 * (size_t)n * K), *y = malloc(4 * (size_t)n * rows);
             float *d = malloc(4 * (size_t)n * G);
             int8_t *q = malloc((size_t)n * K);
             int32_t *s = malloc(4 * (size_t)n * G);
             if (!w || !x || !y || !d || !q || !s)
                 return 3;
-            if (fread(w, 1, rb * (size_t)rows, f) != rb * (size_t)rows ||
+            if (fread(w, 1, (rb + eb) * (size_t)rows, f) != (rb + eb) * (size_t)rows ||
                 fread(x, 4, (size_t)n * K, f) != (size_t)n * K)
                 return 4;
-            for (r = 0; r < n; r++)
+            for (r = 0; r < n; r++) {
                 colibri_q8_row(x + (size_t)r * K, K, d + (size_t)r * G, q + (size_t)r * K,
                                s + (size_t)r * G);
+                if (e)
+                    colibri_q8_oss_order(q + (size_t)r * K, K);
+            }
             for (p = 3; p < argc; p++) {
-                for (r = 0; r < n; r += COLIBRI_Q_ROW_BLOCK)
+                for (r = 0; r < n; r += COLIBRI_Q_ROW_BLOCK) {
+                    const int32_t nb = n - r < COLIBRI_Q_ROW_BLOCK ? n - r : COLIBRI_Q_ROW_BLOCK;
                     for (o = 0; o < rows; o++)
-                        colibri_q_dot(atoi(argv[p]), type, w + (size_t)o * rb, K,
-                                      d + (size_t)r * G, q + (size_t)r * K, s + (size_t)r * G,
-                                      n - r < COLIBRI_Q_ROW_BLOCK ? n - r : COLIBRI_Q_ROW_BLOCK,
-                                      y + (size_t)r * rows + o, rows);
+                        colibri_q_dot_rows(atoi(argv[p]), type, w + (size_t)o * rb, 0,
+                                           e ? e + (size_t)o * eb : NULL, 0, 1, K,
+                                           d + (size_t)r * G, q + (size_t)r * K,
+                                           s + (size_t)r * G, nb, y + (size_t)r * rows + o, 0,
+                                           rows);
+                }
                 if (fwrite(y, 4, (size_t)n * rows, out) != (size_t)n * rows)
                     return 5;
             }
@@ -103,16 +111,21 @@ def test_every_platform_and_path_gives_the_scalar_bits(program, tmp_path):
     rng = np.random.default_rng(7)
     cases = []
     with open(tmp_path / "in.bin", "wb") as f:
-        f.write(np.array([len(_quant.TYPES)], "<i4").tobytes())
-        for qtype, t in _quant.TYPES.items():
-            K = 512 + (96 if _quant.BLOCK[qtype] == 32 else 0)  # 32-value types: a lane tail
+        types = {name: t for t, name in _quant.TYPE_NAMES.items()}  # mxfp4_oss too
+        f.write(np.array([len(types)], "<i4").tobytes())
+        for qtype, t in types.items():
+            oss = qtype == _quant.MXFP4_OSS
+            block, nbytes = (32, 16) if oss else (_quant.BLOCK[qtype], _quant.BLOCK_BYTES[qtype])
+            K = 512 + (96 if block == 32 else 0)  # 32-value types: a lane tail
             rows, n = 9, 6
-            w = rng.integers(0, 256, (rows, K // _quant.BLOCK[qtype] * _quant.BLOCK_BYTES[qtype]))
-            w = w.astype(np.uint8)  # any bytes: NaN and inf scales too
+            w = rng.integers(0, 256, (rows, K // block * nbytes)).astype(np.uint8)
+            # any bytes: NaN and inf scales too (mxfp4_oss: its scales apart, 0xFF is NaN)
+            e = rng.integers(0, 256, (rows, K // 32)).astype(np.uint8) if oss else None
             x = rng.standard_normal((n, K)).astype(np.float32)
             x[2, :64] *= 1e-20
-            f.write(np.array([t, rows, K, n], "<i4").tobytes() + w.tobytes() + x.tobytes())
-            cases.append((qtype, _quant.matmul(qtype, w, x, path="scalar")))
+            f.write(np.array([t, rows, K, n], "<i4").tobytes() + w.tobytes()
+                    + (e.tobytes() if oss else b"") + x.tobytes())  # fmt: skip
+            cases.append((qtype, _quant.matmul(qtype, w, x, path="scalar", scales=e)))
     run = [*command, "in.bin", "out.bin", *(str(PATH[p]) for p in paths)]
     done = subprocess.run(run, cwd=tmp_path, env={**os.environ, **wine}, capture_output=True,
                           timeout=300)  # fmt: skip

@@ -9,10 +9,15 @@ interleaved, biases, and a clamped SwiGLU::
     y = ((up + 1) * gate * sigmoid(alpha * gate)) @ down + down_bias
 
 Each paged expert is read from the checkpoint as stored (MXFP4 blocks and scales, or the plain
-dtype) and computed in torch, in the model's dtype, exactly as ``GptOssExperts.forward`` does;
-MXFP4 experts are dequantized to float32 first (exact) and the interleave is kept, as
-transformers keeps it. The biases are resident (loaded with the non-expert tensors into the
-module). No fused kernel takes gpt-oss experts yet: every expert goes through torch.
+dtype). An MXFP4 expert with at most ``QUANT_KERNEL_MAX_ROWS`` rows (decode) runs in colibri's
+fused kernel (``include/colibri/qffn.h``, ``mxfp4_oss``: the blocks and scales read as paged, x
+and h as q8 rows, float32 sums, the SwiGLU and biases fused), as GGUF experts do; within a
+q8 bound of the float reference, not transformers' bits. Larger MXFP4 batches, plain experts
+and ``COLIBRI_EXPERT_KERNEL=0`` go through torch, in the model's dtype, exactly as
+``GptOssExperts.forward`` computes them (MXFP4 dequantized to float32 first, exact, the
+interleave kept). The biases are resident (loaded with the non-expert tensors into the
+module). An e8m0 scale byte 0xFF (NaN) is a :class:`~colibri.formats.FormatError` naming the
+expert, on either path.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from colibri.formats.gpt_oss import GptOssLayout, GptOssWeights, dequantize_mxfp4
+from colibri.formats.gpt_oss import GptOssLayout, GptOssWeights, check_scales, dequantize_mxfp4
 from colibri.integrations.transformers import _ops
 from colibri.integrations.transformers._checkpoint import CheckpointError, layer_index
 from colibri.integrations.transformers._experts import (
@@ -38,7 +43,8 @@ from colibri.integrations.transformers._experts import (
     paged_state,
     routed,
 )
-from colibri.layer import run_experts
+from colibri.layer import _quant, run_experts
+from colibri.layer._expert import QUANT_KERNEL_MAX_ROWS, kernel_enabled
 
 __all__ = ["GPT_OSS", "IMPLEMENTATION", "check_experts", "forward", "page", "servable"]
 
@@ -130,12 +136,14 @@ def _gated(h: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
     return (up + 1) * (gate * torch.sigmoid(gate * alpha))
 
 
-def _matrices(w: GptOssWeights, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _matrices(
+    w: GptOssWeights, like: torch.Tensor, where: str
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``gate_up [H, 2I]`` and ``down [I, H]`` in ``like``'s dtype (``x @ W``), as
     transformers holds them: MXFP4 dequantized (a copy), plain ones viewed where they can."""
     if w.gate_up_scales is not None:
-        gate_up = dequantize_mxfp4(w.gate_up, w.gate_up_scales)  # [2I, H] float32
-        down = dequantize_mxfp4(w.down, w.down_scales)  # [H, I]
+        gate_up = dequantize_mxfp4(w.gate_up, w.gate_up_scales, f"{where} gate_up_proj_scales")
+        down = dequantize_mxfp4(w.down, w.down_scales, f"{where} down_proj_scales")  # [H, I]
         return (torch.from_numpy(np.ascontiguousarray(gate_up.T)).to(like.dtype),
                 torch.from_numpy(np.ascontiguousarray(down.T)).to(like.dtype))  # fmt: skip
     with warnings.catch_warnings():  # torch warns: the pager's arrays are read-only
@@ -158,12 +166,21 @@ def forward(
         return _ops.experts(state.handle, hidden_states, top_k_index, top_k_weights)
     ids, weights, ids_np = routed(state, top_k_index, top_k_weights)
     out = torch.zeros_like(hidden_states)
+    x_np = hidden_states.detach().float().numpy()
+    weights_np = weights.detach().float().numpy()
+    fused = np.zeros_like(x_np) if kernel_enabled() else None  # the kernel's sums
 
     def compute(e: int, w: GptOssWeights, tokens: np.ndarray, assignments: np.ndarray) -> None:
+        where = f"layer {state.layer} expert {e}"
+        mxfp4 = w.gate_up_scales is not None
+        if fused is not None and mxfp4 and len(tokens) <= QUANT_KERNEL_MAX_ROWS:
+            scale = weights_np[tokens, assignments % ids.shape[1]]
+            _fused(self, state, e, w, x_np, tokens, scale, fused, where)
+            return
         token_t = torch.from_numpy(tokens)
         slot_t = torch.from_numpy(assignments % ids.shape[1])
         x_e = hidden_states[token_t]
-        gate_up, down = _matrices(w, x_e)
+        gate_up, down = _matrices(w, x_e, where)
         scale = weights[token_t, slot_t, None]
         start = 0
         for size in _spans(len(tokens)):  # one oneDNN kernel per power of two (_experts.py)
@@ -177,17 +194,56 @@ def forward(
     run_experts(
         paging.open_pager(),
         state.layer,
-        hidden_states.detach().float().numpy(),
+        x_np,
         ids_np,
-        weights.detach().float().numpy(),
+        weights_np,
         num_experts=state.num_experts,
         num_threads=paging.num_threads,
         fallback=compute,
-        kernel=False,  # no fused kernel for gpt-oss experts: all go to compute()
+        kernel=False,  # the engine knows no gpt-oss experts: compute() picks kernel or torch
         read_ahead=paging.read_ahead != "off",
         next_layer=next_guess(state, hidden_states),
     )
+    if fused is not None and fused.any():
+        out += torch.from_numpy(fused).to(out.dtype)
     return out
+
+
+def _fused(
+    module: nn.Module,
+    state: _GptOssLayer,
+    e: int,
+    w: GptOssWeights,
+    x: np.ndarray,
+    tokens: np.ndarray,
+    scale: np.ndarray,
+    y: np.ndarray,
+    where: str,
+) -> None:
+    """``y[tokens] += scale[:, None] * expert_e(x[tokens])`` for an MXFP4 expert, in colibri's
+    fused kernel (``x``, ``y`` float32 ``[T, H]``; ``tokens`` int64, ``scale`` float32 ``[n]``).
+
+    Raises
+    ------
+    FormatError
+        The expert's sums are not finite from finite ``x``, and an e8m0 scale byte is 0xFF.
+    """
+    hidden, inter2 = x.shape[1], w.gate_up.shape[0]
+    expert = (
+        w.gate_up.reshape(inter2, -1),
+        w.gate_up_scales,
+        module.gate_up_proj_bias[e].detach().float().numpy(),
+        w.down.reshape(hidden, -1),
+        w.down_scales,
+        module.down_proj_bias[e].detach().float().numpy(),
+    )
+    n = len(tokens)
+    _quant.ffn_sum(x, [expert], _quant.MXFP4_OSS, "gpt_oss", np.array([0, n], np.int64),
+                   np.ascontiguousarray(tokens, np.int64), np.ascontiguousarray(scale, np.float32),
+                   y, state.paging.num_threads, alpha=state.alpha, limit=state.limit)  # fmt: skip
+    if not np.isfinite(y[tokens]).all() and np.isfinite(x[tokens]).all():
+        check_scales(w.gate_up_scales, f"{where} gate_up_proj_scales")
+        check_scales(w.down_scales, f"{where} down_proj_scales")
 
 
 OWN_PAGING[GPT_OSS] = (servable, page)

@@ -32,10 +32,12 @@ static inline void colibri_q_unpack_neon(int type, const uint8_t *b, int32_t j, 
         *v1 = vsubq_s8(*v1, vdupq_n_s8(8));
         return;
     case COLIBRI_MXFP4:
+    case COLIBRI_MXFP4_OSS:
     case COLIBRI_IQ4_XS: {
         const int8x16_t t =
-            vld1q_s8(type == COLIBRI_MXFP4 ? colibri_mxfp4_levels : colibri_iq4_levels);
-        colibri_q_nibbles_neon(type == COLIBRI_MXFP4 ? b + 1 : b + 8 + 16 * j, v0, v1);
+            vld1q_s8(COLIBRI_Q_E2M1(type) ? colibri_mxfp4_levels : colibri_iq4_levels);
+        colibri_q_nibbles_neon(
+            type == COLIBRI_IQ4_XS ? b + 8 + 16 * j : b + (type == COLIBRI_MXFP4), v0, v1);
         *v0 = vqtbl1q_s8(t, vreinterpretq_u8_s8(*v0));
         *v1 = vqtbl1q_s8(t, vreinterpretq_u8_s8(*v1));
         return;
@@ -57,8 +59,9 @@ static inline int32_t colibri_q_dot16_neon(int8x16_t v, const int8_t *q)
     return vaddvq_s32(acc);
 }
 
-static void colibri_q_dot_neon(int type, const uint8_t *w, int32_t K, const float *d,
-                               const int8_t *q, const int32_t *s, int32_t nb, float *y, int64_t ldy)
+static void colibri_q_dot_neon(int type, const uint8_t *w, const uint8_t *e, int32_t K,
+                               const float *d, const int8_t *q, const int32_t *s, int32_t nb,
+                               float *y, int64_t ldy)
 {
     float lanes[COLIBRI_Q_ROW_BLOCK][COLIBRI_Q_LANES];
     const int32_t subs = colibri_q_block[type] / 32, G = K / 32;
@@ -76,7 +79,8 @@ static void colibri_q_dot_neon(int type, const uint8_t *w, int32_t K, const floa
                                ? (int8_t)b[192 + 2 * j] * a + (int8_t)b[192 + 2 * j + 1] * c
                                : a + c;
             lanes[r][g % COLIBRI_Q_LANES] +=
-                colibri_q_term(type, b, j, isum, d[r * G + g], s[r * G + g]);
+                colibri_q_term(type, colibri_q_scale_at(type, w, e, g / subs), j, isum,
+                               d[r * G + g], s[r * G + g]);
         }
     }
     for (r = 0; r < nb; r++)

@@ -69,7 +69,7 @@ COLIBRI_Q_AVX2 static COLIBRI_Q_INLINE __m256i colibri_q_unpack_avx2(int type, c
 COLIBRI_Q_AVX2 static COLIBRI_Q_INLINE __m256i colibri_q_madd_avx2(int type, __m256i lv, __m256i x)
 {
     __m256i p;
-    if (COLIBRI_Q_UNSIGNED(type) || type == COLIBRI_MXFP4) /* levels (+ 12) <= 31 */
+    if (COLIBRI_Q_UNSIGNED(type) || COLIBRI_Q_E2M1(type)) /* levels (+ 12) <= 31 */
         p = _mm256_maddubs_epi16(lv, x);
     else if (type == COLIBRI_Q6_K) /* (level + 32) q - 32 q, per 2 values (|.| < 2^14) */
         p = _mm256_sub_epi16(_mm256_maddubs_epi16(lv, x),
@@ -89,7 +89,10 @@ COLIBRI_Q_AVX2 static COLIBRI_Q_INLINE __m256i colibri_q_load2x16(const void *p0
 /* Whether a type keeps a block of 32's levels as the nibbles of 16 bytes (values 0..15 low,
  * 16..31 high): AVX2 pairs two blocks' low nibbles, and their high ones, in a vector. */
 #define COLIBRI_Q_NIBBLES16(type) \
-    ((type) == COLIBRI_Q4_0 || (type) == COLIBRI_IQ4_XS || (type) == COLIBRI_MXFP4)
+    ((type) == COLIBRI_Q4_0 || (type) == COLIBRI_IQ4_XS || COLIBRI_Q_E2M1(type))
+
+/* Where a block of 32's 16 bytes of nibbles start in it (Q4_0, MXFP4: after the scale). */
+#define COLIBRI_Q_NIBBLES_AT(type) ((type) == COLIBRI_Q4_0 ? 2 : (type) == COLIBRI_MXFP4 ? 1 : 0)
 
 /* Those types' sub-blocks k and k + 1 (k even) of the eight from b0: lo = values 0..15 of
  * both, hi = values 16..31 of both (colibri_q_level's levels; Q4_0's nibbles as they are, the
@@ -103,14 +106,14 @@ colibri_q_unpack2_avx2(int type, const uint8_t *b0, int32_t k, __m256i *lo, __m2
     if (type == COLIBRI_IQ4_XS) /* one block of 256: 16 bytes per sub-block, contiguous */
         v = _mm256_loadu_si256((const __m256i *)(b0 + 8 + 16 * k));
     else
-        v = colibri_q_load2x16(b0 + k * bytes + (type == COLIBRI_MXFP4 ? 1 : 2),
-                               b0 + (k + 1) * bytes + (type == COLIBRI_MXFP4 ? 1 : 2));
+        v = colibri_q_load2x16(b0 + k * bytes + COLIBRI_Q_NIBBLES_AT(type),
+                               b0 + (k + 1) * bytes + COLIBRI_Q_NIBBLES_AT(type));
     *lo = _mm256_and_si256(v, m);
     *hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m);
     if (type != COLIBRI_Q4_0) {
-        const int8_t *levels = type == COLIBRI_MXFP4 ? colibri_mxfp4_levels : colibri_iq4_levels;
+        const int8_t *levels = COLIBRI_Q_E2M1(type) ? colibri_mxfp4_levels : colibri_iq4_levels;
         __m256i t = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)levels));
-        if (type == COLIBRI_MXFP4)
+        if (COLIBRI_Q_E2M1(type))
             t = _mm256_add_epi8(t, _mm256_set1_epi8(12));
         *lo = _mm256_shuffle_epi8(t, *lo);
         *hi = _mm256_shuffle_epi8(t, *hi);
@@ -175,7 +178,7 @@ COLIBRI_Q_AVX2 static COLIBRI_Q_INLINE void colibri_q_totals8_avx2(int type, con
             total[r] = _mm256_add_epi32(_mm256_permute2x128_si256(lo, hi, 0x20),
                                         _mm256_permute2x128_si256(lo, hi, 0x31));
         }
-        if (type == COLIBRI_MXFP4) { /* sum (level + 12) q - 12 sum q */
+        if (COLIBRI_Q_E2M1(type)) { /* sum (level + 12) q - 12 sum q */
             __m256i sum = _mm256_loadu_si256((const __m256i *)(s + (size_t)r * G));
             total[r] = _mm256_sub_epi32(total[r], _mm256_mullo_epi32(sum, _mm256_set1_epi32(12)));
         }
@@ -211,12 +214,14 @@ COLIBRI_Q_VNNI static COLIBRI_Q_INLINE __m512i colibri_q_unpack2_vnni(int type, 
     case COLIBRI_Q4_0:
         return colibri_q_nibbles2x16(b0 + 2, b1 + 2);
     case COLIBRI_MXFP4:
+    case COLIBRI_MXFP4_OSS:
     case COLIBRI_IQ4_XS: {
-        const int8_t *levels = type == COLIBRI_MXFP4 ? colibri_mxfp4_levels : colibri_iq4_levels;
+        const int8_t *levels = COLIBRI_Q_E2M1(type) ? colibri_mxfp4_levels : colibri_iq4_levels;
         __m512i t = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)levels));
         t = _mm512_xor_si512(t, _mm512_set1_epi8((char)0x80));
-        if (type == COLIBRI_MXFP4)
-            return _mm512_shuffle_epi8(t, colibri_q_nibbles2x16(b0 + 1, b1 + 1));
+        if (COLIBRI_Q_E2M1(type))
+            return _mm512_shuffle_epi8(t, colibri_q_nibbles2x16(b0 + COLIBRI_Q_NIBBLES_AT(type),
+                                                                b1 + COLIBRI_Q_NIBBLES_AT(type)));
         b0 -= (size_t)k * (size_t)bytes; /* one block of 256: its sub-blocks k and k + 1 */
         return _mm512_shuffle_epi8(t, colibri_q_nibbles2x16(b0 + 8 + 16 * k, b0 + 24 + 16 * k));
     }
@@ -318,8 +323,19 @@ COLIBRI_Q_AVX2 static COLIBRI_Q_INLINE __m256i colibri_q_first4(const uint8_t *b
     return _mm256_i32gather_epi32((const int *)b, at, 1);
 }
 
-/* Eight consecutive sub-blocks' scales and mins (colibri_q_scale's values), from g on. */
-COLIBRI_Q_AVX2 static COLIBRI_Q_INLINE void colibri_q_scales8(int type, const uint8_t *w, int32_t g,
+/* colibri_e8m0_half of eight e8m0 bytes (as int32): e < 2 ? 0x00200000 << e : (e - 1) << 23 */
+COLIBRI_Q_AVX2 static COLIBRI_Q_INLINE __m256 colibri_q_e8m0_half8(__m256i e)
+{
+    __m256i small = _mm256_sllv_epi32(_mm256_set1_epi32(0x00200000), e);
+    __m256i large = _mm256_slli_epi32(_mm256_sub_epi32(e, _mm256_set1_epi32(1)), 23);
+    return _mm256_castsi256_ps(
+        _mm256_blendv_epi8(small, large, _mm256_cmpgt_epi32(e, _mm256_set1_epi32(1))));
+}
+
+/* Eight consecutive sub-blocks' scales and mins (colibri_q_scale's values), from g on (e: the
+ * row's scales, for COLIBRI_MXFP4_OSS). */
+COLIBRI_Q_AVX2 static COLIBRI_Q_INLINE void colibri_q_scales8(int type, const uint8_t *w,
+                                                              const uint8_t *e, int32_t g,
                                                               __m256 *scale, __m256 *min)
 {
     const int32_t bytes = colibri_q_bytes[type];
@@ -334,12 +350,15 @@ COLIBRI_Q_AVX2 static COLIBRI_Q_INLINE void colibri_q_scales8(int type, const ui
         *scale = _mm256_cvtph_ps(h16);
         return;
     }
-    case COLIBRI_MXFP4: { /* colibri_e8m0_half: e < 2 ? 0x00200000 << e : (e - 1) << 23 */
-        __m256i e = _mm256_and_si256(colibri_q_first4(b, bytes), _mm256_set1_epi32(0xff));
-        __m256i small = _mm256_sllv_epi32(_mm256_set1_epi32(0x00200000), e);
-        __m256i large = _mm256_slli_epi32(_mm256_sub_epi32(e, _mm256_set1_epi32(1)), 23);
-        *scale = _mm256_castsi256_ps(
-            _mm256_blendv_epi8(small, large, _mm256_cmpgt_epi32(e, _mm256_set1_epi32(1))));
+    case COLIBRI_MXFP4:
+        *scale = colibri_q_e8m0_half8(
+            _mm256_and_si256(colibri_q_first4(b, bytes), _mm256_set1_epi32(0xff)));
+        return;
+    case COLIBRI_MXFP4_OSS: { /* colibri_e8m0_oss: 0xFF gives NaN */
+        __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(e + g)));
+        __m256 nan = _mm256_castsi256_ps(_mm256_cmpeq_epi32(v, _mm256_set1_epi32(0xff)));
+        *scale = _mm256_blendv_ps(colibri_q_e8m0_half8(v),
+                                  _mm256_castsi256_ps(_mm256_set1_epi32(0x7FC00000)), nan);
         return;
     }
     case COLIBRI_Q4_K:
@@ -394,24 +413,24 @@ COLIBRI_Q_AVX2 static COLIBRI_Q_INLINE void colibri_q_scales8(int type, const ui
 
 /* The typed body over `rows` weight rows, the type, and for one q8 row the row count, as
  * constants. */
-#define COLIBRI_Q_TYPED(name, T)                                       \
-    do {                                                               \
-        int32_t o;                                                     \
-        for (o = 0; o < rows; o++) {                                   \
-            const uint8_t *wo = w + o * ldw;                           \
-            if (nb == 1)                                               \
-                name##_typed(T, wo, K, d, q, s, 1, y + o * ldo, ldy);  \
-            else                                                       \
-                name##_typed(T, wo, K, d, q, s, nb, y + o * ldo, ldy); \
-        }                                                              \
-        return;                                                        \
+#define COLIBRI_Q_TYPED(name, T)                                           \
+    do {                                                                   \
+        int32_t o;                                                         \
+        for (o = 0; o < rows; o++) {                                       \
+            const uint8_t *wo = w + o * ldw, *eo = e ? e + o * lde : NULL; \
+            if (nb == 1)                                                   \
+                name##_typed(T, wo, eo, K, d, q, s, 1, y + o * ldo, ldy);  \
+            else                                                           \
+                name##_typed(T, wo, eo, K, d, q, s, nb, y + o * ldo, ldy); \
+        }                                                                  \
+        return;                                                            \
     } while (0)
 
 /* The body of both x86 paths: TOTALS8 gives eight sub-blocks' integer dots. */
 #define COLIBRI_Q_DOT_X86(name, target, TOTALS8)                                                   \
     target static COLIBRI_Q_INLINE void name##_typed(                                              \
-        int type, const uint8_t *w, int32_t K, const float *d, const int8_t *q, const int32_t *s,  \
-        int32_t nb, float *y, int64_t ldy)                                                         \
+        int type, const uint8_t *w, const uint8_t *e, int32_t K, const float *d, const int8_t *q,  \
+        const int32_t *s, int32_t nb, float *y, int64_t ldy)                                       \
     {                                                                                              \
         const int32_t subs = colibri_q_block[type] / 32, G = K / 32, G8 = G & ~7;                  \
         __m256 acc[COLIBRI_Q_ROW_BLOCK];                                                           \
@@ -429,7 +448,7 @@ COLIBRI_Q_AVX2 static COLIBRI_Q_INLINE void colibri_q_scales8(int type, const ui
             for (at = 0; at < 8 / subs * colibri_q_bytes[type]; at += 64)                          \
                 _mm_prefetch((const char *)(b0 + COLIBRI_Q_PREFETCH + at), _MM_HINT_T0);           \
             TOTALS8(type, b0, q + 32 * g, K, s + g, G, nb, totals);                                \
-            colibri_q_scales8(type, w, g, &vs, &vm);                                               \
+            colibri_q_scales8(type, w, e, g, &vs, &vm);                                            \
             for (r = 0; r < nb; r++) {                                                             \
                 __m256 xd = _mm256_loadu_ps(d + (size_t)r * G + g);                                \
                 __m256i total = totals[r];                                                         \
@@ -462,16 +481,17 @@ COLIBRI_Q_AVX2 static COLIBRI_Q_INLINE void colibri_q_scales8(int type, const ui
             for (r = 0; r < nb; r++) {                                                             \
                 int32_t isum = colibri_q_isum(type, b, g % subs, lv8, q + (size_t)r * K + 32 * g); \
                 lanes[r][g % COLIBRI_Q_LANES] +=                                                   \
-                    colibri_q_term(type, b, g % subs, isum, d[r * G + g], s[r * G + g]);           \
+                    colibri_q_term(type, colibri_q_scale_at(type, w, e, g / subs), g % subs, isum, \
+                                   d[r * G + g], s[r * G + g]);                                    \
             }                                                                                      \
         }                                                                                          \
         for (r = 0; r < nb; r++)                                                                   \
             y[r * ldy] = colibri_q_lanes_sum(lanes[r]);                                            \
     }                                                                                              \
     /* one copy of the body per type, the type a constant in each, looped over the rows */         \
-    target static void name(int type, const uint8_t *w, int64_t ldw, int32_t rows, int32_t K,      \
-                            const float *d, const int8_t *q, const int32_t *s, int32_t nb,         \
-                            float *y, int64_t ldo, int64_t ldy)                                    \
+    target static void name(int type, const uint8_t *w, int64_t ldw, const uint8_t *e,             \
+                            int64_t lde, int32_t rows, int32_t K, const float *d, const int8_t *q, \
+                            const int32_t *s, int32_t nb, float *y, int64_t ldo, int64_t ldy)      \
     {                                                                                              \
         switch (type) {                                                                            \
         case COLIBRI_Q8_0:                                                                         \
@@ -486,6 +506,8 @@ COLIBRI_Q_AVX2 static COLIBRI_Q_INLINE void colibri_q_scales8(int type, const ui
             COLIBRI_Q_TYPED(name, COLIBRI_Q6_K);                                                   \
         case COLIBRI_IQ4_XS:                                                                       \
             COLIBRI_Q_TYPED(name, COLIBRI_IQ4_XS);                                                 \
+        case COLIBRI_MXFP4_OSS:                                                                    \
+            COLIBRI_Q_TYPED(name, COLIBRI_MXFP4_OSS);                                              \
         default:                                                                                   \
             COLIBRI_Q_TYPED(name, COLIBRI_MXFP4);                                                  \
         }                                                                                          \

@@ -6,8 +6,11 @@ MXFP4 layout (``*_blocks`` / ``*_scales``, quantized here: an e8m0 scale per 32 
 nearest e2m1 value of each), with ``quantization_config: {"quant_method": "mxfp4"}``.
 ``from_pretrained`` under a budget of two experts (misses counted) gives transformers' logits
 on the same weights (for MXFP4: transformers' own ``convert_moe_packed_tensors`` dequantizes
-them into the reference) within 1e-5 (float32), bit for bit in bfloat16. Broken checkpoints
-are one ``CheckpointError`` naming the tensor.
+them into the reference) within 1e-5 (float32), bit for bit in bfloat16; MXFP4 experts of
+decode size run colibri's fused kernel (q8 activations, bounded in
+tests/layer/test_gpt_oss_kernel.py): within 5% of the logits' range and the same greedy
+tokens, and within 1e-5 again with ``COLIBRI_EXPERT_KERNEL=0``. Broken checkpoints are one
+``CheckpointError`` naming the tensor; an e8m0 scale byte 0xFF one ``FormatError`` naming it.
 """
 
 from __future__ import annotations
@@ -41,8 +44,10 @@ BUDGETS = {"plain": 2 * (EXPERT_BYTES["plain"] + 2 * 4096),
            "bf16": 2 * (EXPERT_BYTES["bf16"] + 2 * 4096),
            "mxfp4": 2 * 8 * 4096}  # fmt: skip
 BUDGET = BUDGETS["plain"]
-#: float32 models: to rounding; bfloat16: the same operations in the same order, the same bits.
-ATOL = {"plain": 1e-5, "bf16": 0.0, "mxfp4": 1e-5}
+#: float32 models: to rounding; bfloat16: the same operations in the same order, the same bits;
+#: MXFP4: the kernel's q8 activations, a fraction of the logits' range (KERNEL_RANGE).
+ATOL = {"plain": 1e-5, "bf16": 0.0, "mxfp4": None}
+KERNEL_RANGE = 0.05
 FP4 = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], np.float32)
 
 
@@ -126,6 +131,11 @@ def saved(tmp_path_factory):
     return out
 
 
+def _assert_close(got, want, form):
+    atol = ATOL[form] if ATOL[form] is not None else KERNEL_RANGE * want.abs().max().item()
+    torch.testing.assert_close(got, want, rtol=0, atol=atol)
+
+
 @pytest.mark.parametrize("form", ["plain", "bf16", "mxfp4"])
 def test_paged_logits_match_transformers(saved, form):
     folder, ref = saved[form]
@@ -133,7 +143,7 @@ def test_paged_logits_match_transformers(saved, form):
     assert 2 <= model.colibri.pager.capacity < EXPERTS
     ids = token_ids(0, batch=2, length=9)
     assert model.dtype == ref.dtype
-    torch.testing.assert_close(logits(model, ids), logits(ref, ids), rtol=0, atol=ATOL[form])
+    _assert_close(logits(model, ids), logits(ref, ids), form)
     stats = model.colibri.stats
     assert stats.misses > 0 and stats.resident_bytes <= BUDGETS[form]
     greedy = dict(do_sample=False, max_new_tokens=4, pad_token_id=0)
@@ -149,8 +159,24 @@ def test_io_backends(saved, io):
     folder, ref = saved["mxfp4"]
     model = from_pretrained(folder, budget=BUDGETS["mxfp4"], page_size_kb=4, io=io)
     ids = token_ids(1)
-    torch.testing.assert_close(logits(model, ids), logits(ref, ids), rtol=0, atol=1e-5)
+    _assert_close(logits(model, ids), logits(ref, ids), "mxfp4")
     model.colibri.close()
+
+
+def test_mxfp4_kernel_runs_and_torch_path_stays_exact(saved, monkeypatch):
+    """Decode-size MXFP4 experts take the kernel (q8: not transformers' float bits); with
+    ``COLIBRI_EXPERT_KERNEL=0`` every expert goes through torch, to rounding."""
+    folder, ref = saved["mxfp4"]
+    ids = token_ids(1)
+    want = logits(ref, ids)
+    model = from_pretrained(folder, budget=BUDGETS["mxfp4"], page_size_kb=4)
+    kernel = logits(model, ids)
+    monkeypatch.setenv("COLIBRI_EXPERT_KERNEL", "0")
+    torch_path = logits(model, ids)
+    model.colibri.close()
+    torch.testing.assert_close(torch_path, want, rtol=0, atol=1e-5)
+    assert (kernel - want).abs().max() > 1e-4
+    _assert_close(kernel, want, "mxfp4")
 
 
 def test_colibri_generate(saved, capsys):
@@ -236,6 +262,26 @@ def test_scales_of_another_dtype(broken):
     _rewrite(folder, lambda t: t.update({SCALES: t[SCALES].float()}))
     with pytest.raises(CheckpointError, match=f"{SCALES}' is F32 .* must be U8"):
         from_pretrained(folder, budget=BUDGET, page_size_kb=4)
+
+
+@pytest.mark.parametrize("kernel", ["1", "0"])
+def test_a_nan_scale_byte_is_an_error_naming_the_expert(broken, monkeypatch, kernel):
+    """e8m0's NaN (0xFF) in a scale: the kernel's NaN sums, or torch's dequantization, are
+    one FormatError naming the layer, the expert, the tensor, the row and the block."""
+    from colibri.formats import FormatError
+
+    folder = broken("mxfp4")
+
+    def nan_scale(t):
+        t[SCALES][:, 5, 1] = 0xFF
+
+    _rewrite(folder, nan_scale)
+    monkeypatch.setenv("COLIBRI_EXPERT_KERNEL", kernel)
+    model = from_pretrained(folder, budget=BUDGETS["mxfp4"], page_size_kb=4)
+    match = r"layer 1 expert \d down_proj_scales: the e8m0 scale of row 5, block 1 is 0xFF"
+    with pytest.raises(FormatError, match=match):
+        logits(model, token_ids(1))
+    model.colibri.close()
 
 
 @pytest.mark.parametrize("form", ["plain", "mxfp4"])
