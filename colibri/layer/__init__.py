@@ -16,13 +16,20 @@ expert implementation.
 from colibri.formats import ExpertWeights
 from colibri.layer._dispatch import DispatchPlan, combine, dispatch, gather
 from colibri.layer._engine import KERNEL_MAX_ROWS, ExpertStore, run_experts
-from colibri.layer._expert import activation_function, expert_ffn, half_linear
+from colibri.layer._expert import (
+    QUANT_KERNEL_MAX_ROWS,
+    activation_function,
+    expert_ffn,
+    gpt_oss_experts,
+    half_linear,
+)
 from colibri.layer._ffn import detected_path, ffn_path, simd_path
 from colibri.layer._moe import InMemoryExperts, MoELayer
 from colibri.layer._quant import check_row_values, dequantize, quantize
 
 __all__ = [
     "KERNEL_MAX_ROWS",
+    "QUANT_KERNEL_MAX_ROWS",
     "DispatchPlan",
     "ExpertStore",
     "ExpertWeights",
@@ -37,6 +44,7 @@ __all__ = [
     "expert_ffn",
     "ffn_path",
     "gather",
+    "gpt_oss_experts",
     "half_linear",
     "quantize",
     "run_experts",

@@ -109,6 +109,51 @@ def kernel_enabled() -> bool:
     return value == "1"
 
 
+def gpt_oss_experts(
+    x: np.ndarray,
+    experts: list[tuple],
+    bounds: np.ndarray,
+    rows: np.ndarray,
+    scale: np.ndarray,
+    y: np.ndarray,
+    *,
+    alpha: float,
+    limit: float,
+    num_threads: int = 0,
+) -> bool:
+    """gpt-oss's MXFP4 experts in colibri's fused kernel: ``y[rows[i]] += scale[i] *
+    expert_j(x[rows[i]])`` for ``i`` in ``[bounds[j], bounds[j + 1])``.
+
+    Parameters
+    ----------
+    x, y : numpy.ndarray
+        float32 ``[T, H]`` (``y`` added to in place).
+    experts : list of tuple
+        Per expert ``(gate_up, gate_up_scales, gate_up_bias, down, down_scales, down_bias)``
+        as gpt-oss stores them: blocks uint8 ``[2I, H / 2]`` and ``[H, I / 2]``, e8m0 scales
+        uint8 ``[2I, H / 32]`` and ``[H, I / 32]``, biases float32 ``[2I]`` and ``[H]``.
+    bounds : numpy.ndarray
+        int64 ``[len(experts) + 1]`` from 0; each expert takes 1 to
+        :data:`QUANT_KERNEL_MAX_ROWS` assignments.
+    rows, scale : numpy.ndarray
+        int64 and float32 ``[bounds[-1]]``: each assignment's row of ``x`` and weight.
+    alpha, limit : float
+        The clamped SwiGLU's slope and clamp.
+    num_threads : int
+        0: colibri's default.
+
+    Returns
+    -------
+    bool
+        False (nothing computed) where ``COLIBRI_EXPERT_KERNEL=0`` rules the kernel out.
+    """
+    if not kernel_enabled():
+        return False
+    _quant.ffn_sum(x, experts, _quant.MXFP4_OSS, "gpt_oss", bounds, rows, scale, y,
+                   num_threads, alpha=alpha, limit=limit)  # fmt: skip
+    return True
+
+
 def half_bits(w: Any) -> np.ndarray:
     """A float16/bfloat16 matrix (numpy, ml_dtypes or raw bits) as its uint16 bits, no copy."""
     return np.asarray(w).view(np.uint16)

@@ -43,8 +43,7 @@ from colibri.integrations.transformers._experts import (
     paged_state,
     routed,
 )
-from colibri.layer import _quant, run_experts
-from colibri.layer._expert import QUANT_KERNEL_MAX_ROWS, kernel_enabled
+from colibri.layer import QUANT_KERNEL_MAX_ROWS, gpt_oss_experts, run_experts
 
 __all__ = ["GPT_OSS", "IMPLEMENTATION", "check_experts", "forward", "page", "servable"]
 
@@ -168,15 +167,15 @@ def forward(
     out = torch.zeros_like(hidden_states)
     x_np = hidden_states.detach().float().numpy()
     weights_np = weights.detach().float().numpy()
-    fused = np.zeros_like(x_np) if kernel_enabled() else None  # the kernel's sums
+    fused = np.zeros_like(x_np)  # the kernel's sums
 
     def compute(e: int, w: GptOssWeights, tokens: np.ndarray, assignments: np.ndarray) -> None:
         where = f"layer {state.layer} expert {e}"
         mxfp4 = w.gate_up_scales is not None
-        if fused is not None and mxfp4 and len(tokens) <= QUANT_KERNEL_MAX_ROWS:
+        if mxfp4 and len(tokens) <= QUANT_KERNEL_MAX_ROWS:
             scale = weights_np[tokens, assignments % ids.shape[1]]
-            _fused(self, state, e, w, x_np, tokens, scale, fused, where)
-            return
+            if _fused(self, state, e, w, x_np, tokens, scale, fused, where):
+                return
         token_t = torch.from_numpy(tokens)
         slot_t = torch.from_numpy(assignments % ids.shape[1])
         x_e = hidden_states[token_t]
@@ -204,7 +203,7 @@ def forward(
         read_ahead=paging.read_ahead != "off",
         next_layer=next_guess(state, hidden_states),
     )
-    if fused is not None and fused.any():
+    if fused.any():
         out += torch.from_numpy(fused).to(out.dtype)
     return out
 
@@ -219,9 +218,10 @@ def _fused(
     scale: np.ndarray,
     y: np.ndarray,
     where: str,
-) -> None:
+) -> bool:
     """``y[tokens] += scale[:, None] * expert_e(x[tokens])`` for an MXFP4 expert, in colibri's
-    fused kernel (``x``, ``y`` float32 ``[T, H]``; ``tokens`` int64, ``scale`` float32 ``[n]``).
+    fused kernel (``x``, ``y`` float32 ``[T, H]``; ``tokens`` int64, ``scale`` float32 ``[n]``);
+    False where ``COLIBRI_EXPERT_KERNEL=0`` rules the kernel out (nothing computed).
 
     Raises
     ------
@@ -238,12 +238,15 @@ def _fused(
         module.down_proj_bias[e].detach().float().numpy(),
     )
     n = len(tokens)
-    _quant.ffn_sum(x, [expert], _quant.MXFP4_OSS, "gpt_oss", np.array([0, n], np.int64),
-                   np.ascontiguousarray(tokens, np.int64), np.ascontiguousarray(scale, np.float32),
-                   y, state.paging.num_threads, alpha=state.alpha, limit=state.limit)  # fmt: skip
+    if not gpt_oss_experts(x, [expert], np.array([0, n], np.int64),
+                           np.ascontiguousarray(tokens, np.int64),
+                           np.ascontiguousarray(scale, np.float32), y, alpha=state.alpha,
+                           limit=state.limit, num_threads=state.paging.num_threads):  # fmt: skip
+        return False
     if not np.isfinite(y[tokens]).all() and np.isfinite(x[tokens]).all():
         check_scales(w.gate_up_scales, f"{where} gate_up_proj_scales")
         check_scales(w.down_scales, f"{where} down_proj_scales")
+    return True
 
 
 OWN_PAGING[GPT_OSS] = (servable, page)
