@@ -378,8 +378,6 @@ def _run(spec: dict, lock: str | None) -> dict:
     if lock:
         command = ["flock", "-x", lock, *command]
     env = dict(os.environ)
-    if spec["engine"] == "colibri":  # what `colibri generate` does (colibri.cli.spin_briefly)
-        env.setdefault("GOMP_SPINCOUNT", "1000")
     out = subprocess.run(command, capture_output=True, text=True, timeout=1800, env=env)
     if out.returncode:
         return dict(spec, error=out.stderr.strip().splitlines()[-1] if out.stderr else "failed")

@@ -201,8 +201,6 @@ def run(spec: dict, args, kind: str | None, device: str | None) -> dict:
     """``spec`` in a fresh process: in its own cgroup when ``kind``, after dropping caches;
     without a memory limit, the file read into the page cache first."""
     env = dict(os.environ)
-    if spec["engine"] == "colibri":  # what `colibri generate` does (colibri.cli.spin_briefly)
-        env.setdefault("GOMP_SPINCOUNT", "1000")
     command = [sys.executable, __file__, "--worker", json.dumps(spec)]
     group = None
     if kind is not None:

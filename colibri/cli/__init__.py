@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import os
 import sys
 from typing import NoReturn
 
@@ -16,17 +15,6 @@ COMMANDS = (
     ("partition", "colibri.cli.partition", "build a partition from usage statistics"),
     ("quantize", "colibri.cli.quantize", "rewrite a checkpoint with block-quantized experts"),
 )
-
-
-def spin_briefly() -> None:
-    """Have OpenMP's idle threads sleep soon (``GOMP_SPINCOUNT=1000``) unless the user chose.
-
-    torch's OpenMP workers spin for a while after each of its operations; on a machine with
-    as many cores as threads, colibri's kernel that runs next shares a core with a spinner
-    (bench/README.md has the figures). Takes effect only before torch loads its OpenMP (then
-    it is too late, and nothing is changed)."""
-    if "torch" not in sys.modules:
-        os.environ.setdefault("GOMP_SPINCOUNT", "1000")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -55,7 +43,6 @@ def main(argv: list[str] | None = None) -> int:
     """
     from colibri._errors import ColibriError
 
-    spin_briefly()
     parser = _Parser(prog="colibri", description="MoE routing and expert paging.")
     commands = parser.add_subparsers(dest="command", required=True)
     try:

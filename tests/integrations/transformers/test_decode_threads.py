@@ -89,3 +89,44 @@ def test_auto_times_torch_as_a_decoding_step_runs_it(model, threads, monkeypatch
     _linears._measure(model.lm_head, 2, 1)
     assert seen and set(seen) == {1}
     assert torch.get_num_threads() == 2
+
+
+def test_generate_keeps_one_thread_between_steps_and_gives_them_back(model, threads):
+    seen = []
+    hook = model.model.layers[0].register_forward_pre_hook(
+        lambda *_: seen.append(torch.get_num_threads())
+    )
+    real = torch.argmax  # greedy sampling between steps: torch's own small operations
+    between = []
+
+    def argmax(*args, **kwargs):
+        between.append(torch.get_num_threads())
+        return real(*args, **kwargs)
+
+    try:
+        torch.argmax = argmax
+        with torch.no_grad():
+            model.generate(torch.arange(5, 5 + 2 * DECODE_ROWS)[None], max_new_tokens=4,
+                           min_new_tokens=4, do_sample=False)  # fmt: skip
+    finally:
+        torch.argmax = real
+        hook.remove()
+    assert seen == [2, 1, 1, 1]  # the prompt on torch's threads, then one
+    assert between and set(between[1:]) == {1}
+    assert torch.get_num_threads() == 2
+
+
+def test_generate_that_raises_gives_the_threads_back(model, threads, monkeypatch):
+    calls = [0]
+    real = model.model.layers[1].mlp.forward
+
+    def fail_late(*args, **kwargs):
+        calls[0] += 1
+        if calls[0] == 3:
+            raise RuntimeError("planted")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(model.model.layers[1].mlp, "forward", fail_late)
+    with pytest.raises(RuntimeError, match="planted"), torch.no_grad():
+        model.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=5, do_sample=False)
+    assert torch.get_num_threads() == 2
