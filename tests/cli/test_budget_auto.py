@@ -97,16 +97,15 @@ def test_mem_available(tmp_path):
 
 @pytest.fixture
 def machine(monkeypatch):
-    """Set the memory facts ``_budget`` sees: ``machine(limit, available, in_use)``, with the
-    resident set ``in_use`` split into ``anon`` and ``file`` where given."""
+    """Set the memory facts ``_budget`` sees: ``machine(limit, available, in_use)``."""
     from colibri.integrations.transformers import _budget
 
-    def set_(limit, available, in_use, anon=None, file=None):
+    def set_(limit, available, in_use):
         cgroup = MemoryLimit(limit, "cgroup v2 /fake/memory.max") if limit else None
         monkeypatch.setattr(_budget, "cgroup_limit", lambda: cgroup)
         monkeypatch.setattr(_budget, "mem_available", lambda: available)
         monkeypatch.setattr(_budget, "process_memory",
-                            lambda: ProcessMemory(in_use, in_use, anon, file))  # fmt: skip
+                            lambda: ProcessMemory(in_use, in_use, None, None))  # fmt: skip
         return _budget
 
     return set_
@@ -119,97 +118,11 @@ def test_the_budget_is_what_the_smaller_limit_leaves(machine):
     assert got.nbytes == 1000 * MiB - 300 * MiB - 50 * MiB - margin
     assert got.source == "cgroup v2 /fake/memory.max" and not got.capped
     assert str(got).startswith(f"--budget auto: {got.nbytes / MiB:.1f} MiB for experts = ")
-    assert " - 300.0 MiB in use (resident set) - " in str(got)  # no anon/file split here
     # MemAvailable excludes what the process holds; the limit includes it
     budget = machine(limit=None, available=500 * MiB, in_use=300 * MiB)
     got = budget.auto_budget(resident=50 * MiB, floor=MiB, ceiling=10_000 * MiB)
-    assert got.usable == 800 * MiB and got.source == "MemAvailable + anonymous memory in use"
+    assert got.usable == 800 * MiB and got.source == "MemAvailable + in use"
     assert got.nbytes == 800 * MiB - 300 * MiB - 50 * MiB - 96 * MiB - int(800 * MiB * 0.02)
-
-
-def test_anonymous_memory_counts_in_full_file_pages_up_to_the_allowance(machine):
-    """RssAnon and RssShmem (rss - file) count in full; RssFile (shared libraries, page cache
-    the kernel reclaims under the limit) only up to FILE_ALLOWANCE."""
-    budget = machine(limit=700 * MiB, available=None, in_use=410 * MiB, anon=150 * MiB,
-                     file=260 * MiB)  # fmt: skip
-    assert 32 * MiB == budget.FILE_ALLOWANCE
-    got = budget.auto_budget(resident=4 * MiB, floor=MiB, ceiling=10_000 * MiB)
-    assert (got.in_use, got.anon, got.file) == (182 * MiB, 150 * MiB, 260 * MiB)
-    assert got.nbytes == 700 * MiB - 182 * MiB - 4 * MiB - 96 * MiB - int(700 * MiB * 0.02)
-    assert " - 182.0 MiB in use (150.0 MiB anonymous + 32.0 MiB of the 260.0 MiB mapped " \
-        "from files) - 4.0 MiB of resident weights - " in str(got)  # fmt: skip
-    # MemAvailable already counts the file pages as reclaimable: only the anonymous add
-    got = machine(
-        limit=None, available=500 * MiB, in_use=410 * MiB, anon=150 * MiB, file=260 * MiB
-    ).auto_budget(resident=0, floor=MiB, ceiling=10_000 * MiB)
-    assert got.usable == 650 * MiB and got.in_use == 182 * MiB
-    # under the allowance every file page counts; shared memory (rss - anon - file) in full
-    got = machine(
-        limit=700 * MiB, available=None, in_use=200 * MiB, anon=100 * MiB, file=10 * MiB
-    ).auto_budget(resident=0, floor=MiB, ceiling=10_000 * MiB)
-    assert (got.in_use, got.anon, got.file) == (200 * MiB, 190 * MiB, 10 * MiB)
-
-
-@pytest.mark.parametrize(
-    ("rss", "anon", "file", "want"),
-    [
-        (410, None, None, (410, 410, None)),  # no split: the resident set in full
-        (410, 150, None, (410, 410, None)),
-        (None, 150, None, (150, 150, None)),
-        (None, None, 260, (0, 0, None)),  # nothing known
-        (None, None, None, (0, 0, None)),
-        (410, None, 260, (182, 150, 260)),  # anon from rss - file
-        (None, 150, 260, (182, 150, 260)),  # no rss: the anonymous figure
-        (100, 150, 260, (182, 150, 260)),  # inconsistent (file > rss): at least anon
-        (410, 150, 0, (410, 410, 0)),
-        (0, 0, 0, (0, 0, 0)),
-    ],
-)  # fmt: skip
-def test_in_use_with_missing_and_odd_figures(rss, anon, file, want):
-    from colibri.integrations.transformers._budget import in_use
-
-    def mib(x):
-        return None if x is None else x * MiB
-
-    memory = ProcessMemory(mib(rss), mib(rss), mib(anon), mib(file))
-    assert in_use(memory) == tuple(mib(x) for x in want)
-
-
-def test_the_split_read_from_proc_self_status(machine, monkeypatch, tmp_path):
-    """The figures come from /proc/self/status through process_memory (a fake one here, with
-    a shared-memory line and without one)."""
-    from colibri import _units
-
-    status = tmp_path / "status"
-    real_open = open
-    monkeypatch.setattr(_units, "open", lambda path, *a, **k: real_open(
-        status if path == "/proc/self/status" else path, *a, **k), raising=False)  # fmt: skip
-    budget = machine(limit=700 * MiB, available=None, in_use=0)
-    monkeypatch.setattr(budget, "process_memory", _units.process_memory)
-    status.write_text(
-        "Name:\tpython\nVmHWM:\t  430000 kB\nVmRSS:\t  419840 kB\n"
-        "RssAnon:\t  153600 kB\nRssFile:\t  245760 kB\nRssShmem:\t   20480 kB\n"
-    )
-    got = budget.auto_budget(resident=0, floor=MiB, ceiling=10_000 * MiB)
-    assert (got.in_use, got.anon, got.file) == (202 * MiB, 170 * MiB, 240 * MiB)
-    status.write_text("VmRSS:\t  419840 kB\n")  # an old kernel: no split
-    got = budget.auto_budget(resident=0, floor=MiB, ceiling=10_000 * MiB)
-    assert (got.in_use, got.anon, got.file) == (410 * MiB, 410 * MiB, None)
-
-
-def test_anonymous_memory_over_the_limit_is_refused(machine):
-    budget = machine(limit=400 * MiB, available=None, in_use=900 * MiB, anon=500 * MiB,
-                     file=400 * MiB)  # fmt: skip
-    want = (
-        "budget='auto': this process may use 400.0 MiB (cgroup v2 /fake/memory.max); that "
-        "cannot hold the model's non-expert weights (0.0 MiB) + one layer's top-k experts "
-        "(1.0 MiB) on top of the 532.0 MiB in use (500.0 MiB anonymous + 32.0 MiB of the "
-        "400.0 MiB mapped from files) and a 104.0 MiB margin; run where more memory is free "
-        "(or with a higher memory limit)"
-    )
-    with pytest.raises(BudgetError) as info:
-        budget.auto_budget(resident=0, floor=MiB, ceiling=3 * MiB)
-    assert str(info.value) == want
 
 
 def test_the_budget_is_capped_at_every_expert_and_floored_at_a_layer(machine):
@@ -379,8 +292,7 @@ def _uncache(folder) -> None:
 def test_a_run_in_a_memory_limited_cgroup(tmp_path):
     """768 MiB of experts, a cgroup of 700 MiB for the process and its page cache: with
     ``--budget auto`` the run finishes and the cgroup saw no OOM kill (a budget of 2 GiB is
-    killed there; so is one that forgets the ~290 MiB of anonymous memory the process holds
-    after its imports; its ~110 MiB of shared libraries are reclaimable: only 32 MiB count)."""
+    killed there; so is one that forgets the ~380 MiB the process holds after its imports)."""
     pytest.importorskip("torch")
     pytest.importorskip("transformers")
     limit = 700 * MiB

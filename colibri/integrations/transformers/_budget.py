@@ -1,26 +1,14 @@
 """``budget="auto"``: the expert budget the memory this process may use leaves.
 
-The process may use ``min(cgroup limit, MemAvailable + its anonymous memory now)`` bytes in
-all (:mod:`colibri._memory`; the limit counts what the process already holds, ``MemAvailable``
-counts neither its anonymous memory nor the page cache it could reclaim). From that go what
-it holds now (the interpreter, torch, the model's skeleton), the model's resident
-(non-expert) weights in their compute dtype, and a margin of 96 MiB + 2% for what a run adds
-on top (torch's kernels and caches, activations, the KV cache, the allocator's slack: 45-50
-MiB measured on a tiny model). The rest is the budget, if it holds at least one layer's top-k
-experts; and no more than what holds every expert (the pager keeps state per slot: a budget
-of the machine's memory for a tiny model would cost more than the model).
-
-What the process holds counts its anonymous memory (``RssAnon + RssShmem``: heaps, the
-pager's pool; nothing but swap takes it back) in full, and of its file-backed pages
-(``RssFile``: the shared libraries of torch and transformers, 76-120 MiB of them measured) only
-:data:`FILE_ALLOWANCE`: those pages are clean page cache, which the kernel reclaims under a
-memory limit and reads again when touched, so only the pages a decode touches must stay.
-Those were measured with the referenced bits (``/proc/self/clear_refs``, then
-``Referenced:`` of the file mappings in ``/proc/self/smaps``): 7 MiB for 16 decode steps of
-a 4-layer, 64-expert qwen3_moe model, 10 MiB for a whole ``colibri generate`` run after a
-first one (tokenizer and loading included), most of it libtorch_cpu and libpython. The
-allowance is three times that, for the kernels other models and thread counts reach. Where
-the OS does not split the resident set, all of it counts.
+The process may use ``min(cgroup limit, MemAvailable + its resident set now)`` bytes in all
+(:mod:`colibri._memory`; the limit counts what the process already holds, ``MemAvailable``
+does not). From that go what it holds now (the interpreter, torch, the model's skeleton), the
+model's resident (non-expert) weights in their compute dtype, and a margin of 96 MiB + 2%
+for what a run adds on top (torch's kernels and caches, activations, the KV cache, the
+allocator's slack: 45-50 MiB measured on a tiny model). The rest is the budget, if it holds
+at least one layer's top-k experts; and no more than what holds every expert (the pager
+keeps state per slot: a budget of the machine's memory for a tiny model would cost more than
+the model).
 """
 
 from __future__ import annotations
@@ -30,22 +18,13 @@ from typing import Any, NamedTuple
 
 from colibri._errors import BudgetError
 from colibri._memory import cgroup_limit, mem_available
-from colibri._units import ProcessMemory, format_bytes, process_memory
+from colibri._units import format_bytes, process_memory
 from colibri._validate import check_page_size_kb
 
-__all__ = [
-    "FILE_ALLOWANCE",
-    "MARGIN_BYTES",
-    "MARGIN_SHARE",
-    "AutoBudget",
-    "auto_budget",
-    "for_model",
-]
+__all__ = ["MARGIN_BYTES", "MARGIN_SHARE", "AutoBudget", "auto_budget", "for_model"]
 
 MARGIN_BYTES = 96 << 20
 MARGIN_SHARE = 0.02
-#: The file-backed pages (shared libraries) counted as in use: a decode's working set of them.
-FILE_ALLOWANCE = 32 << 20
 
 
 class AutoBudget(NamedTuple):
@@ -54,21 +33,10 @@ class AutoBudget(NamedTuple):
     nbytes: int
     usable: int  # memory the process may use in all
     source: str  # which limit that is
-    in_use: int  # what the process holds when the budget was chosen: anon + file allowance
+    in_use: int  # the process's resident set when the budget was chosen
     resident: int  # the model's resident (non-expert) weights, still to load
     margin: int
     capped: bool  # every expert fits: the budget is what holds them all
-    anon: int  # of in_use: anonymous and shared memory (all of the resident set if no split)
-    file: int | None  # the file-backed resident pages, of which in_use counts FILE_ALLOWANCE
-
-    def _in_use(self) -> str:
-        f = format_bytes
-        if self.file is None:
-            return f"{f(self.in_use)} in use (resident set)"
-        return (
-            f"{f(self.in_use)} in use ({f(self.anon)} anonymous + {f(self.in_use - self.anon)} "
-            f"of the {f(self.file)} mapped from files)"
-        )
 
     def __str__(self) -> str:
         f = format_bytes
@@ -78,7 +46,7 @@ class AutoBudget(NamedTuple):
             head += f" (all of them) of {f(left)}"
         return (
             f"--budget auto: {head} = {f(self.usable)} this process may use ({self.source}) - "
-            f"{self._in_use()} - {f(self.resident)} of resident weights - "
+            f"{f(self.in_use)} in use - {f(self.resident)} of resident weights - "
             f"{f(self.margin)} margin (96 MiB + 2%)"
         )
 
@@ -104,20 +72,6 @@ def top_k(model: Any) -> int:
     return max(ks, default=0) or int(getattr(config, "num_experts_per_tok", 0) or 1)
 
 
-def in_use(memory: ProcessMemory) -> tuple[int, int, int | None]:
-    """What the process holds, as ``(counted, anonymous, file-backed)`` bytes: anonymous and
-    shared memory (``rss - file``, at least ``anon``) in full plus at most
-    :data:`FILE_ALLOWANCE` of the file-backed pages; where ``memory`` has no file figure (or
-    neither a resident set nor an anonymous one), the resident set in full and no file part."""
-    rss, anon, file = memory.rss, memory.anon, memory.file
-    if file is None or (rss is None and anon is None):
-        held = max(rss or 0, anon or 0)
-        return held, held, None
-    file = max(file, 0)
-    held = max(anon or 0, rss - file if rss is not None else 0)
-    return held + min(file, FILE_ALLOWANCE), held, file
-
-
 def auto_budget(resident: int, floor: int, ceiling: int) -> AutoBudget:
     """The expert budget this process can afford.
 
@@ -135,14 +89,14 @@ def auto_budget(resident: int, floor: int, ceiling: int) -> AutoBudget:
     BudgetError
         The OS says nothing of its memory, or what it leaves is below ``floor``.
     """
-    counted, anon, file = in_use(process_memory())
+    in_use = process_memory().rss or 0
     limits = []
     cgroup = cgroup_limit()
     if cgroup is not None:
         limits.append((cgroup.nbytes, cgroup.source))
     available = mem_available()
-    if available is not None:  # it counts the process's file pages as reclaimable already
-        limits.append((available + anon, "MemAvailable + anonymous memory in use"))
+    if available is not None:
+        limits.append((available + in_use, "MemAvailable + in use"))
     if not limits:
         raise BudgetError(
             "budget='auto' needs Linux's /proc/meminfo or a cgroup memory limit, and neither "
@@ -150,15 +104,15 @@ def auto_budget(resident: int, floor: int, ceiling: int) -> AutoBudget:
         )
     usable, source = min(limits)
     margin = MARGIN_BYTES + int(usable * MARGIN_SHARE)
-    left = usable - counted - resident - margin
-    chosen = AutoBudget(min(left, ceiling), usable, source, counted, resident, margin,
-                        left > ceiling, anon, file)  # fmt: skip
+    left = usable - in_use - resident - margin
+    chosen = AutoBudget(min(left, ceiling), usable, source, in_use, resident, margin,
+                        left > ceiling)  # fmt: skip
     if left < floor:
         f = format_bytes
         raise BudgetError(
             f"budget='auto': this process may use {f(usable)} ({source}); that cannot hold "
             f"the model's non-expert weights ({f(resident)}) + one layer's top-k experts "
-            f"({f(floor)}) on top of the {chosen._in_use()} and a {f(margin)} margin; run "
+            f"({f(floor)}) on top of the {f(in_use)} in use and a {f(margin)} margin; run "
             "where more memory is free (or with a higher memory limit)"
         )
     return chosen
