@@ -6,7 +6,7 @@ from libc.stdint cimport int32_t, int64_t, uint16_t, uint64_t
 from libc.stdlib cimport free, malloc
 
 from colibri._openmp cimport colibri_max_threads
-from colibri.layer._plan cimport check_plan
+from colibri.layer._plan cimport add_rows, check_plan, gather_rows
 
 
 cdef extern from "colibri/cpu.h" nogil:
@@ -184,7 +184,7 @@ def ffn_sum(const float[:, :] x, list experts, int kind, int act,
     down [H, I]) uint16 bits of one ``kind``; rows int64 in [0, T) and scale float32 per
     assignment, grouped by expert as bounds (int64 [len(experts) + 1], from 0) says, 1 to
     MAX_ROWS rows an expert. Shapes are checked here; float32 accumulation throughout."""
-    cdef Py_ssize_t count = len(experts), j, i, k
+    cdef Py_ssize_t count = len(experts), j
     cdef int64_t T = x.shape[0], H = x.shape[1], total, n, offset
     cdef colibri_ffn_t *fs = NULL
     cdef int32_t *first = NULL
@@ -239,13 +239,9 @@ def ffn_sum(const float[:, :] x, list experts, int kind, int act,
                 fs[j].xs = <uint16_t *>split
                 split += colibri_ffn_split_bytes(&fs[j])
         with nogil:
-            for i in range(total):
-                for k in range(H):
-                    xg[i * H + k] = x[rows[i], k]
+            gather_rows(x, rows, total, xg)
             colibri_ffn_run_many(fs, <int32_t>count, first, num_threads)
-            for i in range(total):
-                for k in range(H):
-                    y[rows[i], k] += scale[i] * yg[i * H + k]
+            add_rows(y, rows, scale, total, yg)
     finally:
         free(fs)
         free(first)

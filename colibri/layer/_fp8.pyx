@@ -8,7 +8,7 @@ from libc.stdlib cimport free, malloc
 import numpy as np
 
 from colibri._openmp cimport colibri_max_threads
-from colibri.layer._plan cimport check_plan
+from colibri.layer._plan cimport add_rows, check_plan, gather_rows
 from colibri.layer._ffn import ACTIVATIONS, path_index
 
 
@@ -194,7 +194,7 @@ def ffn_sum(const float[:, ::1] x, list experts, act, const int64_t[::1] bounds,
     cdef int p = path_index(path)
     cdef int a = ACTIVATIONS.get(act, -1)
     cdef Py_ssize_t count = len(experts), j
-    cdef int64_t T = x.shape[0], H = x.shape[1], total, i, k, I, hsize = 0
+    cdef int64_t T = x.shape[0], H = x.shape[1], total, k, I, hsize = 0
     cdef const uint8_t[:, ::1] g, u, d
     cdef const float[:, ::1] gs, us, ds
     if a < 0:
@@ -251,13 +251,9 @@ def ffn_sum(const float[:, ::1] x, list experts, act, const int64_t[::1] bounds,
         if num_threads < 1:
             num_threads = colibri_max_threads()
         with nogil:
-            for i in range(total):
-                for k in range(H):
-                    xg[i * H + k] = x[rows[i], k]
+            gather_rows(x, rows, total, xg)
             colibri_fp8_run_many(f, <int32_t>count, first, num_threads)
-            for i in range(total):
-                for k in range(H):
-                    y[rows[i], k] += scale[i] * yg[i * H + k]
+            add_rows(y, rows, scale, total, yg)
     finally:
         free(f)
         free(first)

@@ -32,3 +32,21 @@ cdef inline int64_t check_plan(Py_ssize_t count, int64_t T, const int64_t[::1] b
         if rows[i] < 0 or rows[i] >= T:
             raise ValueError(f"ffn_sum(): row {rows[i]} outside x's {T} rows")
     return total
+
+
+cdef inline void gather_rows(const float[:, :] x, const int64_t[::1] rows, int64_t total,
+                             float *xg) noexcept nogil:
+    """xg [total, H] = the rows of x that rows[:total] names (checked by check_plan)."""
+    cdef int64_t i, k, H = x.shape[1]
+    for i in range(total):
+        for k in range(H):
+            xg[i * H + k] = x[rows[i], k]
+
+
+cdef inline void add_rows(float[:, :] y, const int64_t[::1] rows, const float[::1] scale,
+                          int64_t total, const float *yg) noexcept nogil:
+    """y[rows[i]] += scale[i] * yg[i] for i < total (yg [total, H], the experts' outputs)."""
+    cdef int64_t i, k, H = y.shape[1]
+    for i in range(total):
+        for k in range(H):
+            y[rows[i], k] += scale[i] * yg[i * H + k]

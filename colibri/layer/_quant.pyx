@@ -8,7 +8,7 @@ from libc.stdlib cimport calloc, free, malloc
 import numpy as np
 
 from colibri._openmp cimport colibri_max_threads
-from colibri.layer._plan cimport check_plan
+from colibri.layer._plan cimport add_rows, check_plan, gather_rows
 from colibri.layer._ffn import path_index
 
 
@@ -434,16 +434,13 @@ def ffn_sum(const float[:, ::1] x, list experts, qtype, act, const int64_t[::1] 
         if num_threads < 1:
             num_threads = colibri_max_threads()
         with nogil:
+            gather_rows(x, rows, total, xg)
             for i in range(total):
-                for k in range(H):
-                    xg[i * H + k] = x[rows[i], k]
                 colibri_q8_row(xg + i * H, <int32_t>H, xd + i * G, xq + i * H, xs + i * G)
                 if oss:
                     colibri_q8_oss_order(xq + i * H, <int32_t>H)
             colibri_qffn_run_many(f, <int32_t>count, first, num_threads)
-            for i in range(total):
-                for k in range(H):
-                    y[rows[i], k] += scale[i] * yg[i * H + k]
+            add_rows(y, rows, scale, total, yg)
     finally:
         free(f)
         free(first)
