@@ -43,8 +43,6 @@ class _Switch:
         self.generating = 0
 
     def enter(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        if not self.generating:
-            self.leave()  # a step that raised left torch on one thread
         if torch.compiler.is_compiling() or _tokens(args, kwargs) > self.rows:
             self.leave()  # a prompt: torch's own threads
             return
