@@ -8,9 +8,10 @@
 :func:`run_experts` is the one expert engine: :class:`MoELayer` (numpy and any DLPack
 framework) and the transformers integration both run their experts through it, over any
 :class:`ExpertStore` (a :class:`colibri.Pager`, or :class:`InMemoryExperts`).
-:func:`expert_ffn` is the fused half-precision expert kernel on its own; :func:`dispatch`,
-:func:`gather` and :func:`combine` are vLLM-style token-reordering steps, usable with any
-expert implementation.
+:func:`expert_ffn` is the fused half-precision expert kernel on its own; :func:`half_linear`
+and :func:`quant_linear` are colibri's linear kernels for half-precision and block-quantized
+weights; :func:`dispatch`, :func:`gather` and :func:`combine` are vLLM-style
+token-reordering steps, usable with any expert implementation.
 """
 
 from colibri.formats import ExpertWeights
@@ -22,10 +23,11 @@ from colibri.layer._expert import (
     expert_ffn,
     gpt_oss_experts,
     half_linear,
+    quant_linear,
 )
 from colibri.layer._ffn import detected_path, ffn_path, simd_path
 from colibri.layer._moe import InMemoryExperts, MoELayer
-from colibri.layer._quant import check_row_values, dequantize, quantize
+from colibri.layer._quant import check_row_values, dequantize, nonfinite_block, quantize
 
 __all__ = [
     "KERNEL_MAX_ROWS",
@@ -46,6 +48,8 @@ __all__ = [
     "gather",
     "gpt_oss_experts",
     "half_linear",
+    "nonfinite_block",
+    "quant_linear",
     "quantize",
     "run_experts",
     "simd_path",

@@ -22,7 +22,7 @@ from colibri._errors import FormatError
 from colibri.formats import FP8_BLOCKED, ExpertWeights
 from colibri.layer import _ffn, _fp8, _quant, _rows
 
-__all__ = ["activation_function", "expert_ffn", "half_linear"]
+__all__ = ["activation_function", "expert_ffn", "half_linear", "quant_linear"]
 
 
 def _gelu_tanh(x: np.ndarray) -> np.ndarray:
@@ -194,6 +194,43 @@ def half_linear(
     """
     y = np.empty((x.shape[0], bits.shape[0]), np.float32)
     _ffn.linear(x, bits, KERNEL_KINDS[dtype], y, num_threads, bias)
+    return y
+
+
+def quant_linear(
+    x: np.ndarray,
+    blocks: np.ndarray,
+    qtype: str,
+    bias: np.ndarray | None = None,
+    num_threads: int = 0,
+) -> np.ndarray:
+    """``x @ W.T + bias`` for a weight ``W`` block-quantized as stored (a GGUF tensor), on
+    colibri's quantized linear kernel: ``x`` quantized to int8 blocks once (as ggml does),
+    integer dot products, float32 accumulation in a fixed order (the same bits for any
+    thread count and SIMD path). The weights are read once whatever the rows.
+
+    Parameters
+    ----------
+    x : numpy.ndarray
+        ``[n, in]`` float32 rows.
+    blocks : numpy.ndarray
+        ``[out, row_bytes]`` ``uint8``, C-contiguous: each row ``in`` values as whole
+        ``qtype`` blocks.
+    qtype : str
+        ``"q8_0"``, ``"q4_0"``, ``"q4_k"``, ``"q5_k"``, ``"q6_k"``, ``"iq4_xs"`` or
+        ``"mxfp4"``.
+    bias : numpy.ndarray, optional
+        ``[out]`` float32.
+    num_threads : int
+        Threads (0: colibri's default).
+
+    Returns
+    -------
+    numpy.ndarray
+        ``[n, out]`` float32.
+    """
+    y = np.empty((x.shape[0], blocks.shape[0]), np.float32)
+    _quant.linear(qtype, blocks, x, y, num_threads, bias)
     return y
 
 

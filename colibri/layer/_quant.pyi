@@ -21,6 +21,15 @@ def matmul(
     path: str | None = None,
     scales: np.ndarray | None = None,
 ) -> np.ndarray: ...
+def linear(
+    qtype: str,
+    w: np.ndarray,
+    x: np.ndarray,
+    y: np.ndarray,
+    num_threads: int = 0,
+    bias: np.ndarray | None = None,
+    path: str | None = None,
+) -> None: ...
 def ffn(
     qtype: str,
     gate: np.ndarray,

@@ -68,6 +68,20 @@ cdef extern from "colibri/qffn.h" nogil:
                                int threads) noexcept
 
 
+cdef extern from "colibri/qlinear.h" nogil:
+    ctypedef struct colibri_qlinear_t:
+        int32_t n, in_dim, out_dim, type, path, rows
+        const float *xd
+        const int8_t *xq
+        const int32_t *xs
+        const uint8_t *w
+        int64_t ldw
+        const float *bias
+        float *y
+        int64_t ldy
+    void colibri_qlinear_run(colibri_qlinear_t *l, int threads) noexcept
+
+
 TYPES = {
     "q8_0": COLIBRI_Q8_0, "q4_0": COLIBRI_Q4_0, "q4_k": COLIBRI_Q4_K, "q5_k": COLIBRI_Q5_K,
     "q6_k": COLIBRI_Q6_K, "iq4_xs": COLIBRI_IQ4_XS, "mxfp4": COLIBRI_MXFP4,
@@ -262,6 +276,72 @@ def matmul(qtype, w, x, path=None, scales=None):
                 &qv[r, 0], &sv[r, 0], nb, &ov[r, 0], 1, ov.shape[1]
             )
     return out
+
+
+def linear(qtype, const uint8_t[:, ::1] w, const float[:, ::1] x, float[:, ::1] y,
+           int num_threads=0, const float[::1] bias=None, path=None):
+    """y = x @ dequantize(w).T (+ bias): colibri's quantized linear kernel
+    (include/colibri/qlinear.h), x quantized to q8 rows once.
+
+    Parameters
+    ----------
+    qtype : str
+        One of ``TYPES``.
+    w : ndarray of uint8, shape (out, row_bytes)
+        Rows of whole ``qtype`` blocks, C-contiguous (as stored in a GGUF file).
+    x : ndarray of float32, shape (n, in)
+        C-contiguous; ``in`` the values of a row of ``w``.
+    y : ndarray of float32, shape (n, out)
+        C-contiguous, written.
+    num_threads : int
+        Threads (the caller and pool helpers); < 1: colibri's default. The bits do not
+        depend on it, nor on ``path``.
+    bias : ndarray of float32, shape (out,), optional
+        Added in float32.
+    path : str, optional
+        A SIMD path this CPU runs (tests); None: the dispatched one.
+    """
+    cdef int t = _type(qtype, False)
+    cdef int32_t K = row_values(qtype, w.shape[1])
+    if x.shape[1] != K or y.shape[0] != x.shape[0] or y.shape[1] != w.shape[0]:
+        raise ValueError(
+            f"linear(): x [n, in], w [out] rows of in {qtype} values and y [n, out] (got x "
+            f"{[x.shape[0], x.shape[1]]}, w {w.shape[0]} rows of {K} values, y "
+            f"{[y.shape[0], y.shape[1]]})"
+        )
+    if bias is not None and bias.shape[0] != w.shape[0]:
+        raise ValueError(f"linear(): bias must be float32 [{w.shape[0]}] (got [{bias.shape[0]}])")
+    if x.shape[0] > 0x7fffffff or w.shape[0] > 0x7fffffff:
+        raise ValueError("linear(): more than 2^31 - 1 rows")
+    cdef colibri_qlinear_t f
+    f.n = <int32_t>x.shape[0]
+    f.in_dim = K
+    f.out_dim = <int32_t>w.shape[0]
+    f.type = t
+    f.path = path_index(path)
+    if f.n == 0 or f.out_dim == 0:
+        return
+    cdef int64_t groups = K // 32
+    cdef char *q8 = <char *>malloc(<size_t>f.n * (K + 8 * groups))
+    if q8 == NULL:
+        raise MemoryError()
+    f.xd = <float *>q8
+    f.xs = <int32_t *>(q8 + 4 * f.n * groups)
+    f.xq = <int8_t *>(q8 + 8 * f.n * groups)
+    f.w = &w[0, 0]
+    f.ldw = w.shape[1]
+    f.bias = &bias[0] if bias is not None else NULL
+    f.y = &y[0, 0]
+    f.ldy = y.shape[1]
+    if num_threads < 1:
+        num_threads = colibri_max_threads()
+    cdef int32_t r
+    with nogil:
+        for r in range(f.n):
+            colibri_q8_row(&x[r, 0], K, <float *>f.xd + r * groups, <int8_t *>f.xq + r * K,
+                           <int32_t *>f.xs + r * groups)
+        colibri_qlinear_run(&f, num_threads)
+    free(q8)
 
 
 def _oss_order(int8_t[::1] q):

@@ -350,3 +350,48 @@ def test_a_corrupt_block_scale_is_an_error_naming_the_expert(tmp_path):
         x[1, 0] = np.inf
         y = run_experts(pager, 0, x, ids, weights, num_experts=E)
         assert np.isfinite(y[0]).all() and not np.isfinite(y[1]).all()
+
+
+@pytest.mark.parametrize("qtype", list(GGUF_TYPES))
+def test_quant_linear_is_matmuls_bits_on_every_path_and_thread_count(qtype):
+    """The pooled linear kernel gives matmul's bits (themselves bounded against a float64
+    product above) plus the bias in float32: 300 output rows are several chunks, 9 input
+    rows three passes of at most 4."""
+    from colibri.layer import quant_linear
+
+    rng = np.random.default_rng(21 + len(qtype))
+    w = _blocks(rng, qtype, 300, 1024 // _quant.BLOCK[qtype])
+    x = rng.standard_normal((9, 1024)).astype(np.float32)
+    bias = rng.standard_normal(300).astype(np.float32)
+    want = _quant.matmul(qtype, w, x, path="scalar")
+    for n in (1, 4, 9):
+        for threads in (1, 2, 3):
+            np.testing.assert_array_equal(quant_linear(x[:n], w, qtype, None, threads), want[:n])
+        got = quant_linear(x[:n], w, qtype, bias, 2)
+        np.testing.assert_array_equal(got, want[:n] + bias)
+    for path in PATHS:
+        y = np.empty((9, 300), np.float32)
+        _quant.linear(qtype, w, x, y, 2, path=path)
+        np.testing.assert_array_equal(y, want)
+    assert quant_linear(x[:0], w, qtype).shape == (0, 300)
+
+
+@pytest.mark.parametrize(
+    ("change", "error", "match"),
+    [
+        (dict(x=np.zeros((2, 512), np.float32)), ValueError, r"x \[n, in\].*w 3 rows of 1024"),
+        (dict(y=np.zeros((2, 4), np.float32)), ValueError, r"y \[n, out\]"),
+        (dict(bias=np.zeros(4, np.float32)), ValueError, r"bias must be float32 \[3\]"),
+        (dict(w=np.zeros((3, 1089), np.uint8)), ValueError, "whole blocks of 34 bytes"),
+        (dict(qtype="q5_0"), ValueError, "quantized type must be one of"),
+        (dict(x=np.zeros((2, 1024))), ValueError, "dtype mismatch"),
+        (dict(x=np.zeros((1024, 2), np.float32).T), ValueError, "contiguous"),
+    ],
+    ids=["in", "out", "bias", "truncated-rows", "type", "float64", "strided"],
+)
+def test_quant_linear_bad_input(change, error, match):
+    args = dict(qtype="q8_0", w=np.zeros((3, 1088), np.uint8), x=np.zeros((2, 1024), np.float32),
+                y=np.zeros((2, 3), np.float32), bias=None)  # fmt: skip
+    args.update(change)
+    with pytest.raises(error, match=match):
+        _quant.linear(args["qtype"], args["w"], args["x"], args["y"], 1, args["bias"])

@@ -51,13 +51,17 @@ class AutoBudget(NamedTuple):
         )
 
 
-def resident_bytes(checkpoint: Any, plan: dict, dtype: Any) -> int:
+def resident_bytes(checkpoint: Any, plan: dict, dtype: Any, kept: dict = ()) -> int:
     """Bytes the tensors of ``plan`` (:func:`_plan_resident`) take once loaded: floating
-    tensors (block-quantized GGUF ones dequantized) in ``dtype``, the others as stored."""
+    tensors (block-quantized GGUF ones dequantized) in ``dtype``, the others and those filling
+    the model tensors named in ``kept`` (kept block-quantized) as stored."""
     total = 0
     for names in plan.values():
-        for name, _ in names:
+        for name, target in names:
             info = checkpoint.tensors[name]
+            if target in kept:
+                total += info.nbytes
+                continue
             count = math.prod(info.shape)
             floating = info.dtype.startswith(("F", "BF")) or info.block[1] > 0
             total += count * dtype.itemsize if floating and dtype is not None else info.nbytes
@@ -119,12 +123,12 @@ def auto_budget(resident: int, floor: int, ceiling: int) -> AutoBudget:
 
 
 def for_model(model: Any, checkpoint: Any, plan: dict, source: Any, page_size_kb: int,
-              dtype: Any) -> AutoBudget:  # fmt: skip
+              dtype: Any, kept: dict = ()) -> AutoBudget:  # fmt: skip
     """:func:`auto_budget` for a model ``from_pretrained`` is loading: its resident weights
-    from ``plan``; its floor one layer's top-k of the largest expert, its ceiling all of the
-    experts, each taken as the pager's slot for the largest (its three matrices rounded out
-    to whole pages: at most two pages more each)."""
+    from ``plan`` (``kept``: those kept block-quantized); its floor one layer's top-k of the
+    largest expert, its ceiling all of the experts, each taken as the pager's slot for the
+    largest (its three matrices rounded out to whole pages: at most two pages more each)."""
     page = check_page_size_kb(page_size_kb, "from_pretrained(): ") * 1024
     slot = source.max_expert_nbytes + 6 * page
-    resident = resident_bytes(checkpoint, plan, dtype)
+    resident = resident_bytes(checkpoint, plan, dtype, kept)
     return auto_budget(resident, top_k(model) * slot, len(source.experts) * slot)

@@ -230,6 +230,64 @@ class GGUFCheckpoint(TensorTable):
             plan.setdefault(self.tensors[name].path, []).append((name, target))
         return plan
 
+    def quantized_linears(self, model: nn.Module, plan: dict) -> dict[str, tuple[str, np.ndarray]]:
+        """The linears of ``model`` whose weights colibri's quantized linear kernel computes
+        as stored: ``{model tensor name: (GGUF name, row order)}``.
+
+        A weight qualifies when it fills an ``nn.Linear`` (not an LM head tied to the
+        embeddings) from a tensor of a type of :data:`QUANTIZED_TYPES` of the same
+        ``[out, in]`` shape, and transformers' tensor processor at most reorders its rows
+        (llama's q/k permutation): ``order`` (int64 ``[out]``) takes the stored rows to the
+        model's, as the processor does (found by processing the rows' indices).
+        """
+        config = model.config.get_text_config()
+        tied = getattr(config, "tie_word_embeddings", False)
+        outputs = model.get_output_embeddings() if tied else None
+        found = {}
+        for names in plan.values():
+            for name, target in names:
+                info = self.tensors[name]
+                owner, _, attr = target.rpartition(".")
+                if info.dtype not in QUANTIZED_TYPES or attr != "weight":
+                    continue
+                module = model.get_submodule(owner)
+                if not isinstance(module, nn.Linear) or module is outputs:
+                    continue
+                if tuple(info.shape) != (module.out_features, module.in_features):
+                    continue
+                order = self._row_order(name, module.out_features)
+                if order is not None:
+                    found[target] = (name, order)
+        return found
+
+    def _row_order(self, name: str, rows: int) -> np.ndarray | None:
+        """Where transformers' processor takes each row of tensor ``name`` (``rows`` rows),
+        or None when it does more than reorder them."""
+        probe = np.arange(rows, dtype=np.float64)[:, None]
+        try:
+            done = self._processor.process(
+                weights=probe, name=name, tensor_key_mapping={}, parsed_parameters={"tensors": {}}
+            ).weights
+        except (ValueError, TypeError, IndexError, KeyError):
+            return None
+        done = np.asarray(done)
+        if done.shape != probe.shape:
+            return None
+        order = done[:, 0].astype(np.int64)
+        if not np.array_equal(order, done[:, 0]) or not np.array_equal(np.sort(order), probe[:, 0]):
+            return None
+        return order
+
+    def read_blocks(self, f, name: str, order: np.ndarray) -> tuple[str, np.ndarray]:
+        """Tensor ``name`` as stored, read from the open file ``f``: its block type (colibri's
+        name, ``"q8_0"`` ...) and its rows ``uint8 [out, row_bytes]`` in the model's
+        ``order`` (:meth:`quantized_linears`)."""
+        info = self.tensors[name]
+        rows = read_bytes(f, info).numpy().reshape(info.shape[0], info.row_bytes())
+        if not np.array_equal(order, np.arange(len(order))):
+            rows = np.ascontiguousarray(rows[order])
+        return info.dtype.lower(), rows
+
     def read_tensor(self, f, name: str) -> torch.Tensor:
         """Tensor ``name`` read from the open file ``f``: floats dequantized to float32 (F16,
         BF16 exactly) and transformed as transformers' tensor processor does (its shape then

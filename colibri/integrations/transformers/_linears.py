@@ -12,10 +12,17 @@ still wins (``model.colibri.linears`` records the choice and the timings).
 
 The output equals torch's up to float32 summation order: both accumulate the exact products
 in float32, add the bias in float32 and round once to the input's dtype.
+
+A GGUF file's block-quantized linears (Q8_0, Q4_K, ...) are kept as stored when the model
+computes in half precision: they never exist in bfloat16 (the module's ``weight`` stays on
+the meta device) and every input runs colibri's quantized linear kernel
+(``include/colibri/qlinear.h``: the input quantized to int8 blocks, as llama.cpp does), half
+the bytes of bfloat16 for Q8_0, a quarter for Q4_0.
 """
 
 from __future__ import annotations
 
+import sys
 import time
 import types
 from dataclasses import dataclass, field
@@ -25,7 +32,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from colibri._validate import check_choice
-from colibri.integrations.transformers._ops import bits_of, compute
+from colibri.integrations.transformers._ops import bits_of, compute, compute_quantized
 from colibri.integrations.transformers._threads import DECODE_ROWS, one_thread
 
 __all__ = ["LINEAR_MODES", "MAX_ROWS", "LinearChoice", "install"]
@@ -52,7 +59,8 @@ class LinearChoice:
         ``"colibri"`` (inputs of up to ``rows`` rows on colibri's kernel) or ``"torch"``.
     rows : int
         Most input rows colibri's kernel takes (0 with ``engine="torch"``): ``MAX_ROWS``,
-        or with ``linears="auto"`` the most of 1, 2, 4, ``MAX_ROWS`` at which it won.
+        or with ``linears="auto"`` the most of 1, 2, 4, ``MAX_ROWS`` at which it won;
+        ``sys.maxsize`` for block-quantized weights kept as stored (every input).
     modules : list of str
         The model's linears of this shape.
     colibri_s, torch_s : float or None
@@ -83,6 +91,43 @@ class _Linear:
         usable = weight.dtype in _HALVES and weight.device.type == "cpu" and weight.is_contiguous()
         self.bits = bits_of(weight) if usable else None  # a view: follows in-place changes
         self.bias32 = None if bias is None else bias.detach().to(torch.float32).numpy()
+
+
+class _Quantized:
+    """One linear's weight as stored in a GGUF file (rows of blocks) and its float32 bias."""
+
+    def __init__(self, module: nn.Linear, qtype: str, blocks, num_threads: int) -> None:
+        self.qtype = qtype
+        self.blocks = torch.from_numpy(blocks)  # uint8 [out, row_bytes]
+        self.num_threads = num_threads
+        self.refresh(module)
+
+    def refresh(self, module: nn.Linear) -> None:
+        bias = module.bias
+        self.key = None if bias is None else (bias.data_ptr(), bias._version)
+        self.bias32 = None if bias is None else bias.detach().to(torch.float32).numpy()
+
+
+def _quantized_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    state: _Quantized = self.__dict__[_STATE]
+    if torch.compiler.is_compiling():  # an opaque node of the graph
+        return torch.ops.colibri.quant_linear(
+            x, state.blocks, state.qtype, self.bias, state.num_threads
+        )
+    if x.device.type != "cpu":
+        raise ValueError(
+            f"a {state.qtype} linear of a GGUF model computes on the CPU, its input is on "
+            f"{x.device}; move the input to the CPU"
+        )
+    if torch.is_grad_enabled() and x.requires_grad:
+        raise RuntimeError(
+            f"a {state.qtype} linear kept as stored has no gradient; run under "
+            "torch.no_grad(), or load with linears='torch' (bfloat16 weights, dequantized)"
+        )
+    bias = self.bias
+    if (None if bias is None else (bias.data_ptr(), bias._version)) != state.key:
+        state.refresh(self)
+    return compute_quantized(x, state.blocks, state.qtype, state.bias32, state.num_threads)
 
 
 def _key(weight: torch.Tensor, bias: torch.Tensor | None) -> tuple:
@@ -174,7 +219,11 @@ def _choose(module: nn.Linear, num_threads: int, names: list[str]) -> LinearChoi
 
 
 def install(
-    model: nn.Module, mode: str, num_threads: int = 0, skip: list[str] = ()
+    model: nn.Module,
+    mode: str,
+    num_threads: int = 0,
+    skip: list[str] = (),
+    quantized: dict | None = None,
 ) -> dict[tuple[int, int, str], LinearChoice]:
     """Run the non-expert linears of ``model`` on colibri's kernel as ``mode`` says.
 
@@ -190,11 +239,16 @@ def install(
         colibri's threads (0: colibri's default).
     skip : list of str
         Names of modules whose linears stay torch's (the routed experts).
+    quantized : dict, optional
+        ``{module name: (qtype, blocks)}``: linears whose weights stay block-quantized as
+        stored (``blocks`` ``uint8 [out, row_bytes]``; the module's weight on the meta
+        device), run on colibri's quantized kernel whatever ``mode`` says.
 
     Returns
     -------
     dict
-        ``{(out, in, dtype name): LinearChoice}`` for every candidate linear's shape.
+        ``{(out, in, dtype name): LinearChoice}`` for every candidate linear's shape (the
+        block type's name, ``"q8_0"`` ..., for the quantized ones).
     """
     check_choice("from_pretrained(): linears", mode, LINEAR_MODES)
     by_shape: dict[tuple[int, int, str], list[tuple[str, nn.Linear]]] = {}
@@ -216,4 +270,10 @@ def install(
                 # plain instance attributes, as patch() does for routers
                 module.__dict__[_STATE] = _Linear(module, num_threads, choice.rows)
                 module.__dict__["forward"] = types.MethodType(_forward, module)
+    for name, (qtype, blocks) in (quantized or {}).items():
+        module = model.get_submodule(name)
+        key = (module.out_features, module.in_features, qtype)
+        choices.setdefault(key, LinearChoice("colibri", sys.maxsize, [])).modules.append(name)
+        module.__dict__[_STATE] = _Quantized(module, qtype, blocks, num_threads)
+        module.__dict__["forward"] = types.MethodType(_quantized_forward, module)
     return choices

@@ -49,6 +49,7 @@ from colibri.integrations.transformers._gguf import QUANTIZED_TYPES, GGUFCheckpo
 from colibri.integrations.transformers._linears import LINEAR_MODES, install
 from colibri.integrations.transformers._patch import _STATE, patch
 from colibri.integrations.transformers._predict import READ_AHEAD_MODES, link_layers
+from colibri.layer import nonfinite_block
 
 __all__ = ["from_pretrained"]
 
@@ -93,13 +94,29 @@ def _plan_resident(model: nn.Module, checkpoint: Checkpoint) -> dict[str, list[t
     return plan
 
 
-def _load_resident(model: nn.Module, checkpoint: Checkpoint, plan: dict, dtype) -> int:
-    """Load the tensors of ``plan`` into ``model``; returns their bytes."""
+def _load_resident(
+    model: nn.Module, checkpoint: Checkpoint, plan: dict, dtype, kept: dict, blocks: dict
+) -> int:
+    """Load the tensors of ``plan`` into ``model``, those of ``kept`` (a GGUF file's
+    :meth:`~GGUFCheckpoint.quantized_linears`) as stored into ``blocks`` (``{module name:
+    (qtype, rows)}``, their weights left on the meta device); returns their bytes."""
     wanted = model.state_dict(keep_vars=True)
     total = 0
     for path, names in plan.items():
         with open_regular(path, "the weights file") as f:
             for name, target in names:
+                if target in kept:
+                    qtype, rows = checkpoint.read_blocks(f, name, kept[target][1])
+                    bad = nonfinite_block(qtype, rows)
+                    if bad >= 0:
+                        raise CheckpointError(
+                            f"{checkpoint.tensors[name].path}: tensor {name!r} holds a "
+                            f"non-finite {qtype} block scale (row {bad // rows.shape[1]}): the "
+                            "file is corrupt; fix: re-download or re-convert it"
+                        )
+                    blocks[target.removesuffix(".weight")] = qtype, rows
+                    total += checkpoint.tensors[name].nbytes
+                    continue
                 # a GGUF tensor's shape may differ from the model's by axes of 1
                 tensor = checkpoint.read_tensor(f, name)
                 if checkpoint.tensors[name].dtype == "F8_E4M3":  # times its block scales
@@ -115,7 +132,8 @@ def _load_resident(model: nn.Module, checkpoint: Checkpoint, plan: dict, dtype) 
         model.config.get_text_config(), "tie_word_embeddings", False
     ):
         model.tie_weights()
-    missing = [n for n, t in model.state_dict(keep_vars=True).items() if t.is_meta]
+    tensors = model.state_dict(keep_vars=True).items()
+    missing = [n for n, t in tensors if t.is_meta and n not in kept]
     if missing:
         more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
         shown = ", ".join(missing[:5]) + more
@@ -298,7 +316,9 @@ def from_pretrained(
         float16 weights on the CPU) run for inputs of a few rows: ``"auto"`` (default) times
         colibri's kernel against torch's ``F.linear`` once per weight shape at load and keeps
         the faster, ``"colibri"`` or ``"torch"`` force one (``model.colibri.linears``
-        records each shape's engine and timings).
+        records each shape's engine and timings). A GGUF file's block-quantized linears
+        (Q8_0, Q4_K, ...) stay as stored and run colibri's quantized kernel for every input
+        when the model computes in half precision, unless ``"torch"`` (then: dequantized).
     expert_parallel : bool, dict or colibri.distributed.ExpertParallel, optional
         Spread the routed experts over the ranks of a torch.distributed (gloo) group: call
         on every rank; rank 0 gets the model, every other rank serves its share of the
@@ -351,13 +371,16 @@ def from_pretrained(
     source = checkpoint.expert_source()  # never opens a stray manifest or another file
     _check_experts(modules, source, checkpoint)
     # every check before any weight is read
+    kept = {}  # a GGUF file's quantized linears, computed as stored in half precision
     if isinstance(checkpoint, GGUFCheckpoint):
         plan = checkpoint.plan_resident(model)
+        if linears != "torch" and torch_dtype in (torch.bfloat16, torch.float16):
+            kept = checkpoint.quantized_linears(model, plan)
     else:
         plan = _plan_resident(model, checkpoint)
     chosen = None
     if auto:  # what the memory this process may use leaves (_budget.py)
-        chosen = for_model(model, checkpoint, plan, source, page_size_kb, torch_dtype)
+        chosen = for_model(model, checkpoint, plan, source, page_size_kb, torch_dtype, kept)
         budget_bytes = chosen.nbytes
     pager = colibri.Pager(
         source,
@@ -387,11 +410,13 @@ def from_pretrained(
                 return None
         for name, module in modules:
             page(name, module, paging)
-        paging.resident_bytes = _load_resident(model, checkpoint, plan, torch_dtype)
+        blocks = {}
+        paging.resident_bytes = _load_resident(model, checkpoint, plan, torch_dtype, kept, blocks)
         _generation_config(model, checkpoint)
         model.eval()
         patch(model, num_threads=num_threads)
-        paging.linears = install(model, linears, num_threads or 0, [n for n, _ in modules])
+        paging.linears = install(model, linears, num_threads or 0, [n for n, _ in modules],
+                                 blocks)  # fmt: skip
         _threads.install(model)
         if partition is not None:
             _partition(model, partition, topk_groups)

@@ -21,9 +21,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from colibri.layer import half_linear
+from colibri.layer import half_linear, quant_linear
 
-__all__ = ["bits_of", "compute", "experts", "handle", "lookup", "route"]
+__all__ = ["bits_of", "compute", "compute_quantized", "experts", "handle", "lookup", "route"]
 
 _REGISTRY: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
 _NEXT = itertools.count(1)
@@ -222,3 +222,49 @@ def _linear_op(
 @_linear_op.register_fake
 def _(x, weight, bias, num_threads):
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+def compute_quantized(
+    x: torch.Tensor,
+    blocks: torch.Tensor,
+    qtype: str,
+    bias32: np.ndarray | None,
+    num_threads: int,
+) -> torch.Tensor:
+    """``x @ W.T + bias`` on colibri's quantized linear kernel, ``W`` as stored.
+
+    Parameters
+    ----------
+    x : torch.Tensor
+        ``[..., in]`` on the CPU, any float dtype.
+    blocks : torch.Tensor
+        ``[out, row_bytes]`` uint8: ``W``'s rows as whole ``qtype`` blocks, contiguous.
+    qtype : str
+        The blocks' type (``colibri.layer.quant_linear``'s).
+    bias32 : numpy.ndarray or None
+        ``[out]`` float32.
+    num_threads : int
+        colibri's threads (0: colibri's default).
+
+    Returns
+    -------
+    torch.Tensor
+        ``[..., out]``, ``x``'s dtype (float32 accumulation, rounded once).
+    """
+    rows = x.detach().reshape(-1, x.shape[-1]).to(torch.float32).contiguous()
+    y = quant_linear(rows.numpy(), blocks.numpy(), qtype, bias32, num_threads)
+    return torch.from_numpy(y).to(x.dtype).reshape(*x.shape[:-1], blocks.shape[0])
+
+
+@torch.library.custom_op("colibri::quant_linear", mutates_args=())
+def _quant_linear_op(
+    x: torch.Tensor, blocks: torch.Tensor, qtype: str, bias: torch.Tensor | None, num_threads: int
+) -> torch.Tensor:
+    """``x @ W.T + bias`` for ``W`` block-quantized as stored (:func:`compute_quantized`)."""
+    bias32 = None if bias is None else bias.detach().to(torch.float32).numpy()
+    return compute_quantized(x, blocks, qtype, bias32, num_threads)
+
+
+@_quant_linear_op.register_fake
+def _(x, blocks, qtype, bias, num_threads):
+    return x.new_empty((*x.shape[:-1], blocks.shape[0]))

@@ -27,6 +27,7 @@ from colibri.integrations.transformers import (  # noqa: E402
     UnsupportedCheckpointError,
     from_pretrained,
 )
+from colibri.layer import dequantize  # noqa: E402
 
 H, I, E, K, LAYERS, HEADS, KV, HEAD_DIM = 256, 256, 4, 2, 2, 4, 2, 64
 # where each block type keeps its float16 scales, and its largest |level x sub-block scale|
@@ -224,6 +225,119 @@ def test_default_bfloat16_runs_the_quantized_kernel(written):
         assert out.shape == (1, 10)
     finally:
         model.colibri.close()
+
+
+_Q_PROJ = "model.layers.0.self_attn.q_proj"  # the file's one Q8_0 linear
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe"])  # qwen2_moe: with a bias
+def test_quantized_linears_stay_as_stored(written, family):
+    """In half precision the file's Q8_0 projection stays as stored (its weight on the meta
+    device, never bfloat16) and runs colibri's quantized linear kernel, within the rounding of
+    int8 activations and a bfloat16 output of the float64 product of the dequantized weight;
+    ``linears="torch"`` dequantizes it."""
+    path, ref = written(family=family)
+    model = from_pretrained(path, budget=2 * _expert_bytes(), page_size_kb=4)
+    plain = from_pretrained(path, budget=2 * _expert_bytes(), page_size_kb=4, linears="torch")
+    try:
+        choice = model.colibri.linears[HEADS * HEAD_DIM, H, "q8_0"]
+        assert choice.engine == "colibri" and choice.modules == [_Q_PROJ]
+        module = model.get_submodule(_Q_PROJ)
+        assert module.weight.is_meta and module.weight.shape == (HEADS * HEAD_DIM, H)
+        assert plain.get_submodule(_Q_PROJ).weight.dtype == torch.bfloat16
+        assert all(key[2] == "bfloat16" for key in plain.colibri.linears)
+        x = torch.randn(11, H).to(torch.bfloat16)  # > 8 rows too: every input
+        want = x.double() @ ref.get_submodule(_Q_PROJ).weight.double().T
+        if family == "qwen2_moe":  # a bias changed in place (the file's are zeros) is added
+            with torch.no_grad():
+                module.bias.copy_(torch.randn(HEADS * HEAD_DIM))
+            want += module.bias.double()
+        with torch.no_grad():
+            got = module(x)
+        assert got.dtype == torch.bfloat16 and got.shape == want.shape
+        error = (got.double() - want).abs()
+        assert error.max() < 0.01 * want.abs().max(), error.max()
+        with pytest.raises(RuntimeError, match="no gradient.*torch.no_grad"):
+            module(x.float().requires_grad_())
+        with pytest.raises(ValueError, match="on the CPU.*meta"):
+            module(x.to("meta"))
+    finally:
+        model.colibri.close()
+        plain.colibri.close()
+
+
+def test_quantized_linear_compiles_in_one_graph(written):
+    """Under torch.compile the Q8_0 projection is a ``colibri::quant_linear`` node of the one
+    graph (fullgraph: no break), with the eager logits."""
+    torch._dynamo.reset()
+    path, _ = written()
+    model = from_pretrained(path, budget=2 * _expert_bytes(), page_size_kb=4)
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    try:
+        ids = token_ids(2, batch=1, length=3)
+        want = logits(model, ids)
+        got = logits(torch.compile(model, fullgraph=True, backend=backend), ids)
+        torch._dynamo.reset()
+        assert torch.equal(got, want)
+        assert len(graphs) == 1 and graphs[0].code.count("torch.ops.colibri.quant_linear") == 1
+        blocks = model.get_submodule(_Q_PROJ).__dict__["_colibri_linear"].blocks
+        args = (torch.randn(3, H), blocks, "q8_0", torch.randn(HEADS * HEAD_DIM), 1)
+        torch.library.opcheck(torch.ops.colibri.quant_linear.default, args)
+    finally:
+        model.colibri.close()
+
+
+def test_a_corrupt_scale_of_a_quantized_linear_is_named(written, tmp_path):
+    from colibri.formats.gguf import gguf_tensors
+
+    path, _ = written()
+    bad = tmp_path / "bad.gguf"
+    data = bytearray(path.read_bytes())
+    info = gguf_tensors(str(path))["blk.0.attn_q.weight"]
+    row = info.row_bytes()
+    data[info.offset + 3 * row + 34 : info.offset + 3 * row + 36] = b"\x00\x7c"  # +inf
+    bad.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=r"blk.0.attn_q.weight.*non-finite q8_0 block "
+                       r"scale \(row 3\)"):  # fmt: skip
+        from_pretrained(bad, budget=2 * _expert_bytes(), page_size_kb=4)
+
+
+def test_rows_a_processor_reorders_stay_quantized(written):
+    """llama's GGUF q/k rows are permuted; transformers' processor undoes it on the dequantized
+    values, colibri on the stored rows: the same matrix."""
+    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS
+
+    from colibri.integrations.transformers._gguf import GGUFCheckpoint
+
+    path, _ = written()
+    checkpoint = GGUFCheckpoint(path)
+    processor = TENSOR_PROCESSORS["llama"](
+        config={"num_attention_heads": HEADS, "num_key_value_heads": KV}
+    )
+    checkpoint._processor = processor
+    orders = {}
+    for name, rows in (("blk.0.attn_q.weight", HEADS * HEAD_DIM), ("blk.0.attn_k.weight",
+                       KV * HEAD_DIM), ("blk.0.attn_v.weight", KV * HEAD_DIM)):  # fmt: skip
+        orders[name] = order = checkpoint._row_order(name, rows)
+        values = np.random.default_rng(0).standard_normal((rows, H))
+        want = processor.process(weights=values, name=name).weights
+        np.testing.assert_array_equal(values[order], want)
+        assert (order != np.arange(rows)).any() == (".attn_v." not in name)
+    name = "blk.0.attn_q.weight"  # the file's Q8_0 one, read as the model's rows
+    with open(path, "rb") as f:
+        qtype, rows = checkpoint.read_blocks(f, name, orders[name])
+    reader = gguf.GGUFReader(path)
+    stored = next(t for t in reader.tensors if t.name == name)
+    want = processor.process(weights=gguf.quants.dequantize(stored.data, G.Q8_0), name=name)
+    assert qtype == "q8_0"
+    np.testing.assert_array_equal(dequantize(qtype, rows), want.weights)
+    processor.process = lambda weights, name, **_: type("T", (), {"weights": weights * 2})()
+    assert checkpoint._row_order(name, HEADS * HEAD_DIM) is None
 
 
 def test_auto_budget(written):

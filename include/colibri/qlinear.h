@@ -1,0 +1,72 @@
+/*
+ * colibri's linear layer for block-quantized weights (colibri/quant.h), for a few rows:
+ *
+ *     y[r, o] = W[o] . x[r] (+ bias[o])      r < n, o < out
+ *
+ * W [out, in] as stored (each row whole blocks of one type, any row stride in bytes); x
+ * arrives as q8 rows (colibri_q8_row: d [n, in / 32], q [n, in], s [n, in / 32]), quantized
+ * once by the caller; y [n, out] float32, bias float32 [out] or none. The twin of
+ * colibri/linear.h: chunks of output rows run on colibri's pool, the weights read once
+ * whatever n, each output summed by one thread in colibri/quant.h's fixed order (the bits
+ * do not depend on the thread count or the SIMD path).
+ */
+#ifndef COLIBRI_QLINEAR_H
+#define COLIBRI_QLINEAR_H
+
+#include <stdint.h>
+
+#include "colibri/pool.h"
+#include "colibri/quant.h"
+
+typedef struct {
+    int32_t n, in_dim, out_dim; /* rows, input and output features */
+    int32_t type;               /* COLIBRI_Q8_0 ... (not COLIBRI_MXFP4_OSS) */
+    int32_t path;               /* COLIBRI_PATH_* (one this CPU runs) */
+    int32_t rows;               /* output rows per chunk: colibri_qlinear_chunk_rows */
+    const float *xd;            /* q8 of x, rows contiguous */
+    const int8_t *xq;
+    const int32_t *xs;
+    const uint8_t *w; /* [out] rows of in values, row stride ldw bytes */
+    int64_t ldw;
+    const float *bias; /* [out] or NULL */
+    float *y;          /* [n, out], row stride ldy */
+    int64_t ldy;
+} colibri_qlinear_t;
+
+/* Output rows per chunk: about 32 KiB of weights, whole multiples of 4 rows. */
+static inline int32_t colibri_qlinear_chunk_rows(int32_t type, int32_t in_dim)
+{
+    int64_t row = (int64_t)(in_dim / colibri_q_block[type]) * colibri_q_bytes[type];
+    int64_t rows = (32768 / (row > 0 ? row : 1)) & ~(int64_t)3;
+    return rows < 4 ? 4 : (int32_t)rows;
+}
+
+static void colibri_qlinear_chunk(void *arg, int32_t c)
+{
+    const colibri_qlinear_t *l = (const colibri_qlinear_t *)arg;
+    const int32_t o0 = c * l->rows;
+    const int32_t o1 = o0 + l->rows < l->out_dim ? o0 + l->rows : l->out_dim;
+    const int32_t groups = l->in_dim / 32;
+    int32_t o, r;
+    for (r = 0; r < l->n; r += 4)
+        colibri_q_dot_rows(l->path, l->type, l->w + o0 * l->ldw, l->ldw, NULL, 0, o1 - o0,
+                           l->in_dim, l->xd + r * groups, l->xq + (int64_t)r * l->in_dim,
+                           l->xs + r * groups, l->n - r < 4 ? l->n - r : 4, l->y + r * l->ldy + o0,
+                           1, l->ldy);
+    if (l->bias != NULL)
+        for (r = 0; r < l->n; r++)
+            for (o = o0; o < o1; o++)
+                l->y[r * l->ldy + o] += l->bias[o];
+}
+
+/* The whole layer on up to `threads` threads. */
+static inline void colibri_qlinear_run(colibri_qlinear_t *l, int threads)
+{
+    if (l->n < 1 || l->out_dim < 1)
+        return;
+    l->rows = colibri_qlinear_chunk_rows(l->type, l->in_dim);
+    colibri_pool_run(colibri_qlinear_chunk, (void *)l, (l->out_dim + l->rows - 1) / l->rows,
+                     threads);
+}
+
+#endif /* COLIBRI_QLINEAR_H */
