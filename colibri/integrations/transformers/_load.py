@@ -289,10 +289,10 @@ def from_pretrained(
         previous step; ``"off"``. A budget that holds every expert predicts nothing (each
         expert is read once and stays; a guess would cost more than it hides).
     num_threads : int, optional
-        Threads of colibri's routing and expert kernels (default: colibri's; torch's own:
-        ``torch.set_num_threads``). A step of at most 8 tokens (decoding) runs torch's
-        operations on one thread, colibri's pool doing the parallel work, and gives torch
-        its threads back after the step.
+        Threads of colibri's routing, expert and linear kernels (default: torch's thread
+        count when the model is loaded, ``torch.set_num_threads``). A step of at most 8
+        tokens (decoding) runs torch's operations on one thread, colibri's pool doing the
+        parallel work, and gives torch its threads back after the step.
     dtype : torch.dtype or str, optional
         Compute dtype; default: the dtype the experts are stored in (then expert views are
         used as they are; another dtype converts each expert on use); for block-quantized
@@ -354,6 +354,8 @@ def from_pretrained(
     budget_bytes = None if auto else parse_size(budget, "from_pretrained(): budget")
     if num_threads is not None:
         check_threads(num_threads, "from_pretrained(): num_threads")
+    else:  # fixed now: a decoding step sets torch's (OpenMP's) count, colibri's default, to 1
+        num_threads = torch.get_num_threads()
     if io is not None:
         check_choice("from_pretrained(): io", io, IO_BACKENDS)
     check_choice("from_pretrained(): linears", linears, LINEAR_MODES)
@@ -395,7 +397,7 @@ def from_pretrained(
         checkpoint=checkpoint,
         read_ahead=read_ahead,
         expert_bytes=source.total_expert_nbytes,
-        num_threads=num_threads or 0,
+        num_threads=num_threads,
         auto_budget=chosen,
     )
     try:
@@ -404,7 +406,7 @@ def from_pretrained(
 
             paging.remote = start(expert_parallel, pager,
                                   {layer_index(n): computation(m) for n, m in modules}, source,
-                                  num_threads=num_threads or 0, read_ahead=read_ahead)  # fmt: skip
+                                  num_threads=num_threads, read_ahead=read_ahead)  # fmt: skip
             if paging.remote is None:  # a serving rank, served until rank 0 closed
                 pager.close()
                 return None
@@ -415,7 +417,7 @@ def from_pretrained(
         _generation_config(model, checkpoint)
         model.eval()
         patch(model, num_threads=num_threads)
-        paging.linears = install(model, linears, num_threads or 0, [n for n, _ in modules],
+        paging.linears = install(model, linears, num_threads, [n for n, _ in modules],
                                  blocks)  # fmt: skip
         _threads.install(model)
         if partition is not None:

@@ -130,3 +130,20 @@ def test_generate_that_raises_gives_the_threads_back(model, threads, monkeypatch
     with pytest.raises(RuntimeError, match="planted"), torch.no_grad():
         model.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=5, do_sample=False)
     assert torch.get_num_threads() == 2
+
+
+def test_colibri_keeps_its_threads_in_a_decoding_step(tmp_path, threads, monkeypatch):
+    """colibri's kernels get the thread count torch had at load, not the one a decoding step
+    gives torch (OpenMP's default, which colibri's would follow)."""
+    folder = tmp_path / "m"
+    build_model("qwen3_moe").to(torch.bfloat16).save_pretrained(folder)
+    model = from_pretrained(folder, budget="64MiB", linears="colibri")
+    seen = []
+    compute = _linears.compute
+    monkeypatch.setattr(_linears, "compute", lambda *a: seen.append(a[3]) or compute(*a))
+    try:
+        assert model.colibri.num_threads == 2
+        assert _inside(model, torch.arange(5, 6)[None]) == 1
+        assert seen and set(seen) == {2}
+    finally:
+        model.colibri.close()
