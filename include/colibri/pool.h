@@ -24,13 +24,20 @@ typedef void (*colibri_chunk_fn)(void *arg, int32_t chunk);
 #if !defined(_WIN32) && (defined(__GNUC__) || defined(__clang__))
 #include <pthread.h>
 #include <sched.h>
+#include <time.h>
 #include <unistd.h>
 #define COLIBRI_POOL_THREADS 1
 #endif
 
 #define COLIBRI_POOL_MAX 64
-/* pause instructions a helper spins for new work before it sleeps (~50-100 us) */
-#define COLIBRI_POOL_SPIN 1000
+/* How long a helper spins for new work before it sleeps, in nanoseconds. A model's decoding
+ * step calls colibri's kernels every 0.1-0.5 ms with the host framework's operations in
+ * between; a helper asleep by then is woken through the OS (tens of microseconds, in a VM
+ * often longer than a 50-100 us call) and arrives when the caller has run every chunk: the
+ * second thread then adds nothing. Spinning 1 ms keeps it awake for the whole step, as
+ * llama.cpp's and OpenMP's threads are; the caller never waits for it, so on a busy core the
+ * spin costs the other program's time, not colibri's. */
+#define COLIBRI_POOL_SPIN_NS 1000000L
 
 static inline void colibri_pool_pause(void)
 {
@@ -74,6 +81,29 @@ static colibri_pool_t colibri_pool = {PTHREAD_MUTEX_INITIALIZER,
                                       0,
                                       0};
 
+static inline int64_t colibri_pool_now_ns(void)
+{
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
+}
+
+/* Spin (pause) until *gen moves on from seen, for at most COLIBRI_POOL_SPIN_NS. */
+static inline void colibri_pool_spin(uint32_t *gen, uint32_t seen)
+{
+    int64_t end = colibri_pool_now_ns() + COLIBRI_POOL_SPIN_NS;
+    int i;
+    for (;;) {
+        for (i = 0; i < 64; i++) { /* ~1-4 us between clock reads */
+            if (__atomic_load_n(gen, __ATOMIC_ACQUIRE) != seen)
+                return;
+            colibri_pool_pause();
+        }
+        if (colibri_pool_now_ns() >= end)
+            return;
+    }
+}
+
 /* Claim and run chunks of call `gen` until none is left (or a later call began). */
 static inline void colibri_pool_work(colibri_pool_t *p, uint32_t gen, colibri_chunk_fn fn,
                                      void *arg, int32_t chunks)
@@ -103,12 +133,9 @@ static void *colibri_pool_helper(void *self)
         int32_t chunks;
         uint32_t gen;
         while (p->gen == seen) {
-            /* spin a little first: back-to-back calls (one per expert) find it awake */
-            int i;
+            /* spin first: the next call of a decoding step finds it awake */
             pthread_mutex_unlock(&p->lock);
-            for (i = 0; i < COLIBRI_POOL_SPIN && __atomic_load_n(&p->gen, __ATOMIC_ACQUIRE) == seen;
-                 i++)
-                colibri_pool_pause();
+            colibri_pool_spin(&p->gen, seen);
             pthread_mutex_lock(&p->lock);
             if (p->gen != seen)
                 break;
