@@ -9,6 +9,15 @@ from typing import Any
 import numpy as np
 
 
+def _cpu_count() -> int:
+    """The machine's CPUs (1 when unknown)."""
+    return os.cpu_count() or 1
+
+
+# read once: os.cpu_count() costs ~18 us, and thread counts are checked on every kernel call
+_CPUS = _cpu_count()
+
+
 def check_int(name: str, value: Any, low: int, high: int | None = None, hint: str = "") -> int:
     """``value`` as an int in ``[low, high]`` (a bool is not an int); ``hint`` ends the message."""
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
@@ -28,7 +37,7 @@ def check_threads(value: Any, name: str = "num_threads") -> int:
     so the bound is checked before any pool sees the value.
     """
     threads = check_int(name, value, 1)
-    cpus = os.cpu_count() or 1
+    cpus = _CPUS
     if threads > 4 * cpus:
         raise ValueError(
             f"{name} must be at most {4 * cpus}, 4x this machine's {cpus} CPUs (got {threads}); "

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 import colibri
+from colibri import _validate
 from colibri._validate import check_threads
 from colibri.layer import _rows
 
@@ -15,7 +16,7 @@ HUGE = (3000, 2**31, 2**63)  # a SIGSEGV in torch; an OverflowError in the C int
 
 
 def test_check_threads_bounds(monkeypatch):
-    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(_validate, "_CPUS", 2)
     assert check_threads(1) == 1 and check_threads(np.int64(8)) == 8
     assert type(check_threads(np.int32(3))) is int
     with pytest.raises(ValueError, match=r"^n must be >= 1 \(got 0\)$"):
@@ -26,6 +27,8 @@ def test_check_threads_bounds(monkeypatch):
         with pytest.raises(TypeError, match="n must be an int"):
             check_threads(bad, "n")
     monkeypatch.setattr(os, "cpu_count", lambda: None)  # unknown: one CPU
+    assert _validate._cpu_count() == 1
+    monkeypatch.setattr(_validate, "_CPUS", _validate._cpu_count())
     assert check_threads(4) == 4
     with pytest.raises(ValueError, match="at most 4"):
         check_threads(5)

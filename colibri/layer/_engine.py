@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Mapping, Sequence
+from itertools import accumulate
 from typing import Protocol
 
 import numpy as np
@@ -277,8 +278,7 @@ class _Sums:
         for kind in sorted({f[1] for f in group}, key=str):
             same = [f for f in group if f[1] == kind]
             assignments = np.concatenate([f[2] for f in same])
-            bounds = np.zeros(len(same) + 1, np.int64)
-            np.cumsum([len(f[2]) for f in same], out=bounds[1:])
+            bounds = np.fromiter(accumulate((len(f[2]) for f in same), initial=0), np.int64)
             mats, rows = [f[0] for f in same], assignments // k
             scale = self.flat_weights[assignments]
             if kind == FP8_BLOCKED:
@@ -355,7 +355,7 @@ def _run_chunk(batch, part, sums: _Sums, activation, kernel_act, fallback) -> No
 def _check_finite(x: np.ndarray, y: np.ndarray, rows: np.ndarray, group: list) -> None:
     """Quantized experts gave non-finite sums from finite rows: name the expert whose block
     scales are not finite numbers (a corrupt file) instead of returning NaN."""
-    if np.isfinite(y[rows]).all() or not np.isfinite(x[rows]).all():
+    if np.isfinite(y[rows].sum()) or not np.isfinite(x[rows]).all():  # sum: one pass, no mask
         return
     for mats, (qtype, down_type), _, e in group:
         types = (qtype, qtype, down_type)

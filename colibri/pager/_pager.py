@@ -263,6 +263,9 @@ class Pager:
             backend = _MapIO if io == "mmap" else _ViewIO
             self._io = backend(self.source, self.page_size, self._spans)
         self._policy = make_policy(policy, num_slots, **(policy_options or {}))
+        # A slot for every expert: nothing is ever evicted, so a step's policy bookkeeping
+        # (the adaptive policy's shadow caches: ~20 us a load) would decide nothing.
+        self._evicts = num_slots < len(self._spans)
         self._usage: dict[Key, int] = {}
         self.trace: Trace | None = Trace() if record_trace else None
         self._jobs: queue.Queue = queue.Queue(maxsize=prefetch_queue)
@@ -660,7 +663,8 @@ class Pager:
             if self.trace is not None:
                 self.trace.steps.append((layer, tuple(e for _, e in keys)))
             stats, per = cache.stats, self._layer(layer)
-            self._policy.begin_step(layer, keys)
+            if self._evicts:
+                self._policy.begin_step(layer, keys)
             missed = []
             for key in keys:
                 self._usage[key] = self._usage.get(key, 0) + 1

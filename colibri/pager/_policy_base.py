@@ -28,7 +28,8 @@ class CachePolicy:
         self.capacity = int(capacity)
 
     def begin_step(self, layer: int, keys: list[Key]) -> None:
-        """A step of ``layer`` needing ``keys`` starts (before its touches and inserts)."""
+        """A step of ``layer`` needing ``keys`` starts (before its touches and inserts).
+        A pager with a slot for every expert never evicts and does not call it."""
 
     def insert(self, key: Key) -> None:
         raise NotImplementedError

@@ -370,9 +370,12 @@ def experts_forward(
         guess = next_guess(state, hidden_states)
         return state.paging.remote(state.layer, hidden_states, ids_np, weights, guess)
     x = hidden_states.detach().float().numpy()  # no copy for float32
-    out = torch.zeros_like(hidden_states)
+    out = None  # the fallback's sums, made by its first expert
 
     def fallback(e: int, w: ExpertWeights, tokens: np.ndarray, assignments: np.ndarray) -> None:
+        nonlocal out
+        if out is None:
+            out = torch.zeros_like(hidden_states)
         token_t = torch.from_numpy(tokens)
         slot_t = torch.from_numpy(assignments % ids.shape[1])
         h = expert_rows(self.act_fn, w, hidden_states[token_t])
@@ -393,6 +396,10 @@ def experts_forward(
         read_ahead=paging.read_ahead != "off",
         next_layer=next_guess(state, hidden_states),
     )
-    if sums is not None:  # the fused kernel's experts, summed in float32
-        out += torch.from_numpy(sums).to(out.dtype)
+    if sums is None:  # every expert ran in the fallback (or none was chosen)
+        return torch.zeros_like(hidden_states) if out is None else out
+    fused = torch.from_numpy(sums).to(hidden_states.dtype)  # summed in float32
+    if out is None:
+        return fused
+    out += fused
     return out
