@@ -28,7 +28,7 @@ def test_docstring_examples_run(name):
     assert failed == 0, f"{failed} of {attempted} examples in {name} failed (output above)"
 
 
-EXTENSIONS = ["_core", "_dlpack._capsule", "layer._ffn", "layer._rows"]
+EXTENSIONS = ["_core", "_dlpack._capsule", "layer._ffn", "layer._norm", "layer._rows"]
 
 
 @pytest.mark.parametrize("name", EXTENSIONS)

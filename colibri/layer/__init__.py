@@ -10,8 +10,9 @@ framework) and the transformers integration both run their experts through it, o
 :class:`ExpertStore` (a :class:`colibri.Pager`, or :class:`InMemoryExperts`).
 :func:`expert_ffn` is the fused half-precision expert kernel on its own; :func:`half_linear`
 and :func:`quant_linear` are colibri's linear kernels for half-precision and block-quantized
-weights; :func:`dispatch`, :func:`gather` and :func:`combine` are vLLM-style
-token-reordering steps, usable with any expert implementation.
+weights, :func:`rms_norm` transformers' RMSNorm in one call; :func:`dispatch`,
+:func:`gather` and :func:`combine` are vLLM-style token-reordering steps, usable with any
+expert implementation.
 """
 
 from colibri.formats import ExpertWeights
@@ -24,6 +25,7 @@ from colibri.layer._expert import (
     gpt_oss_experts,
     half_linear,
     quant_linear,
+    rms_norm,
 )
 from colibri.layer._ffn import detected_path, ffn_path, simd_path
 from colibri.layer._moe import InMemoryExperts, MoELayer
@@ -51,6 +53,7 @@ __all__ = [
     "nonfinite_block",
     "quant_linear",
     "quantize",
+    "rms_norm",
     "run_experts",
     "simd_path",
 ]

@@ -10,6 +10,7 @@ converted to float32 one cache-sized block at a time, quantized and float8 ones 
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 from collections.abc import Callable
@@ -20,9 +21,9 @@ import numpy as np
 from colibri._dlpack import bf16_to_float32, float32_to_bf16, import_host, to_caller
 from colibri._errors import FormatError
 from colibri.formats import FP8_BLOCKED, ExpertWeights
-from colibri.layer import _ffn, _fp8, _quant, _rows
+from colibri.layer import _ffn, _fp8, _norm, _quant, _rows
 
-__all__ = ["activation_function", "expert_ffn", "half_linear", "quant_linear"]
+__all__ = ["activation_function", "expert_ffn", "half_linear", "quant_linear", "rms_norm"]
 
 
 def _gelu_tanh(x: np.ndarray) -> np.ndarray:
@@ -195,6 +196,67 @@ def half_linear(
     y = np.empty((x.shape[0], bits.shape[0]), np.float32)
     _ffn.linear(x, bits, KERNEL_KINDS[dtype], y, num_threads, bias)
     return y
+
+
+_NORM_KINDS = {"float32": _norm.KIND_PLAIN, "bfloat16": _norm.KIND_BFLOAT16,
+               "float16": _norm.KIND_FLOAT16}  # fmt: skip
+
+
+def rms_norm(
+    x: np.ndarray,
+    weight: np.ndarray,
+    eps: float,
+    dtype: str = "float32",
+    out: np.ndarray | None = None,
+) -> np.ndarray:
+    """RMSNorm of each row as transformers' Llama-family ``*RMSNorm`` computes it:
+    ``weight * round(x * (1 / sqrt(mean(x^2) + eps)))``, ``round`` to ``dtype``.
+
+    Parameters
+    ----------
+    x : numpy.ndarray
+        ``[T, n]``: float32, or the ``uint16`` bits of ``dtype``.
+    weight : numpy.ndarray
+        ``[n]``, stored as ``x`` is.
+    eps : float
+        Added to the mean of squares.
+    dtype : str
+        ``"float32"``, ``"bfloat16"`` or ``"float16"``: what ``x``, ``weight`` and the result
+        hold.
+    out : numpy.ndarray, optional
+        ``[T, n]`` C-contiguous, stored as ``x`` is: where the result goes (may be ``x``).
+
+    Returns
+    -------
+    numpy.ndarray
+        ``[T, n]`` like ``x``. The mean of squares is exact to float32's rounding; torch's
+        own sum order may differ in its last place, so results match torch's bit for bit
+        almost always and within one unit in the last place of ``dtype`` always.
+    """
+    kind = _NORM_KINDS.get(dtype)
+    if kind is None:
+        raise ValueError(f"rms_norm(): dtype must be one of {sorted(_NORM_KINDS)} (got {dtype!r})")
+    storage = np.float32 if kind == _norm.KIND_PLAIN else np.uint16
+    x, weight = np.asarray(x), np.asarray(weight)
+    if x.ndim != 2 or weight.ndim != 1 or x.dtype != storage or weight.dtype != storage:
+        raise ValueError(
+            f"rms_norm(): x must be [T, n] and weight [n], both {np.dtype(storage).name} for "
+            f"dtype={dtype!r} (got x {x.dtype} {list(x.shape)}, weight {weight.dtype} "
+            f"{list(weight.shape)})"
+        )
+    eps = float(eps)
+    if not math.isfinite(eps) or eps < 0:
+        raise ValueError(f"rms_norm(): eps must be a finite number >= 0 (got {eps})")
+    x, weight = np.ascontiguousarray(x), np.ascontiguousarray(weight)
+    if out is None:
+        out = np.empty_like(x)
+    elif out.shape != x.shape or out.dtype != storage or not out.flags.c_contiguous:
+        raise ValueError(
+            f"rms_norm(): out must be C-contiguous {np.dtype(storage).name} "
+            f"{list(x.shape)} (got {out.dtype} {list(out.shape)})"
+        )
+    _norm.rms_norm(x, weight, eps, out, kind)
+    return out
 
 
 def quant_linear(

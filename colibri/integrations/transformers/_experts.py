@@ -79,6 +79,8 @@ class Paging:
     linears : dict
         ``{(out, in, dtype): LinearChoice}``: which engine runs the model's other linears of
         each shape, and the timings that chose it (``from_pretrained(linears=...)``).
+    norms : list of str
+        The RMSNorm modules on colibri's kernel at decode sizes.
     """
 
     pager: Any
@@ -91,6 +93,7 @@ class Paging:
     modules: dict[int, nn.Module] = field(default_factory=dict, repr=False)
     auto_budget: Any = None
     linears: dict = field(default_factory=dict)
+    norms: list = field(default_factory=list)
     #: Experts spread over ranks (:mod:`colibri.distributed`): computes every paged experts
     #: module instead of :func:`run_experts`, ``remote(layer, x [T, H], ids [T, k] numpy,
     #: weights [T, k]) -> [T, H]``.

@@ -1,0 +1,107 @@
+"""RMSNorm over rows, transformers' formula, for decode-size inputs.
+
+``y = w * round(x * (1 / sqrt(mean(x^2) + eps)))``: ``x`` read as float32, the mean of its
+squares summed exactly in double and rounded once to float32, ``round`` to the storage type
+(bfloat16 / float16 round to nearest even; float32 as is), then one product with the weight
+rounded to the storage type. torch sums the float32 squares in its own order, so the two
+means can differ in float32's last place; the outputs then differ by at most one unit in the
+last place of the storage type, and rarely.
+"""
+
+from libc.math cimport sqrtf
+from libc.stdint cimport uint16_t
+
+cdef extern from "colibri/half.h" nogil:
+    enum:
+        COLIBRI_W_F16
+        COLIBRI_W_BF16
+    float colibri_bf16_to_float(uint16_t h) noexcept
+    float colibri_half_to_float(uint16_t h) noexcept
+    uint16_t colibri_float_to_bf16(float f) noexcept
+    uint16_t colibri_float_to_half(float f) noexcept
+
+# How values are stored: float32 (plain), or 16-bit bits of half.h's kinds.
+KIND_PLAIN = 0
+KIND_FLOAT16 = COLIBRI_W_F16
+KIND_BFLOAT16 = COLIBRI_W_BF16
+
+ctypedef fused value_t:
+    float
+    uint16_t
+
+
+cdef inline float _load(const value_t *p, Py_ssize_t i, int kind) noexcept nogil:
+    if value_t is float:
+        return p[i]
+    elif kind == COLIBRI_W_BF16:
+        return colibri_bf16_to_float(p[i])
+    else:
+        return colibri_half_to_float(p[i])
+
+
+cdef inline float _round(value_t *p, Py_ssize_t i, float f, int kind) noexcept nogil:
+    """Store ``f`` at ``p[i]`` in the storage type; return the stored value as float32."""
+    if value_t is float:
+        p[i] = f
+        return f
+    elif kind == COLIBRI_W_BF16:
+        p[i] = colibri_float_to_bf16(f)
+        return colibri_bf16_to_float(p[i])
+    else:
+        p[i] = colibri_float_to_half(f)
+        return colibri_half_to_float(p[i])
+
+
+cdef void _rows(const value_t *x, const value_t *w, Py_ssize_t T, Py_ssize_t n, float eps,
+                value_t *y, int kind) noexcept nogil:
+    cdef Py_ssize_t _, i
+    cdef double s0, s1, s2, s3
+    cdef float h, r, v
+    for _ in range(T):
+        s0 = s1 = s2 = s3 = 0.0  # products of floats are exact in double
+        i = 0
+        while i + 4 <= n:
+            h = _load(x, i, kind)
+            s0 += <double>h * h
+            h = _load(x, i + 1, kind)
+            s1 += <double>h * h
+            h = _load(x, i + 2, kind)
+            s2 += <double>h * h
+            h = _load(x, i + 3, kind)
+            s3 += <double>h * h
+            i += 4
+        while i < n:
+            h = _load(x, i, kind)
+            s0 += <double>h * h
+            i += 1
+        v = <float>(((s0 + s1) + (s2 + s3)) / <double>n)
+        r = 1.0 / sqrtf(v + eps)  # torch's rsqrt: a division by a rounded square root
+        for i in range(n):
+            h = _round(y, i, _load(x, i, kind) * r, kind)
+            _round(y, i, _load(w, i, kind) * h, kind)
+        x += n
+        y += n
+
+
+def rms_norm(const value_t[:, ::1] x, const value_t[::1] weight, float eps,
+             value_t[:, ::1] out, int kind):
+    """``out = weight * round(x * (1 / sqrt(mean(x^2, axis=1) + eps)))`` row by row.
+
+    ``x``, ``out`` ``[T, n]`` and ``weight`` ``[n]``: float32 (``kind`` 0), or the uint16 bits
+    of ``kind``'s half type. ``out`` may be ``x``.
+    """
+    cdef Py_ssize_t T = x.shape[0], n = x.shape[1]
+    if weight.shape[0] != n or out.shape[0] != T or out.shape[1] != n:
+        raise ValueError(
+            f"rms_norm(): x is [{T}, {n}], weight [{weight.shape[0]}] and out "
+            f"[{out.shape[0]}, {out.shape[1]}]; weight must be [{n}] and out [{T}, {n}]"
+        )
+    if value_t is float:
+        if kind != 0:
+            raise ValueError(f"rms_norm(): float32 values take kind 0 (got {kind})")
+    elif kind != COLIBRI_W_BF16 and kind != COLIBRI_W_F16:
+        raise ValueError(f"rms_norm(): uint16 values need a half kind (got {kind})")
+    if T == 0 or n == 0:
+        return
+    with nogil:
+        _rows(&x[0, 0], &weight[0], T, n, eps, &out[0, 0], kind)
