@@ -404,7 +404,10 @@ def main(argv=None) -> int:
                 spec = dict(base, engine=engine, gguf=path, type=qtype, fraction=fraction,
                             limit=None if fraction is None else int(size * fraction),
                             cap=None if cap is None else int(cap),
-                            budget=size if fraction is None else "auto")  # fmt: skip
+                            # resident: room for every expert (the pager keeps no more
+                            # slots than experts); the file's size is not: slots round
+                            # each expert's matrices out to whole pages
+                            budget=2 * size if fraction is None else "auto")  # fmt: skip
                 r = show(repeat(spec, args, kind if groups else None, device))
                 rows.append(r)
                 if args.json:
