@@ -6,6 +6,7 @@ from libc.stdint cimport int32_t, int64_t, uint16_t, uint64_t
 from libc.stdlib cimport free, malloc
 
 from colibri._openmp cimport colibri_max_threads
+from colibri.layer._half cimport COLIBRI_W_BF16, COLIBRI_W_F16
 from colibri.layer._plan cimport add_rows, check_plan, gather_rows
 
 
@@ -20,12 +21,6 @@ cdef extern from "colibri/cpu.h" nogil:
     int colibri_simd_env() noexcept
     int colibri_simd_path() noexcept
     int colibri_path_runs(int path) noexcept
-
-
-cdef extern from "colibri/half.h" nogil:
-    enum:
-        COLIBRI_W_F16
-        COLIBRI_W_BF16
 
 
 cdef extern from "colibri/ffn.h" nogil:

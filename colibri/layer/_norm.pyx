@@ -11,14 +11,14 @@ last place of the storage type, and rarely.
 from libc.math cimport sqrtf
 from libc.stdint cimport uint16_t
 
-cdef extern from "colibri/half.h" nogil:
-    enum:
-        COLIBRI_W_F16
-        COLIBRI_W_BF16
-    float colibri_bf16_to_float(uint16_t h) noexcept
-    float colibri_half_to_float(uint16_t h) noexcept
-    uint16_t colibri_float_to_bf16(float f) noexcept
-    uint16_t colibri_float_to_half(float f) noexcept
+from colibri.layer._half cimport (
+    COLIBRI_W_BF16,
+    COLIBRI_W_F16,
+    colibri_bf16_to_float,
+    colibri_float_to_bf16,
+    colibri_float_to_half,
+    colibri_half_to_float,
+)
 
 # How values are stored: float32 (plain), or 16-bit bits of half.h's kinds.
 KIND_PLAIN = 0

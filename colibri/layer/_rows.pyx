@@ -17,19 +17,18 @@ from libc.string cimport memcpy, memset
 
 from colibri._openmp cimport colibri_max_threads
 from colibri._validate import check_threads
+from colibri.layer._half cimport (
+    COLIBRI_W_BF16,
+    COLIBRI_W_F16,
+    colibri_bf16_to_float,
+    colibri_float_to_bf16,
+    colibri_float_to_half,
+    colibri_half_to_float_fast,
+)
 
 cdef extern from "colibri/pool.h" nogil:
     ctypedef void (*colibri_chunk_fn)(void *arg, int32_t chunk) noexcept nogil
     void colibri_pool_run(colibri_chunk_fn fn, void *arg, int32_t chunks, int threads) noexcept
-
-cdef extern from "colibri/half.h" nogil:
-    enum:
-        COLIBRI_W_F16
-        COLIBRI_W_BF16
-    float colibri_bf16_to_float(uint16_t h) noexcept
-    float colibri_half_to_float_fast(uint16_t h) noexcept
-    uint16_t colibri_float_to_bf16(float f) noexcept
-    uint16_t colibri_float_to_half(float f) noexcept
 
 # How 16-bit storage is read and written (uint16_t carries both half formats): half.h's.
 KIND_PLAIN = 0

@@ -316,6 +316,22 @@ def logits(model: torch.nn.Module, ids) -> torch.Tensor:
         return model(ids).logits.float()
 
 
+def compiled_logits(model: torch.nn.Module, ids) -> tuple[torch.Tensor, list]:
+    """:func:`logits` of ``torch.compile(model, fullgraph=True)``, and the FX graphs dynamo
+    handed its backend (run as they are: no inductor), dynamo reset before and after."""
+    torch._dynamo.reset()
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    try:
+        return logits(torch.compile(model, fullgraph=True, backend=backend), ids), graphs
+    finally:
+        torch._dynamo.reset()
+
+
 def save_patched(model: torch.nn.Module, folder, max_shard_size: str) -> torch.nn.Module:
     """Save ``model`` to ``folder`` as a checkpoint with a tokenizer, its routers randomised
     first (so that routing is not a tie), and return it patched with colibri: the reference

@@ -20,7 +20,7 @@ gguf = pytest.importorskip("gguf")
 
 from gguf import GGMLQuantizationType as G  # noqa: E402
 
-from _support.hf_families import logits, token_ids  # noqa: E402
+from _support.hf_families import compiled_logits, logits, token_ids  # noqa: E402
 from colibri.__main__ import main  # noqa: E402
 from colibri.integrations.transformers import (  # noqa: E402
     CheckpointError,
@@ -269,20 +269,12 @@ def test_quantized_linears_stay_as_stored(written, family):
 def test_quantized_linear_compiles_in_one_graph(written):
     """Under torch.compile the Q8_0 projection is a ``colibri::quant_linear`` node of the one
     graph (fullgraph: no break), with the eager logits."""
-    torch._dynamo.reset()
     path, _ = written()
     model = from_pretrained(path, budget=2 * _expert_bytes(), page_size_kb=4)
-    graphs = []
-
-    def backend(gm, example_inputs):
-        graphs.append(gm)
-        return gm.forward
-
     try:
         ids = token_ids(2, batch=1, length=3)
         want = logits(model, ids)
-        got = logits(torch.compile(model, fullgraph=True, backend=backend), ids)
-        torch._dynamo.reset()
+        got, graphs = compiled_logits(model, ids)
         assert torch.equal(got, want)
         assert len(graphs) == 1 and graphs[0].code.count("torch.ops.colibri.quant_linear") == 1
         blocks = model.get_submodule(_Q_PROJ).__dict__["_colibri_linear"].blocks

@@ -20,7 +20,12 @@ pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 pytest.importorskip("safetensors")
 
-from _support.hf_families import build_model, randomise_routers, token_ids  # noqa: E402
+from _support.hf_families import (  # noqa: E402
+    build_model,
+    compiled_logits,
+    randomise_routers,
+    token_ids,
+)
 from colibri.integrations.transformers import (  # noqa: E402
     _linears,
     from_pretrained,
@@ -236,19 +241,11 @@ def test_auto_follows_the_timings(untied, monkeypatch, kernel_calls):
 
 def test_compiles_in_one_graph(models):
     """Under torch.compile each linear is a ``colibri::linear`` node (fullgraph: no break)."""
-    torch._dynamo.reset()
     model = models[0]
     count = sum(len(c.modules) for c in model.colibri.linears.values())
-    graphs = []
-
-    def backend(gm, example_inputs):
-        graphs.append(gm)
-        return gm.forward
-
     ids = token_ids(2, batch=1, length=3)
     want = _logits(model, ids)
-    got = _logits(torch.compile(model, fullgraph=True, backend=backend), ids)
-    torch._dynamo.reset()
+    got, graphs = compiled_logits(model, ids)
     assert torch.equal(got, want)
     assert len(graphs) == 1
     assert graphs[0].code.count("torch.ops.colibri.linear") == count

@@ -12,7 +12,12 @@ pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 pytest.importorskip("safetensors")
 
-from _support.hf_families import build_model, randomise_routers, token_ids  # noqa: E402
+from _support.hf_families import (  # noqa: E402
+    build_model,
+    compiled_logits,
+    randomise_routers,
+    token_ids,
+)
 from colibri.integrations.transformers import _norms, from_pretrained, patch, unpatch  # noqa: E402
 from colibri.layer import _norm  # noqa: E402
 
@@ -153,18 +158,10 @@ def test_probe_keeps_other_formulas_on_their_forward():
 
 
 def test_compiles_in_one_graph(models):
-    torch._dynamo.reset()
     model = models[0]
-    graphs = []
-
-    def backend(gm, example_inputs):
-        graphs.append(gm)
-        return gm.forward
-
     ids = token_ids(2, batch=1, length=3)
     want = _logits(model, ids)
-    got = _logits(torch.compile(model, fullgraph=True, backend=backend), ids)
-    torch._dynamo.reset()
+    got, graphs = compiled_logits(model, ids)
     assert torch.equal(got, want)
     assert len(graphs) == 1
     assert graphs[0].code.count("torch.ops.colibri.rms_norm") == len(model.colibri.norms)
