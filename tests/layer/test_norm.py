@@ -71,6 +71,16 @@ def test_within_one_ulp_of_transformers(name):
         assert (got == want).float().mean().item() >= 0.99
 
 
+def test_in_place():
+    x, w = _case(4, 5, 96, torch.bfloat16)
+    want = _reference(x, w, 1e-5)
+    bits = _numpy(x.clone())
+    assert rms_norm(bits, _numpy(w), 1e-5, "bfloat16", out=bits) is bits
+    assert torch.equal(_torch(bits, torch.bfloat16), want)
+    with pytest.raises(ValueError, match=r"out must be C-contiguous uint16 \[5, 96\]"):
+        rms_norm(_numpy(x), _numpy(w), 1e-5, "bfloat16", out=np.empty((5, 96), np.float32))
+
+
 def test_nonfinite_rows_give_nan_as_torch_does():
     x, w = _case(3, 3, 16, torch.bfloat16)
     x[0, 5] = float("inf")

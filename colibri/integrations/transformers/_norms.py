@@ -8,9 +8,9 @@ kernel (:func:`colibri.layer.rms_norm`) computes the same formula in one call.
 A module is taken only if its class computes that formula: at install a copy of it, given a
 random weight, runs its own ``forward`` and colibri's on random rows, which must agree to one
 unit in the last place (Gemma's ``1 + weight`` and other variants fail and keep their own
-forward). Inputs of more than :data:`MAX_VALUES` values,
-another dtype than the weight's, gradients and other devices run the module's own forward;
-in a compiled graph the kernel is the ``colibri::rms_norm`` operator (eager mode's bits).
+forward). Inputs of more than :data:`MAX_VALUES` values, another dtype than the weight's,
+gradients and other devices run the module's own forward; in a compiled graph the kernel is
+the ``colibri::rms_norm`` operator (eager mode's bits).
 """
 
 from __future__ import annotations
