@@ -7,7 +7,9 @@
 
 :func:`run_experts` is the one expert engine: :class:`MoELayer` (numpy and any DLPack
 framework) and the transformers integration both run their experts through it, over any
-:class:`ExpertStore` (a :class:`colibri.Pager`, or :class:`InMemoryExperts`).
+:class:`ExpertStore` (a :class:`colibri.Pager`, or :class:`InMemoryExperts`);
+:class:`HeldExperts` is its steady state when the budget holds every expert (nothing loaded
+a step).
 :func:`expert_ffn` is the fused half-precision expert kernel on its own; :func:`half_linear`
 and :func:`quant_linear` are colibri's linear kernels for half-precision and block-quantized
 weights, :func:`rms_norm` transformers' RMSNorm in one call; :func:`dispatch`,
@@ -17,7 +19,7 @@ expert implementation.
 
 from colibri.formats import ExpertWeights
 from colibri.layer._dispatch import DispatchPlan, combine, dispatch, gather
-from colibri.layer._engine import KERNEL_MAX_ROWS, ExpertStore, run_experts
+from colibri.layer._engine import KERNEL_MAX_ROWS, ExpertStore, HeldExperts, run_experts
 from colibri.layer._expert import (
     QUANT_KERNEL_MAX_ROWS,
     activation_function,
@@ -37,6 +39,7 @@ __all__ = [
     "DispatchPlan",
     "ExpertStore",
     "ExpertWeights",
+    "HeldExperts",
     "InMemoryExperts",
     "MoELayer",
     "activation_function",

@@ -23,6 +23,10 @@ Every front end (:class:`colibri.MoELayer`, the transformers integration) runs i
 through :func:`run_experts`; what they add is converting tensors once and, optionally, a
 fallback in their own framework and a guess of the next layer's experts. The result does not
 depend on the budget, the chunking or the thread count.
+
+When the budget holds every expert, :class:`HeldExperts` keeps each layer's experts once
+loaded and runs a step with no load: the same plan and kernel calls (for block-quantized
+experts, the whole step in one native call), the same bits.
 """
 
 from __future__ import annotations
@@ -30,10 +34,11 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Mapping, Sequence
 from itertools import accumulate
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
+from colibri._dlpack import bf16_to_float32, float32_to_bf16
 from colibri._errors import BudgetError, FormatError
 from colibri.formats import FP8_BLOCKED, ExpertWeights
 from colibri.layer import _ffn, _fp8, _quant, _rows
@@ -50,7 +55,7 @@ from colibri.layer._expert import (
     kernel_enabled,
 )
 
-__all__ = ["KERNEL_MAX_ROWS", "ExpertStore", "Fallback", "run_experts"]
+__all__ = ["KERNEL_MAX_ROWS", "ExpertStore", "Fallback", "HeldExperts", "run_experts"]
 
 #: Rows of one expert up to which the fused kernel computes it; more rows go to the fallback
 #: GEMMs, which reuse each weight across rows (bench/bench_kernels.py measures the crossover).
@@ -192,6 +197,200 @@ def run_experts(
     return sums.result()
 
 
+class HeldExperts:
+    """One layer's experts held resident across steps: each is loaded from ``store`` once and
+    kept (its views pin it), and a step whose experts all take the fused kernel computes
+    with no load at all, the same sums as :func:`run_experts`, bit for bit. A layer of
+    block-quantized experts of one kind runs a step in one native call.
+
+    Only for a store that never has to evict (a :class:`colibri.Pager` whose budget holds
+    every expert of the model, :class:`InMemoryExperts`): held experts keep their slots until
+    :meth:`release`. A pager still counts each step's experts as hits and checks their files
+    (:meth:`colibri.Pager.reuse`).
+
+    Parameters
+    ----------
+    store : ExpertStore
+    layer : int
+    num_experts : int
+        ``E``; ids must be in ``[0, E)`` or negative (no expert).
+    activation : str
+        The fused kernel's gate activation (``"silu"``, ...).
+    num_threads : int
+        Threads of colibri's kernels (0: colibri's default).
+    """
+
+    def __init__(
+        self,
+        store: ExpertStore,
+        layer: int,
+        *,
+        num_experts: int,
+        activation: str = "silu",
+        num_threads: int = 0,
+    ) -> None:
+        if activation not in KERNEL_ACTIVATIONS:
+            raise ValueError(
+                f"HeldExperts(): activation must be one of {sorted(KERNEL_ACTIVATIONS)} (got "
+                f"{activation!r})"
+            )
+        self.store, self.layer, self.num_experts = store, int(layer), int(num_experts)
+        self.num_threads, self._act = num_threads, KERNEL_ACTIVATIONS[activation]
+        self._forms: dict[int, tuple | None] = {}  # expert -> _kernel_form: views that pin it
+        self._native: Any = None  # _quant.Held: the layer's quantized experts, one kind
+        self._mixed = False  # experts the native step cannot take: never again
+
+    def __call__(
+        self,
+        x: np.ndarray,
+        ids: np.ndarray,
+        weights: np.ndarray,
+        *,
+        dtype: str = "float32",
+        out: np.ndarray | None = None,
+    ) -> np.ndarray | None:
+        """``sum_j weights[t, j] * expert_{ids[t, j]}(x[t])`` as :func:`run_experts`
+        computes it, rounded once to ``dtype``.
+
+        Parameters
+        ----------
+        x : [T, H] float32, or the uint16 bits of ``dtype``, C-contiguous
+        ids : [T, k] int32 or int64
+        weights : [T, k] float32, or the uint16 bits of ``dtype``, C-contiguous
+        dtype : str
+            ``"float32"``, ``"bfloat16"`` or ``"float16"``: what ``x`` and the result hold.
+        out : [T, H] like ``x``, optional
+            Where the result goes.
+
+        Returns
+        -------
+        y : [T, H] like ``x``, or None
+            None (``out`` untouched) when an expert of the step does not take the fused
+            kernel at its row count: run :func:`run_experts` then.
+        """
+        kind = _STEP_KINDS.get(dtype)
+        if kind is None:
+            raise ValueError(
+                f"HeldExperts(): dtype must be one of {sorted(_STEP_KINDS)} ({dtype!r})"
+            )
+        storage = np.float32 if kind == 0 else np.uint16
+        if x.dtype != storage or x.ndim != 2 or not x.flags.c_contiguous:
+            raise ValueError(
+                f"HeldExperts(): x must be a C-contiguous [T, H] {np.dtype(storage).name} array "
+                f"for dtype={dtype!r} (got {x.dtype} {list(x.shape)})"
+            )
+        if weights.dtype not in (np.float32, storage) or not weights.flags.c_contiguous:
+            raise ValueError(
+                f"HeldExperts(): weights must be C-contiguous float32 or {np.dtype(storage).name}"
+                f" (got {weights.dtype})"
+            )
+        if not kernel_enabled():
+            return None
+        if out is None:
+            out = np.empty(x.shape, storage)
+        elif out.shape != x.shape or out.dtype != storage or not out.flags.c_contiguous:
+            raise ValueError(
+                f"HeldExperts(): out must be like x (got {out.dtype} {list(out.shape)})"
+            )
+        with contextlib.ExitStack() as loads:  # released once the step computed: the reads
+            return self._step(x, ids, weights, dtype, kind, out, loads)  # of its loads checked
+
+    def _step(self, x, ids, weights, dtype, kind, out, loads) -> np.ndarray | None:
+        fresh: set[int] = set()  # experts this step loads: counted by the load, not as hits
+        native = self._native
+        if native is not None or not self._forms:
+            ids64 = np.ascontiguousarray(ids, np.int64)
+            code = 1 if native is None else native.step(x, ids64, weights, out, kind,
+                                                        self.num_threads)  # fmt: skip
+            if code == 1:  # experts not held yet
+                missing = native.missing if native is not None else np.unique(ids64[ids64 >= 0])
+                fresh = self._hold([int(e) for e in missing if e < self.num_experts], loads)
+                native = self._native
+                if native is not None:
+                    code = native.step(x, ids64, weights, out, kind, self.num_threads)
+            if code == 0:
+                self._reused([e for e in native.active if e not in fresh])
+                return out
+        sums = self._sums(_to_float32(x, dtype), ids, _to_float32(weights, dtype), loads, fresh)
+        if sums is None:
+            return None
+        out[...] = sums if kind == 0 else _from_float32(sums, dtype)
+        return out
+
+    def _sums(self, x, ids, weights, loads, fresh) -> np.ndarray | None:
+        """The step in float32 (any kind of experts), or None."""
+        _check(x, ids, weights)
+        plan = _Plan(ids, self.num_experts, self.num_threads)
+        fresh |= self._hold([int(e) for e in plan.active], loads)
+        group = []
+        for e in plan.active:
+            e = int(e)
+            form, rows = self._forms[e], plan.rows(e)
+            if form is None or rows.stop - rows.start > form[2]:
+                return None
+            group.append((form[0], form[1], plan.sorted[rows], e))
+        out = np.zeros(x.shape, np.float32)
+        if group:
+            _fuse(x, weights.reshape(-1), plan.k, group, self._act, out, self.num_threads,
+                  self.layer)  # fmt: skip
+        self._reused([f[3] for f in group if f[3] not in fresh])
+        return out
+
+    def _hold(self, missing: list[int], loads: contextlib.ExitStack) -> set[int]:
+        """Load the ``missing`` experts not held yet and keep their views (which pin them)
+        after ``loads`` releases the batch; the experts loaded."""
+        missing = [e for e in missing if e not in self._forms]
+        if missing:
+            batch = loads.enter_context(self.store.load(self.layer, missing))
+            for e in missing:
+                form = self._forms[e] = _kernel_form(batch[e])
+                self._native_hold(e, form)
+        return set(missing)
+
+    def _native_hold(self, e: int, form: tuple | None) -> None:
+        if self._mixed:
+            return
+        kind = None if form is None else form[1]
+        if not isinstance(kind, tuple) or kind[0] not in _quant.TYPES:
+            self._mixed, self._native = True, None
+            return
+        if self._native is None:
+            if len(self._forms) > 1:  # held before in another form
+                self._mixed = True
+                return
+            hidden = form[0][2].shape[0]  # down: H rows
+            self._native = _quant.Held(self.num_experts, hidden, self._act, form[2])
+        if not self._native.hold(e, form[0], kind[0], kind[1]):
+            self._mixed, self._native = True, None
+
+    def _reused(self, experts) -> None:
+        """Tell a store that counts hits (a Pager) that the step used these held experts."""
+        reuse = getattr(self.store, "reuse", None)
+        if reuse is not None and len(experts):
+            reuse(self.layer, experts)
+
+    def release(self) -> None:
+        """Drop every held expert (idempotent): the store may reuse their slots."""
+        self._forms, self._native, self._mixed = {}, None, False  # the views go: the pins too
+
+
+_STEP_KINDS = {"float32": 0, **KERNEL_KINDS}  # HeldExperts' dtypes, as _quant.Held takes them
+
+
+def _to_float32(a: np.ndarray, dtype: str) -> np.ndarray:
+    if a.dtype == np.float32:
+        return a
+    if dtype == "bfloat16":
+        return bf16_to_float32(a)
+    return a.view(np.float16).astype(np.float32)
+
+
+def _from_float32(a: np.ndarray, dtype: str) -> np.ndarray:
+    if dtype == "bfloat16":
+        return float32_to_bf16(a)
+    return a.astype(np.float16).view(np.uint16)
+
+
 def _check(x: np.ndarray, ids: np.ndarray, weights: np.ndarray) -> tuple:
     """``(T, k)``, or a ValueError naming the argument that does not fit."""
     if not isinstance(x, np.ndarray) or x.ndim != 2 or x.dtype not in (np.float32, np.float64):
@@ -270,30 +469,11 @@ class _Sums:
         self.layer = 0  # for messages
 
     def fuse(self, group: list, act: str) -> None:
-        """Every decode-size expert of a chunk in one fused-kernel call per kind: a half
-        precision (an int) or a pair of quantized types (gate/up's, down's)."""
+        """Every decode-size expert of a chunk in one fused-kernel call per kind."""
         if self.fused is None:
             self.fused = np.zeros(self.x.shape, np.float32)
-        k = self.plan.k
-        for kind in sorted({f[1] for f in group}, key=str):
-            same = [f for f in group if f[1] == kind]
-            assignments = np.concatenate([f[2] for f in same])
-            bounds = np.fromiter(accumulate((len(f[2]) for f in same), initial=0), np.int64)
-            mats, rows = [f[0] for f in same], assignments // k
-            scale = self.flat_weights[assignments]
-            if kind == FP8_BLOCKED:
-                _fp8.ffn_sum(self.x, mats, act, bounds, rows, scale, self.fused,
-                             self.num_threads)  # fmt: skip
-                if not np.isfinite(self.fused[rows]).all() and np.isfinite(self.x[rows]).all():
-                    for parts, _, _, e in same:  # a corrupt file: name the expert
-                        fp8_nonfinite(parts, f"layer {self.layer} expert {e}")
-            elif isinstance(kind, tuple):
-                _quant.ffn_sum(self.x, mats, kind[0], act, bounds, rows, scale, self.fused,
-                               self.num_threads, down_type=kind[1])  # fmt: skip
-                _check_finite(self.x, self.fused, rows, same)
-            else:
-                _ffn.ffn_sum(self.x, mats, kind, _ffn.ACTIVATIONS[act], bounds, rows, scale,
-                             self.fused, self.num_threads)  # fmt: skip
+        _fuse(self.x, self.flat_weights, self.plan.k, group, act, self.fused, self.num_threads,
+              self.layer)  # fmt: skip
 
     def compute(self, expert: ExpertWeights, rows: slice, activation) -> None:
         """One expert in numpy (BLAS; float16/bfloat16 weights through the kernel up to its
@@ -318,6 +498,44 @@ class _Sums:
         return self.fused
 
 
+def _fuse(x, flat_weights, k, group, act, out, num_threads, layer) -> None:
+    """``out += `` the weighted sums of ``group`` (``(mats, kind, assignments, expert)``,
+    ascending experts) in one fused-kernel call per kind: a half precision (an int), a pair
+    of quantized types (gate/up's, down's) or float8 block-scaled."""
+    for kind in sorted({f[1] for f in group}, key=str):
+        same = [f for f in group if f[1] == kind]
+        assignments = np.concatenate([f[2] for f in same])
+        bounds = np.fromiter(accumulate((len(f[2]) for f in same), initial=0), np.int64)
+        mats, rows = [f[0] for f in same], assignments // k
+        scale = flat_weights[assignments]
+        if kind == FP8_BLOCKED:
+            _fp8.ffn_sum(x, mats, act, bounds, rows, scale, out, num_threads)
+            if not np.isfinite(out[rows]).all() and np.isfinite(x[rows]).all():
+                for parts, _, _, e in same:  # a corrupt file: name the expert
+                    fp8_nonfinite(parts, f"layer {layer} expert {e}")
+        elif isinstance(kind, tuple):
+            _quant.ffn_sum(x, mats, kind[0], act, bounds, rows, scale, out, num_threads,
+                           down_type=kind[1])  # fmt: skip
+            _check_finite(x, out, rows, same)
+        else:
+            _ffn.ffn_sum(x, mats, kind, _ffn.ACTIVATIONS[act], bounds, rows, scale, out,
+                         num_threads)  # fmt: skip
+
+
+def _kernel_form(expert: ExpertWeights) -> tuple[tuple, object, int] | None:
+    """How the fused kernel takes ``expert``: ``(matrices, kind, most rows)``, or None when
+    it cannot (an ``expert_fn``, float32, strided half-precision rows)."""
+    dtype = getattr(expert, "dtype", None)  # None: an expert_fn
+    if dtype in _quant.TYPES:
+        return tuple(expert), (expert.dtype, expert.down_dtype), QUANT_KERNEL_MAX_ROWS
+    if dtype == FP8_BLOCKED:
+        return fp8_parts(expert), FP8_BLOCKED, FP8_KERNEL_MAX_ROWS
+    bits = _kernel_bits(expert) if dtype is not None else None
+    if bits is None:
+        return None
+    return bits, KERNEL_KINDS[expert.dtype], KERNEL_MAX_ROWS
+
+
 def _run_chunk(batch, part, sums: _Sums, activation, kernel_act, fallback) -> None:
     """One loaded chunk: decode-size experts in one fused-kernel call, the rest one by one."""
     plan = sums.plan
@@ -326,26 +544,15 @@ def _run_chunk(batch, part, sums: _Sums, activation, kernel_act, fallback) -> No
         e = int(e)
         expert = batch[e]
         rows = plan.rows(e)
-        n = rows.stop - rows.start
-        bits = None
-        dtype = getattr(expert, "dtype", None)  # None: an expert_fn
-        quantized = dtype in _quant.TYPES or dtype == FP8_BLOCKED
-        if dtype in _quant.TYPES and kernel_act is not None and n <= QUANT_KERNEL_MAX_ROWS:
-            kind = (expert.dtype, expert.down_dtype)
-            fused.append((tuple(expert), kind, plan.sorted[rows], e))
-            continue
-        if dtype == FP8_BLOCKED and kernel_act is not None and n <= FP8_KERNEL_MAX_ROWS:
-            fused.append((fp8_parts(expert), FP8_BLOCKED, plan.sorted[rows], e))
-            continue
-        if kernel_act is not None and n <= KERNEL_MAX_ROWS:
-            bits = _kernel_bits(expert)
-        if bits is not None:
-            fused.append((bits, KERNEL_KINDS[expert.dtype], plan.sorted[rows]))
+        form = _kernel_form(expert) if kernel_act is not None else None
+        if form is not None and rows.stop - rows.start <= form[2]:
+            fused.append((form[0], form[1], plan.sorted[rows], e))
         elif fallback is not None:
             assignments = plan.sorted[rows]
-            where = f"layer {sums.layer} expert {e}"
-            fallback(e, dequantized(expert, where) if quantized else expert,
-                     assignments // plan.k, assignments)  # fmt: skip
+            dtype = getattr(expert, "dtype", None)
+            if dtype in _quant.TYPES or dtype == FP8_BLOCKED:
+                expert = dequantized(expert, f"layer {sums.layer} expert {e}")
+            fallback(e, expert, assignments // plan.k, assignments)
         else:
             sums.compute(expert, rows, activation)
     if fused:

@@ -61,3 +61,22 @@ SMALL_BLOCK_TYPES: tuple[str, ...]
 
 def check_row_values(qtype: str, values: int) -> None: ...
 def quantize(x: np.ndarray, qtype: str, num_threads: int = 0) -> np.ndarray: ...
+
+class Held:
+    num_experts: int
+    hidden: int
+    missing: list[int]
+    active: list[int]
+    def __init__(self, num_experts: int, hidden: int, act: str, max_rows: int) -> None: ...
+    def hold(
+        self, e: int, mats: tuple[np.ndarray, np.ndarray, np.ndarray], qtype: str, down_type: str
+    ) -> bool: ...
+    def step(
+        self,
+        x: np.ndarray,
+        ids: np.ndarray,
+        weights: np.ndarray,
+        out: np.ndarray,
+        kind: int,
+        num_threads: int = 0,
+    ) -> int: ...

@@ -2,12 +2,21 @@
 activations, and weight-row products in the kernels' fixed summation order; ``mxfp4_oss``
 (gpt-oss's MXFP4: values interleaved, scales apart) in :func:`matmul` and :func:`ffn_sum`."""
 
-from libc.stdint cimport int8_t, int32_t, int64_t, uint8_t
+from libc.math cimport isfinite
+from libc.stdint cimport int8_t, int32_t, int64_t, uint8_t, uint16_t
 from libc.stdlib cimport calloc, free, malloc
 
 import numpy as np
 
 from colibri._openmp cimport colibri_max_threads
+from colibri.layer._half cimport (
+    COLIBRI_W_BF16,
+    COLIBRI_W_F16,
+    colibri_bf16_to_float,
+    colibri_float_to_bf16,
+    colibri_float_to_half,
+    colibri_half_to_float,
+)
 from colibri.layer._plan cimport add_rows, check_plan, gather_rows
 from colibri.layer._ffn import path_index
 
@@ -435,7 +444,7 @@ def ffn_sum(const float[:, ::1] x, list experts, qtype, act, const int64_t[::1] 
     cdef int td = t if down_type is None else _type(down_type)
     cdef int a = ACTIVATIONS.get(act, -1)
     cdef Py_ssize_t count = len(experts), j
-    cdef int64_t T = x.shape[0], H = x.shape[1], total, i, k, I, G, hsize = 0
+    cdef int64_t T = x.shape[0], H = x.shape[1], total, I
     cdef const uint8_t[:, ::1] g, u, d
     if a < 0:
         raise ValueError(f"act must be one of {', '.join(ACTIVATIONS)} (got {act!r})")
@@ -454,20 +463,9 @@ def ffn_sum(const float[:, ::1] x, list experts, qtype, act, const int64_t[::1] 
             f"or neither (got {qtype!r}, act {act!r}, down_type {down_type!r})"
         )
     cdef colibri_qffn_t *f = <colibri_qffn_t *>calloc(count, sizeof(colibri_qffn_t))
-    cdef int32_t *first = <int32_t *>malloc((count + 1) * sizeof(int32_t))
-    cdef char *scratch = NULL
-    cdef float *xg
-    cdef float *yg
-    cdef float *xd
-    cdef int8_t *xq
-    cdef int32_t *xs
-    cdef float *h
-    cdef float *hd
-    cdef int8_t *hq
-    cdef int32_t *hs
+    if f == NULL:
+        raise MemoryError()
     try:
-        if f == NULL or first == NULL:
-            raise MemoryError()
         for j in range(count):
             if oss:
                 I = _gpt_oss_expert(&f[j], experts[j], H, alpha, limit, j)
@@ -482,8 +480,34 @@ def ffn_sum(const float[:, ::1] x, list experts, qtype, act, const int64_t[::1] 
                 raise ValueError(f"expert {j}: I={I} must be a positive multiple of 32")
             f[j].n, f[j].H, f[j].I = <int32_t>(bounds[j + 1] - bounds[j]), <int32_t>H, <int32_t>I
             f[j].type, f[j].down_type, f[j].act, f[j].path = t, td, a, p
-            hsize += f[j].n * I
-        G = H // 32
+        _run(f, count, bounds, rows, scale, total, x, y, num_threads, oss)
+    finally:
+        free(f)
+
+
+cdef int _run(colibri_qffn_t *f, Py_ssize_t count, const int64_t[::1] bounds,
+              const int64_t[::1] rows, const float[::1] scale, int64_t total,
+              const float[:, ::1] x, float[:, ::1] y, int num_threads, bint oss) except -1:
+    """``y[rows[i]] += scale[i] * ffn_j(x[rows[i]])``: the experts ``f[:count]`` (weights,
+    sizes, types and rows ``n`` set, the plan checked) on their scratch, two pool runs."""
+    cdef int64_t H = x.shape[1], G = H // 32, hsize = 0, i, k = 0
+    cdef Py_ssize_t j
+    cdef int32_t *first = <int32_t *>malloc((count + 1) * sizeof(int32_t))
+    cdef char *scratch = NULL
+    cdef float *xg
+    cdef float *yg
+    cdef float *xd
+    cdef int8_t *xq
+    cdef int32_t *xs
+    cdef float *h
+    cdef float *hd
+    cdef int8_t *hq
+    cdef int32_t *hs
+    try:
+        if first == NULL:
+            raise MemoryError()
+        for j in range(count):
+            hsize += <int64_t>f[j].n * f[j].I
         # one allocation: xg, yg [total, H]; q8 of xg; h [sum n I] and its q8 (4-byte parts
         # first, so every part stays aligned)
         scratch = <char *>malloc(
@@ -502,7 +526,6 @@ def ffn_sum(const float[:, ::1] x, list experts, qtype, act, const int64_t[::1] 
         hs = xs + total * G
         xq = <int8_t *>(hs + hsize // 32)
         hq = xq + total * H
-        k = 0
         for j in range(count):
             f[j].xd = xd + bounds[j] * G
             f[j].xq = xq + bounds[j] * H
@@ -522,9 +545,9 @@ def ffn_sum(const float[:, ::1] x, list experts, qtype, act, const int64_t[::1] 
             colibri_qffn_run_many(f, <int32_t>count, first, num_threads)
             add_rows(y, rows, scale, total, yg)
     finally:
-        free(f)
         free(first)
         free(scratch)
+    return 0
 
 
 cdef int64_t _gpt_oss_expert(colibri_qffn_t *f, tuple expert, int64_t H, float alpha,
@@ -682,3 +705,210 @@ def quantize(x, qtype, int num_threads=0):
     with nogil:
         colibri_pool_run(_quantize_chunk, &job, job.chunks, threads)
     return out
+
+
+cdef class Held:
+    """A layer's held quantized experts for decode steps in one call: each expert's weights
+    as the kernel takes them, set once (:meth:`hold`; the arrays are kept alive here), and
+    :meth:`step`, which routes rows to them, runs the kernel and writes the weighted sum in
+    the caller's dtype, with no Python object per expert.
+
+    Parameters
+    ----------
+    num_experts : int
+        ``E``.
+    hidden : int
+        ``H``, a multiple of 32.
+    act : str
+        The gate activation (:data:`ACTIVATIONS`, not ``"gpt_oss"``).
+    max_rows : int
+        Rows of one expert up to which a step runs (1 to the kernel's most).
+    """
+
+    cdef colibri_qffn_t *forms
+    cdef unsigned char *held
+    cdef readonly int64_t num_experts, hidden
+    cdef int t, td, act, path, max_rows
+    cdef list keep
+    #: After a step that returned 1: the experts not held; after 0: the step's experts.
+    cdef readonly list missing, active
+
+    def __cinit__(self, int64_t num_experts, int64_t hidden, act, int max_rows):
+        self.forms = <colibri_qffn_t *>calloc(max(num_experts, 1), sizeof(colibri_qffn_t))
+        self.held = <unsigned char *>calloc(max(num_experts, 1), 1)
+        if self.forms == NULL or self.held == NULL:
+            raise MemoryError()
+        self.act = ACTIVATIONS.get(act, -1)
+        if self.act < 0 or self.act == COLIBRI_QFFN_ACT_GPT_OSS:
+            raise ValueError(f"Held(): act must be one of silu, gelu_tanh, gelu, relu ({act!r})")
+        if num_experts < 1 or hidden < 32 or hidden % 32:
+            raise ValueError(f"Held(): E={num_experts} >= 1 and H={hidden}, a multiple of 32")
+        if not 1 <= max_rows <= COLIBRI_FFN_MAX_ROWS:
+            raise ValueError(f"Held(): max_rows={max_rows} must be 1 to {COLIBRI_FFN_MAX_ROWS}")
+        self.num_experts, self.hidden, self.max_rows = num_experts, hidden, max_rows
+        self.t = self.td = -1
+        self.path = path_index(None)
+        self.keep = [None] * num_experts
+        self.missing, self.active = [], []
+
+    def __dealloc__(self):
+        free(self.forms)
+        free(self.held)
+
+    def hold(self, int64_t e, tuple mats, qtype, down_type) -> bool:
+        """Keep expert ``e``'s ``(gate, up, down)`` (as :func:`ffn_sum` takes them); False,
+        holding nothing, when its types differ from the experts held before (one kind a
+        layer: the kernel's one call)."""
+        if not 0 <= e < self.num_experts:
+            raise ValueError(f"hold(): expert {e} outside [0, {self.num_experts})")
+        cdef int t = _type(qtype, False), td = _type(down_type, False)
+        if self.t >= 0 and (t, td) != (self.t, self.td):
+            return False
+        cdef const uint8_t[:, ::1] g = mats[0]
+        cdef const uint8_t[:, ::1] u = mats[1]
+        cdef const uint8_t[:, ::1] d = mats[2]
+        cdef int64_t I = g.shape[0], H = self.hidden
+        if I < 32 or I % 32:
+            raise ValueError(f"expert {e}: I={I} must be a positive multiple of 32")
+        cdef colibri_qffn_t *f = &self.forms[e]
+        f.gate = _matrix(g, t, <int32_t>I, <int32_t>H, "gate", e)
+        f.up = _matrix(u, t, <int32_t>I, <int32_t>H, "up", e)
+        f.down = _matrix(d, td, <int32_t>H, <int32_t>I, "down", e)
+        f.ldg, f.ldu, f.ldd = g.shape[1], u.shape[1], d.shape[1]
+        f.H, f.I, f.type, f.down_type, f.act, f.path = <int32_t>H, <int32_t>I, t, td, self.act, \
+            self.path
+        self.t, self.td = t, td
+        self.keep[e] = mats
+        self.held[e] = 1
+        return True
+
+    def step(self, x, const int64_t[:, ::1] ids, weights, out, int kind, int num_threads=0):
+        """``out[t] = sum_j weights[t, j] * expert_{ids[t, j]}(x[t])`` (negative ids: none)
+        as :func:`ffn_sum` computes it, rounded once to ``kind``.
+
+        ``x`` and ``out`` ``[T, H]``, C-contiguous: float32 (``kind`` 0) or the uint16 bits
+        of float16 / bfloat16 (half.h's ``COLIBRI_W_F16`` / ``COLIBRI_W_BF16``); ``weights``
+        ``[T, k]`` float32 or uint16 bits of ``kind``. Returns 0: computed (``active``: the
+        step's experts); 1: experts not held (``missing``), nothing written; 2: an expert has
+        more than ``max_rows`` rows; 3: a sum is not finite (the caller's slower path names
+        the cause). ValueError for an id at or past ``E`` or a wrong shape.
+        """
+        cdef int64_t T = ids.shape[0], k = ids.shape[1], n = T * k, H = self.hidden
+        cdef int64_t E = self.num_experts, a, e, total = 0, i, c
+        cdef Py_ssize_t count = 0, j
+        cdef const float[:, ::1] xf32
+        cdef const uint16_t[:, ::1] xbits
+        cdef const float[:, ::1] wf32
+        cdef const uint16_t[:, ::1] wbits
+        cdef float[:, ::1] of32
+        cdef uint16_t[:, ::1] obits
+        if kind == 0:
+            xf32, of32 = x, out
+            if xf32.shape[0] != T or xf32.shape[1] != H or of32.shape[0] != T or of32.shape[1] != H:
+                raise ValueError(f"step(): x and out must be [{T}, {H}]")
+        elif kind == COLIBRI_W_F16 or kind == COLIBRI_W_BF16:
+            xbits, obits = x, out
+            if xbits.shape[0] != T or xbits.shape[1] != H or obits.shape[0] != T \
+                    or obits.shape[1] != H:
+                raise ValueError(f"step(): x and out must be [{T}, {H}]")
+        else:
+            raise ValueError(f"step(): kind must be 0, COLIBRI_W_F16 or COLIBRI_W_BF16 ({kind})")
+        cdef bint wplain = np.asarray(weights).dtype == np.float32
+        if wplain:
+            wf32 = weights
+            if wf32.shape[0] != T or wf32.shape[1] != k:
+                raise ValueError(f"step(): weights must be [{T}, {k}] like ids")
+        else:
+            wbits = weights
+            if wbits.shape[0] != T or wbits.shape[1] != k or kind == 0:
+                raise ValueError(f"step(): weights must be [{T}, {k}] float32 or {kind}'s bits")
+        counts_arr = np.zeros(E + 1, np.int64)
+        cdef int64_t[::1] counts = counts_arr
+        for a in range(n):
+            e = ids[a // k, a % k]
+            if e >= E:
+                raise ValueError(
+                    f"expert id {e} at token {a // k}, choice {a % k} is out of range [0, {E}): "
+                    f"ids must come from a router over {E} experts"
+                )
+            if e >= 0:
+                counts[e] += 1
+        active = [e for e in range(E) if counts[e]]
+        missing = [e for e in active if not self.held[e]]
+        if missing:
+            self.missing = missing
+            return 1
+        for e in active:
+            if counts[e] > self.max_rows:
+                return 2
+        count = len(active)
+        bounds_arr = np.empty(count + 1, np.int64)
+        cdef int64_t[::1] bounds = bounds_arr
+        cdef int64_t[::1] starts = np.empty(E, np.int64)
+        for j in range(count):
+            e = active[j]
+            bounds[j] = total
+            starts[e] = total
+            total += counts[e]
+        bounds[count] = total
+        rows_arr = np.empty(total, np.int64)
+        scale_arr = np.empty(total, np.float32)
+        cdef int64_t[::1] rows = rows_arr
+        cdef float[::1] scale = scale_arr
+        for a in range(n):  # token order within an expert: the engine's stable plan
+            e = ids[a // k, a % k]
+            if e < 0:
+                continue
+            i = starts[e]
+            starts[e] = i + 1
+            rows[i] = a // k
+            if wplain:
+                scale[i] = wf32[a // k, a % k]
+            elif kind == COLIBRI_W_BF16:
+                scale[i] = colibri_bf16_to_float(wbits[a // k, a % k])
+            else:
+                scale[i] = colibri_half_to_float(wbits[a // k, a % k])
+        xs_arr = np.empty((T, H), np.float32) if kind else x
+        ys_arr = np.zeros((T, H), np.float32)
+        cdef float[:, ::1] xs
+        cdef float[:, ::1] ys = ys_arr
+        if kind:
+            xs = xs_arr
+            with nogil:
+                for i in range(T):
+                    for c in range(H):
+                        if kind == COLIBRI_W_BF16:
+                            xs[i, c] = colibri_bf16_to_float(xbits[i, c])
+                        else:
+                            xs[i, c] = colibri_half_to_float(xbits[i, c])
+        cdef colibri_qffn_t *f = <colibri_qffn_t *>malloc(max(count, 1) * sizeof(colibri_qffn_t))
+        if f == NULL:
+            raise MemoryError()
+        try:
+            for j in range(count):
+                e = active[j]
+                f[j] = self.forms[e]
+                f[j].n = <int32_t>counts[e]
+            if count:
+                _run(f, count, bounds, rows, scale, total, xs_arr, ys, num_threads, False)
+        finally:
+            free(f)
+        cdef bint finite = True
+        with nogil:
+            for i in range(T * H):
+                if not isfinite((&ys[0, 0])[i]):
+                    finite = False
+                    break
+        if not finite:
+            return 3
+        with nogil:
+            for i in range(T):
+                for c in range(H):
+                    if kind == 0:
+                        of32[i, c] = ys[i, c]
+                    elif kind == COLIBRI_W_BF16:
+                        obits[i, c] = colibri_float_to_bf16(ys[i, c])
+                    else:
+                        obits[i, c] = colibri_float_to_half(ys[i, c])
+        self.active = active
+        return 0

@@ -617,6 +617,51 @@ class Pager:
             check = functools.partial(_check_batch, weakref.ref(self), slots)
         return ExpertBatch(layer, experts, check)
 
+    def reuse(self, layer: int, expert_ids) -> None:
+        """Count a step served again from views the caller holds, with no :meth:`load`.
+
+        For a caller that keeps its batches across steps (a budget that holds every expert,
+        so nothing needs their slots): the experts ``expert_ids`` of ``layer``, resident and
+        pinned by live views, count as demand hits (:attr:`stats`, :meth:`usage`,
+        :attr:`trace`), and their files are checked as :meth:`load` and a batch's release
+        check them. Call it after computing on the views: an error means the step's result
+        must not be used.
+
+        Raises
+        ------
+        ValueError
+            The pager is closed.
+        KeyError
+            An expert not resident, or not pinned by live views (load it).
+        FileChangedError
+            A weight file of these experts was truncated, replaced or modified since it was
+            opened, or shrank while the views were read.
+        """
+        layer = int(layer)
+        keys = [(layer, e) for e in sorted({int(e) for e in expert_ids})]
+        cache = self._cache
+        with cache.lock:
+            self._check_open()
+            slots = [cache.where.get(key) for key in keys]
+            for key, slot in zip(keys, slots):  # noqa: B905 (as many)
+                if slot is None or not slot.pins or slot.state != _READY:
+                    raise KeyError(
+                        f"reuse(): expert {key} is not held by live views of this pager; "
+                        "load() it and keep the batch"
+                    )
+        self._io.check(self._all_files if self._single_file else self._step_files(keys), "reuse()")
+        self._check_guards(slots, "reuse()")
+        with cache.lock:
+            if self.trace is not None:
+                self.trace.steps.append((layer, tuple(e for _, e in keys)))
+            stats, per = cache.stats, self._layer(layer)
+            stats.hits += len(keys)
+            per.hits += len(keys)
+            for key in keys:
+                self._usage[key] = self._usage.get(key, 0) + 1
+                if self._evicts:
+                    self._policy.touch(key)
+
     # The phases of a load. `pinned` holds each slot this load has a pin on; a phase that
     # drops a pin or hands it to a view takes the slot out.
 

@@ -25,12 +25,13 @@ EXPERT = 3 * I * H * 2
 
 # A generation of four tokens on one layer; `truncating` changes the file at the moment
 # `when` names: after a token (between tokens) or right after a load, before the fused
-# kernel reads the expert's pages (while an expert is computed).
+# kernel reads the expert's pages (while an expert is computed); "held": between tokens, the
+# experts held (no load after the first token).
 CHILD = textwrap.dedent(
     """
     import os, sys
     import numpy as np
-    from colibri.layer import run_experts
+    from colibri.layer import HeldExperts, run_experts
     from colibri.pager import Pager
 
     path, io, when, how = sys.argv[1:]
@@ -55,13 +56,17 @@ CHILD = textwrap.dedent(
         def advise(self, layer, ids):
             return 0
 
+    held = HeldExperts(pager, 0, num_experts={experts}) if when == "held" else None
     rng = np.random.default_rng(0)
     for token in range(4):
         x = rng.standard_normal((1, {hidden}), np.float32)
-        ids = np.array([[2, 3]])
-        y = run_experts(Store(), 0, x, ids, np.ones((1, 2), np.float32), num_experts={experts})
+        ids, weights = np.array([[2, 3]]), np.ones((1, 2), np.float32)
+        if held is None:
+            y = run_experts(Store(), 0, x, ids, weights, num_experts={experts})
+        else:
+            y = held(x, ids, weights)
         assert np.isfinite(y).all()
-        if when == "between" and token == 1:
+        if when in ("between", "held") and token == 1:
             change()
     print("four tokens")
     """
@@ -93,7 +98,7 @@ def _generate(tmp_path, io, when, how):
 
 @posix
 @pytest.mark.parametrize("how", ["truncate", "replace"])
-@pytest.mark.parametrize("when", ["between", "computing"])
+@pytest.mark.parametrize("when", ["between", "computing", "held"])
 @pytest.mark.parametrize("io", IO_BACKENDS)
 def test_a_file_changed_during_a_generation_raises_not_sigbus(tmp_path, io, when, how):
     if io == "mmap" and sys.platform == "win32":

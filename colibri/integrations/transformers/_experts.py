@@ -26,8 +26,9 @@ from torch import nn
 from colibri._dlpack import to_caller
 from colibri.integrations.transformers import _ops
 from colibri.integrations.transformers._checkpoint import CheckpointError, layer_index
+from colibri.integrations.transformers._ops import bits_of
 from colibri.integrations.transformers._predict import Predictor
-from colibri.layer import ExpertWeights, run_experts
+from colibri.layer import ExpertWeights, HeldExperts, run_experts
 
 __all__ = [
     "IMPLEMENTATION",
@@ -43,6 +44,7 @@ __all__ = [
 IMPLEMENTATION = "colibri"
 _ATTR = "_colibri_experts"  # the per-module paging state, outside nn.Module's registries
 _KERNEL_DTYPES = {torch.bfloat16, torch.float16}
+_DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
 class UnsupportedCheckpointError(CheckpointError):
@@ -134,6 +136,10 @@ class Paging:
         raises a clear error if run afterwards (a distributed model's ranks stop serving)."""
         if self.remote is not None:
             self.remote.close()
+        for module in self.modules.values():
+            state = module.__dict__.get(_ATTR)
+            if state is not None and state.held is not None:
+                state.held.release()
         self.pager.close()
 
     def open_pager(self):
@@ -156,6 +162,7 @@ class _Layer:
     paging: Paging
     next: tuple | None = None  # (layer, router, block) of the next paged MoE block
     handle: int = 0  # names the module to the colibri::experts operator (compiled graphs)
+    held: HeldExperts | None = None  # the layer's experts kept, when the budget holds all
 
 
 # -- which experts modules can be paged -----------------------------------------------------
@@ -356,6 +363,44 @@ def expert_rows(act_fn: Callable, w: ExpertWeights, x_e: torch.Tensor) -> torch.
     return h
 
 
+def _held_forward(
+    state: _Layer,
+    hidden_states: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+) -> torch.Tensor | None:
+    """The experts of a budget that holds them all, kept between steps (no load a step:
+    :class:`colibri.layer.HeldExperts`); None when this step needs :func:`run_experts`."""
+    paging = state.paging
+    if state.held is None:
+        if paging.remote is not None or not paging.holds_all:
+            return None
+        state.held = HeldExperts(
+            paging.open_pager(),
+            state.layer,
+            num_experts=state.num_experts,
+            activation=state.activation,
+            num_threads=paging.num_threads,
+        )
+    paging.open_pager()  # a clear error once closed
+    x = hidden_states.detach()
+    if not x.is_contiguous():
+        x = x.contiguous()
+    ids = top_k_index.detach().reshape(x.shape[0], -1)
+    weights = top_k_weights.detach().reshape(ids.shape)
+    if weights.dtype != x.dtype:
+        weights = weights.float()
+    out = torch.empty_like(x)
+    y = state.held(
+        bits_of(x),
+        ids.numpy(),
+        bits_of(weights) if weights.dtype == x.dtype else weights.contiguous().numpy(),
+        dtype=_DTYPE_NAMES[x.dtype],
+        out=bits_of(out),
+    )
+    return None if y is None else out
+
+
 def experts_forward(
     self: nn.Module,
     hidden_states: torch.Tensor,
@@ -368,6 +413,10 @@ def experts_forward(
     state = paged_state(self, IMPLEMENTATION)
     if torch.compiler.is_compiling():  # an opaque node of the graph
         return _ops.experts(state.handle, hidden_states, top_k_index, top_k_weights)
+    if state.activation is not None and hidden_states.dtype in _KERNEL_DTYPES:
+        y = _held_forward(state, hidden_states, top_k_index, top_k_weights)
+        if y is not None:
+            return y
     ids, weights, ids_np = routed(state, top_k_index, top_k_weights)
     if state.paging.remote is not None:  # experts spread over ranks (colibri.distributed)
         guess = next_guess(state, hidden_states)

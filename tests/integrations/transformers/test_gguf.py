@@ -227,6 +227,34 @@ def test_default_bfloat16_runs_the_quantized_kernel(written):
         model.colibri.close()
 
 
+def test_a_budget_for_every_expert_keeps_them_with_the_same_bits(written):
+    """A budget that holds every expert: each is loaded once and kept pinned, later steps
+    load nothing, and a generation gives the paged model's logits bit for bit, its pager
+    counting the same demand accesses."""
+    experts = ("q8_0", "q8_0")
+    path, _ = written(experts)
+    paged = from_pretrained(path, budget=2 * _expert_bytes(experts), page_size_kb=4)
+    kept = from_pretrained(path, budget=4 * LAYERS * E * _expert_bytes(experts), page_size_kb=4)
+    try:
+        assert kept.colibri.holds_all and not paged.colibri.holds_all
+        ids = token_ids(2, batch=1, length=5, high=256)
+        runs = [m.generate(ids, max_new_tokens=8, do_sample=False, output_logits=True,
+                           return_dict_in_generate=True) for m in (paged, kept)]  # fmt: skip
+        assert torch.equal(runs[0].sequences, runs[1].sequences)
+        for a, b in zip(runs[0].logits, runs[1].logits, strict=True):
+            assert torch.equal(a, b)
+        pager = kept.colibri.pager
+        assert pager.pinned() == pager.resident() and len(pager.resident()) > LAYERS
+        assert paged.colibri.pager.pinned() == []
+        a, b = paged.colibri.stats, kept.colibri.stats
+        assert a.hits + a.misses == b.hits + b.misses
+        assert b.misses == len(pager.resident()) and b.hits > b.misses
+    finally:
+        paged.colibri.close()
+        kept.colibri.close()
+    assert pager.pinned() == []
+
+
 _Q_PROJ = "model.layers.0.self_attn.q_proj"  # the file's one Q8_0 linear
 
 

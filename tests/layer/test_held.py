@@ -1,0 +1,173 @@
+"""Held experts (:class:`colibri.layer.HeldExperts`): steps with no load, the same bits as
+:func:`run_experts`, the pager's counters and file checks kept (:meth:`Pager.reuse`)."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+from colibri import FileChangedError, FormatError, Pager
+from colibri.layer import HeldExperts, InMemoryExperts, run_experts
+
+pytest.importorskip("gguf")
+from _support.blocks import random_blocks, write_gguf  # noqa: E402
+
+E, H, I = 6, 256, 256
+
+
+def _file(tmp_path, rng, qtype="q4_k", down_type="q6_k", corrupt=None):
+    def stack(t, rows, values):
+        return np.stack([random_blocks(rng, t, rows, values // 256 if "_k" in t else values // 32)
+                         for _ in range(E)])  # fmt: skip
+
+    gate, up, down = stack(qtype, I, H), stack(qtype, I, H), stack(down_type, H, I)
+    if corrupt is not None:  # expert 2's down: a NaN float16 scale in row 5, block 3
+        size = down.shape[2] // (I // 32)
+        down[2, 5, size * 3 : size * 3 + 2] = np.array([np.nan], np.float16).view(np.uint8)
+    path = tmp_path / f"{qtype}-{down_type}.gguf"
+    write_gguf(path, [((qtype, gate), (qtype, up), (down_type, down))])
+    return path
+
+
+def _steps(rng, T, count=6, k=2):
+    for _ in range(count):
+        ids = np.stack([rng.choice(E, k, replace=False) for _ in range(T)]).astype(np.int64)
+        if T > 1:
+            ids[1, 0] = -1  # no expert
+        weights = rng.uniform(0.1, 1.0, (T, k)).astype(np.float32)
+        yield rng.standard_normal((T, H)).astype(np.float32), ids, weights
+
+
+def _bf16(a):  # float32 -> bfloat16 bits, nearest even (as torch rounds)
+    bits = a.view(np.uint32).astype(np.uint64)
+    return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
+
+
+@pytest.mark.parametrize("T", [1, 3])
+@pytest.mark.parametrize("kinds", [("q4_k", "q6_k"), ("q8_0", "q8_0"), ("q4_0", "q4_0")])
+def test_held_steps_are_run_experts_bits_and_count_as_loads_do(tmp_path, kinds, T):
+    """Step after step, a held layer gives run_experts' float32 sums bit for bit, and its
+    pager counts the same hits, misses and uses as one that loads every step."""
+    rng = np.random.default_rng(len(kinds[0]) + T)
+    path = _file(tmp_path, rng, *kinds)
+    with Pager(path, budget_bytes=1 << 24, page_size_kb=4) as ours, \
+            Pager(path, budget_bytes=1 << 24, page_size_kb=4) as loads:  # fmt: skip
+        held = HeldExperts(ours, 0, num_experts=E, num_threads=2)
+        for x, ids, weights in _steps(rng, T, k=1 + T):  # k = 4: sums in expert order
+            want = run_experts(loads, 0, x, ids, weights, num_experts=E, num_threads=2)
+            got = held(x, ids, weights)
+            np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+        a, b = ours.stats, loads.stats
+        assert (a.hits, a.misses) == (b.hits, b.misses) and a.hits > 0
+        assert ours.usage() == loads.usage()
+        assert ours.pinned() == ours.resident()  # held: every loaded expert stays pinned
+        held.release()
+        assert ours.pinned() == []
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_half_precision_in_and_out_round_once(tmp_path, dtype):
+    """x, weights and the result as half-precision bits: the float32 step on the same values,
+    rounded once to the dtype; routing weights in float32 are taken as they are."""
+    rng = np.random.default_rng(5)
+    path = _file(tmp_path, rng, "q8_0", "q8_0")
+    if dtype == "bfloat16":
+        to_bits, to_float = _bf16, lambda b: (b.astype(np.uint32) << 16).view(np.float32)
+    else:
+        to_bits = lambda a: a.astype(np.float16).view(np.uint16)  # noqa: E731
+        to_float = lambda b: b.view(np.float16).astype(np.float32)  # noqa: E731
+    with Pager(path, budget_bytes=1 << 24, page_size_kb=4) as pager:
+        held = HeldExperts(pager, 0, num_experts=E)
+        for x, ids, weights in _steps(rng, 2):
+            xb, wb = to_bits(x), to_bits(weights)
+            want = run_experts(pager, 0, to_float(xb), ids, to_float(wb), num_experts=E)
+            out = np.full(xb.shape, 7, np.uint16)
+            got = held(xb, ids, wb, dtype=dtype, out=out)
+            assert got is out
+            np.testing.assert_array_equal(got, to_bits(want))
+            plain = held(xb, ids, to_float(wb), dtype=dtype)  # float32 routing weights
+            np.testing.assert_array_equal(plain, to_bits(want))
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_half_precision_experts_are_run_experts_bits(dtype):
+    """Experts the native step does not take (half-precision weights) run the same plan in
+    numpy: still run_experts' bits, and still no load after the first."""
+    if dtype == "bfloat16":
+        ml_dtypes = pytest.importorskip("ml_dtypes")
+        store_dtype = ml_dtypes.bfloat16
+    else:
+        store_dtype = np.float16
+    rng = np.random.default_rng(6)
+    shapes = ((E, 64, 32), (E, 64, 32), (E, 32, 64))
+    experts = InMemoryExperts(*((rng.standard_normal(s) / 8).astype(store_dtype) for s in shapes))
+    loads = []
+    load = experts.load
+    experts.load = lambda layer, ids: loads.append(list(ids)) or load(layer, ids)
+    held = HeldExperts(experts, 0, num_experts=E)
+    for _ in range(4):
+        x = rng.standard_normal((1, 32)).astype(np.float32)
+        ids = np.array([[1, 4]])
+        weights = np.array([[0.75, 0.25]], np.float32)
+        want = run_experts(experts, 0, x, ids, weights, num_experts=E)
+        np.testing.assert_array_equal(held(x, ids, weights), want)
+    assert loads.count([1, 4]) == 1 + 4  # held once; run_experts loads every step
+
+
+def test_what_the_kernel_does_not_take_is_left_to_run_experts(tmp_path):
+    """More rows for one expert than the quantized kernel takes: None, ``out`` untouched."""
+    rng = np.random.default_rng(7)
+    path = _file(tmp_path, rng, "q8_0", "q8_0")
+    x = rng.standard_normal((12, H)).astype(np.float32)
+    ids = np.stack([np.full(12, 3), np.arange(12) % 3]).T.astype(np.int64)
+    weights = np.full((12, 2), 0.5, np.float32)
+    with Pager(path, budget_bytes=1 << 24, page_size_kb=4) as pager:
+        held = HeldExperts(pager, 0, num_experts=E)
+        out = np.full(x.shape, 9.0, np.float32)
+        assert held(x, ids, weights, out=out) is None
+        assert (out == 9.0).all()
+        y = held(x[:2], ids[:2], weights[:2])  # two rows: taken
+        np.testing.assert_array_equal(y, run_experts(pager, 0, x[:2], ids[:2], weights[:2],
+                                                     num_experts=E))  # fmt: skip
+
+
+def test_bad_ids_and_corrupt_blocks_are_named(tmp_path):
+    rng = np.random.default_rng(8)
+    path = _file(tmp_path, rng, "q4_k", "q8_0", corrupt=True)
+    x = rng.standard_normal((2, H)).astype(np.float32)
+    weights = np.full((2, 2), 0.5, np.float32)
+    with Pager(path, budget_bytes=1 << 24, page_size_kb=4) as pager:
+        held = HeldExperts(pager, 0, num_experts=E)
+        with pytest.raises(ValueError, match=r"expert id 6 at token 1, choice 0 is out of range"):
+            held(x, np.array([[0, 1], [6, 2]]), weights)
+        assert np.isfinite(held(x[:1], np.array([[0, 1]]), weights[:1])).all()
+        with pytest.raises(FormatError, match=r"expert 2: its down weights hold a non-finite "
+                           r"q8_0 block scale \(row 5, byte 102\)"):  # fmt: skip
+            held(x, np.array([[0, 1], [1, 2]]), weights)
+        with pytest.raises(ValueError, match="dtype must be one of"):
+            held(x, np.array([[0, 1], [1, 2]]), weights, dtype="float64")
+        with pytest.raises(ValueError, match=r"x must be a C-contiguous \[T, H\] uint16"):
+            held(x, np.array([[0, 1], [1, 2]]), weights, dtype="bfloat16")
+
+
+def test_reuse_checks_what_load_checks(tmp_path):
+    """Pager.reuse: only experts held by live views, only while the pager is open, and a
+    file changed since it was opened is an error, as load() says it."""
+    rng = np.random.default_rng(9)
+    path = _file(tmp_path, rng, "q8_0", "q8_0")
+    pager = Pager(path, budget_bytes=1 << 24, page_size_kb=4)
+    with pytest.raises(KeyError, match=r"expert \(0, 3\) is not held by live views"):
+        pager.reuse(0, [3])
+    batch = pager.load(0, [3])
+    pager.reuse(0, [3])
+    assert pager.stats.hits == 1 and pager.stats.misses == 1
+    stat = os.stat(path)
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
+    with pytest.raises(FileChangedError, match=r"reuse\(\): weight file .* \(it was modified\)"):
+        pager.reuse(0, [3])
+    batch.release()
+    pager.close()
+    with pytest.raises(ValueError, match="this Pager is closed"):
+        pager.reuse(0, [3])
