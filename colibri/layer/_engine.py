@@ -47,6 +47,7 @@ from colibri.layer._expert import (
     KERNEL_ACTIVATIONS,
     KERNEL_KINDS,
     QUANT_KERNEL_MAX_ROWS,
+    VALUE_KINDS,
     dequantized,
     fp8_nonfinite,
     fp8_parts,
@@ -268,10 +269,10 @@ class HeldExperts:
             None (``out`` untouched) when an expert of the step does not take the fused
             kernel at its row count: run :func:`run_experts` then.
         """
-        kind = _STEP_KINDS.get(dtype)
+        kind = VALUE_KINDS.get(dtype)
         if kind is None:
             raise ValueError(
-                f"HeldExperts(): dtype must be one of {sorted(_STEP_KINDS)} ({dtype!r})"
+                f"HeldExperts(): dtype must be one of {sorted(VALUE_KINDS)} ({dtype!r})"
             )
         storage = np.float32 if kind == 0 else np.uint16
         if x.dtype != storage or x.ndim != 2 or not x.flags.c_contiguous:
@@ -292,6 +293,12 @@ class HeldExperts:
             raise ValueError(
                 f"HeldExperts(): out must be like x (got {out.dtype} {list(out.shape)})"
             )
+        native = self._native
+        if native is not None:  # the steady state: every expert held, one native call
+            ids64 = np.ascontiguousarray(ids, np.int64)
+            if native.step(x, ids64, weights, out, kind, self.num_threads) == 0:
+                self._reused(native.active)
+                return out
         with contextlib.ExitStack() as loads:  # released once the step computed: the reads
             return self._step(x, ids, weights, dtype, kind, out, loads)  # of its loads checked
 
@@ -372,9 +379,6 @@ class HeldExperts:
     def release(self) -> None:
         """Drop every held expert (idempotent): the store may reuse their slots."""
         self._forms, self._native, self._mixed = {}, None, False  # the views go: the pins too
-
-
-_STEP_KINDS = {"float32": 0, **KERNEL_KINDS}  # HeldExperts' dtypes, as _quant.Held takes them
 
 
 def _to_float32(a: np.ndarray, dtype: str) -> np.ndarray:

@@ -198,7 +198,9 @@ def half_linear(
     return y
 
 
-_NORM_KINDS = {"float32": _norm.KIND_PLAIN, "bfloat16": _norm.KIND_BFLOAT16,
+#: What an array of values holds, as the kernels take it: float32 (0), or the uint16 bits of
+#: float16 / bfloat16 (half.h's COLIBRI_W_F16 / COLIBRI_W_BF16).
+VALUE_KINDS = {"float32": _norm.KIND_PLAIN, "bfloat16": _norm.KIND_BFLOAT16,
                "float16": _norm.KIND_FLOAT16}  # fmt: skip
 
 
@@ -233,9 +235,9 @@ def rms_norm(
         own sum order may differ in its last place, so results match torch's bit for bit
         almost always and within one unit in the last place of ``dtype`` always.
     """
-    kind = _NORM_KINDS.get(dtype)
+    kind = VALUE_KINDS.get(dtype)
     if kind is None:
-        raise ValueError(f"rms_norm(): dtype must be one of {sorted(_NORM_KINDS)} (got {dtype!r})")
+        raise ValueError(f"rms_norm(): dtype must be one of {sorted(VALUE_KINDS)} (got {dtype!r})")
     storage = np.float32 if kind == _norm.KIND_PLAIN else np.uint16
     x, weight = np.asarray(x), np.asarray(weight)
     if x.ndim != 2 or weight.ndim != 1 or x.dtype != storage or weight.dtype != storage:
@@ -265,6 +267,8 @@ def quant_linear(
     qtype: str,
     bias: np.ndarray | None = None,
     num_threads: int = 0,
+    dtype: str = "float32",
+    out: np.ndarray | None = None,
 ) -> np.ndarray:
     """``x @ W.T + bias`` for a weight ``W`` block-quantized as stored (a GGUF tensor), on
     colibri's quantized linear kernel: ``x`` quantized to int8 blocks once (as ggml does),
@@ -274,7 +278,7 @@ def quant_linear(
     Parameters
     ----------
     x : numpy.ndarray
-        ``[n, in]`` float32 rows.
+        ``[n, in]`` float32 rows, or the ``uint16`` bits of ``dtype``.
     blocks : numpy.ndarray
         ``[out, row_bytes]`` ``uint8``, C-contiguous: each row ``in`` values as whole
         ``qtype`` blocks.
@@ -285,15 +289,32 @@ def quant_linear(
         ``[out]`` float32.
     num_threads : int
         Threads (0: colibri's default).
+    dtype : str
+        ``"float32"``, ``"bfloat16"`` or ``"float16"``: what ``x`` and the result hold (half
+        precision: the float32 sums rounded once, to nearest even).
+    out : numpy.ndarray, optional
+        ``[n, out]`` C-contiguous, stored as ``x`` is: where the result goes.
 
     Returns
     -------
     numpy.ndarray
-        ``[n, out]`` float32.
+        ``[n, out]``, stored as ``x`` is.
     """
-    y = np.empty((x.shape[0], blocks.shape[0]), np.float32)
-    _quant.linear(qtype, blocks, x, y, num_threads, bias)
-    return y
+    kind = VALUE_KINDS.get(dtype)
+    if kind is None:
+        raise ValueError(
+            f"quant_linear(): dtype must be one of {sorted(VALUE_KINDS)} (got {dtype!r})"
+        )
+    storage = np.float32 if kind == _norm.KIND_PLAIN else np.uint16
+    if out is None:
+        out = np.empty((x.shape[0], blocks.shape[0]), storage)
+    if x.dtype != storage or out.dtype != storage:
+        raise ValueError(
+            f"quant_linear(): x and out must be {np.dtype(storage).name} for dtype={dtype!r} "
+            f"(got x {x.dtype}, out {out.dtype})"
+        )
+    _quant.linear(qtype, blocks, x, out, num_threads, bias, kind=kind)
+    return out
 
 
 def linear(x: np.ndarray, w: Any, dtype: str) -> np.ndarray:

@@ -29,6 +29,7 @@ def linear(
     num_threads: int = 0,
     bias: np.ndarray | None = None,
     path: str | None = None,
+    kind: int = 0,
 ) -> None: ...
 def ffn(
     qtype: str,

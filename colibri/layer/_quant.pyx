@@ -287,8 +287,8 @@ def matmul(qtype, w, x, path=None, scales=None):
     return out
 
 
-def linear(qtype, const uint8_t[:, ::1] w, const float[:, ::1] x, float[:, ::1] y,
-           int num_threads=0, const float[::1] bias=None, path=None):
+def linear(qtype, const uint8_t[:, ::1] w, x, y, int num_threads=0,
+           const float[::1] bias=None, path=None, int kind=0):
     """y = x @ dequantize(w).T (+ bias): colibri's quantized linear kernel
     (include/colibri/qlinear.h), x quantized to q8 rows once.
 
@@ -298,10 +298,12 @@ def linear(qtype, const uint8_t[:, ::1] w, const float[:, ::1] x, float[:, ::1] 
         One of ``TYPES``.
     w : ndarray of uint8, shape (out, row_bytes)
         Rows of whole ``qtype`` blocks, C-contiguous (as stored in a GGUF file).
-    x : ndarray of float32, shape (n, in)
-        C-contiguous; ``in`` the values of a row of ``w``.
-    y : ndarray of float32, shape (n, out)
-        C-contiguous, written.
+    x : ndarray, shape (n, in)
+        C-contiguous float32 (``kind`` 0) or the uint16 bits of float16 / bfloat16 (half.h's
+        ``COLIBRI_W_F16`` / ``COLIBRI_W_BF16``); ``in`` the values of a row of ``w``.
+    y : ndarray, shape (n, out)
+        C-contiguous, stored as ``x``, written (half precision: the float32 sums rounded
+        once, to nearest even).
     num_threads : int
         Threads (the caller and pool helpers); < 1: colibri's default. The bits do not
         depend on it, nor on ``path``.
@@ -309,27 +311,75 @@ def linear(qtype, const uint8_t[:, ::1] w, const float[:, ::1] x, float[:, ::1] 
         Added in float32.
     path : str, optional
         A SIMD path this CPU runs (tests); None: the dispatched one.
+    kind : int
+        What ``x`` and ``y`` hold.
     """
     cdef int t = _type(qtype, False)
     cdef int32_t K = row_values(qtype, w.shape[1])
-    if x.shape[1] != K or y.shape[0] != x.shape[0] or y.shape[1] != w.shape[0]:
+    cdef const float[:, ::1] xf
+    cdef float[:, ::1] yf
+    cdef const uint16_t[:, ::1] xb
+    cdef uint16_t[:, ::1] yb
+    cdef int64_t n, i, total
+    cdef float *buf = NULL
+    if kind == 0:
+        xf, yf = x, y
+        n = xf.shape[0]
+        _linear_shapes(qtype, K, w, n, xf.shape[1], yf.shape[0], yf.shape[1], bias)
+        _linear(t, K, w, &xf[0, 0] if n else NULL, n, &yf[0, 0] if n else NULL, bias,
+                path_index(path), num_threads)
+        return
+    if kind != COLIBRI_W_F16 and kind != COLIBRI_W_BF16:
+        raise ValueError(f"linear(): kind must be 0, COLIBRI_W_F16 or COLIBRI_W_BF16 ({kind})")
+    xb, yb = x, y
+    n = xb.shape[0]
+    _linear_shapes(qtype, K, w, n, xb.shape[1], yb.shape[0], yb.shape[1], bias)
+    if n == 0 or w.shape[0] == 0:
+        return
+    buf = <float *>malloc(<size_t>n * (K + w.shape[0]) * sizeof(float))
+    if buf == NULL:
+        raise MemoryError()
+    try:
+        with nogil:
+            total = n * K
+            for i in range(total):
+                buf[i] = colibri_bf16_to_float((&xb[0, 0])[i]) if kind == COLIBRI_W_BF16 \
+                    else colibri_half_to_float((&xb[0, 0])[i])
+        _linear(t, K, w, buf, n, buf + n * K, bias, path_index(path), num_threads)
+        with nogil:
+            total = n * w.shape[0]
+            for i in range(total):
+                (&yb[0, 0])[i] = colibri_float_to_bf16(buf[n * K + i]) \
+                    if kind == COLIBRI_W_BF16 else colibri_float_to_half(buf[n * K + i])
+    finally:
+        free(buf)
+
+
+cdef int _linear_shapes(qtype, int32_t K, const uint8_t[:, ::1] w, int64_t n, int64_t x_in,
+                        int64_t y_rows, int64_t y_out, const float[::1] bias) except -1:
+    if x_in != K or y_rows != n or y_out != w.shape[0]:
         raise ValueError(
             f"linear(): x [n, in], w [out] rows of in {qtype} values and y [n, out] (got x "
-            f"{[x.shape[0], x.shape[1]]}, w {w.shape[0]} rows of {K} values, y "
-            f"{[y.shape[0], y.shape[1]]})"
+            f"{[n, x_in]}, w {w.shape[0]} rows of {K} values, y {[y_rows, y_out]})"
         )
     if bias is not None and bias.shape[0] != w.shape[0]:
         raise ValueError(f"linear(): bias must be float32 [{w.shape[0]}] (got [{bias.shape[0]}])")
-    if x.shape[0] > 0x7fffffff or w.shape[0] > 0x7fffffff:
+    if n > 0x7fffffff or w.shape[0] > 0x7fffffff:
         raise ValueError("linear(): more than 2^31 - 1 rows")
+    return 0
+
+
+cdef int _linear(int t, int32_t K, const uint8_t[:, ::1] w, const float *x, int64_t n,
+                 float *y, const float[::1] bias, int path, int num_threads) except -1:
+    """y [n, out] = x [n, K] @ dequantize(w).T (+ bias), rows contiguous (shapes checked)."""
     cdef colibri_qlinear_t f
-    f.n = <int32_t>x.shape[0]
+    f.n = <int32_t>n
     f.in_dim = K
     f.out_dim = <int32_t>w.shape[0]
     f.type = t
-    f.path = path_index(path)
+    f.path = path
     if f.n == 0 or f.out_dim == 0:
-        return
+        return 0
     cdef int64_t groups = K // 32
     cdef char *q8 = <char *>malloc(<size_t>f.n * (K + 8 * groups))
     if q8 == NULL:
@@ -340,17 +390,18 @@ def linear(qtype, const uint8_t[:, ::1] w, const float[:, ::1] x, float[:, ::1] 
     f.w = &w[0, 0]
     f.ldw = w.shape[1]
     f.bias = &bias[0] if bias is not None else NULL
-    f.y = &y[0, 0]
-    f.ldy = y.shape[1]
+    f.y = y
+    f.ldy = f.out_dim
     if num_threads < 1:
         num_threads = colibri_max_threads()
     cdef int32_t r
     with nogil:
         for r in range(f.n):
-            colibri_q8_row(&x[r, 0], K, <float *>f.xd + r * groups, <int8_t *>f.xq + r * K,
-                           <int32_t *>f.xs + r * groups)
+            colibri_q8_row(x + <int64_t>r * K, K, <float *>f.xd + r * groups,
+                           <int8_t *>f.xq + <int64_t>r * K, <int32_t *>f.xs + r * groups)
         colibri_qlinear_run(&f, num_threads)
     free(q8)
+    return 0
 
 
 def _oss_order(int8_t[::1] q):

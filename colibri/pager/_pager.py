@@ -649,10 +649,7 @@ class Pager:
                         f"reuse(): expert {key} is not held by live views of this pager; "
                         "load() it and keep the batch"
                     )
-        self._io.check(self._all_files if self._single_file else self._step_files(keys), "reuse()")
-        self._check_guards(slots, "reuse()")
-        with cache.lock:
-            if self.trace is not None:
+            if self.trace is not None:  # counted as load() counts: before the checks
                 self.trace.steps.append((layer, tuple(e for _, e in keys)))
             stats, per = cache.stats, self._layer(layer)
             stats.hits += len(keys)
@@ -661,6 +658,8 @@ class Pager:
                 self._usage[key] = self._usage.get(key, 0) + 1
                 if self._evicts:
                     self._policy.touch(key)
+        self._io.check(self._all_files if self._single_file else self._step_files(keys), "reuse()")
+        self._check_guards(slots, "reuse()")
 
     # The phases of a load. `pinned` holds each slot this load has a pin on; a phase that
     # drops a pin or hands it to a view takes the slot out.

@@ -340,6 +340,38 @@ def test_quant_linear_is_matmuls_bits_on_every_path_and_thread_count(qtype):
     assert quant_linear(x[:0], w, qtype).shape == (0, 300)
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_quant_linear_in_half_precision_rounds_the_float32_result_once(dtype):
+    """Half-precision bits in and out: the float32 product of the same values, rounded once
+    to nearest even (as torch's ``.to(dtype)`` rounds), on every thread count."""
+    from colibri._dlpack import bf16_to_float32, float32_to_bf16
+    from colibri.layer import quant_linear
+
+    rng = np.random.default_rng(21)
+    w = _blocks(rng, "q4_k", 96, 4)
+    x = rng.standard_normal((3, 1024)).astype(np.float32) * 4
+    if dtype == "bfloat16":
+        bits, values = float32_to_bf16(x), bf16_to_float32
+        rounded = float32_to_bf16
+    else:
+        bits = x.astype(np.float16).view(np.uint16)
+        values = lambda b: b.view(np.float16).astype(np.float32)  # noqa: E731
+        rounded = lambda y: y.astype(np.float16).view(np.uint16)  # noqa: E731
+    bias = rng.standard_normal(96).astype(np.float32)
+    want = rounded(quant_linear(values(bits), w, "q4_k", bias))
+    for threads in (1, 2):
+        out = np.zeros((3, 96), np.uint16)
+        got = quant_linear(bits, w, "q4_k", bias, threads, dtype=dtype, out=out)
+        assert got is out
+        np.testing.assert_array_equal(got, want)
+    with pytest.raises(ValueError, match=r"x and out must be uint16 for dtype='bfloat16'"):
+        quant_linear(x, w, "q4_k", dtype="bfloat16")
+    with pytest.raises(ValueError, match="dtype must be one of"):
+        quant_linear(bits, w, "q4_k", dtype="int8")
+    with pytest.raises(ValueError, match="kind must be 0"):
+        _quant.linear("q4_k", w, bits, np.zeros((3, 96), np.uint16), kind=7)
+
+
 @pytest.mark.parametrize(
     ("change", "error", "match"),
     [

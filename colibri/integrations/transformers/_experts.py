@@ -26,7 +26,7 @@ from torch import nn
 from colibri._dlpack import to_caller
 from colibri.integrations.transformers import _ops
 from colibri.integrations.transformers._checkpoint import CheckpointError, layer_index
-from colibri.integrations.transformers._ops import bits_of
+from colibri.integrations.transformers._ops import HALF_NAMES, bits_of
 from colibri.integrations.transformers._predict import Predictor
 from colibri.layer import ExpertWeights, HeldExperts, run_experts
 
@@ -43,8 +43,7 @@ __all__ = [
 #: The experts implementation's name in transformers' ``ExpertsInterface``.
 IMPLEMENTATION = "colibri"
 _ATTR = "_colibri_experts"  # the per-module paging state, outside nn.Module's registries
-_KERNEL_DTYPES = {torch.bfloat16, torch.float16}
-_DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
+_KERNEL_DTYPES = set(HALF_NAMES)
 
 
 class UnsupportedCheckpointError(CheckpointError):
@@ -395,7 +394,7 @@ def _held_forward(
         bits_of(x),
         ids.numpy(),
         bits_of(weights) if weights.dtype == x.dtype else weights.contiguous().numpy(),
-        dtype=_DTYPE_NAMES[x.dtype],
+        dtype=HALF_NAMES[x.dtype],
         out=bits_of(out),
     )
     return None if y is None else out

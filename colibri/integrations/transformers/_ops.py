@@ -167,8 +167,12 @@ def experts(
 # -- non-expert linears -------------------------------------------------------------------
 
 
+#: The half precisions colibri's kernels take as bits, by torch dtype: their names.
+HALF_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
 def bits_of(weight: torch.Tensor) -> np.ndarray:
-    """The uint16 bits of a half-precision ``[out, in]`` weight (a view, no copy)."""
+    """The uint16 bits of a half-precision tensor (a view, no copy)."""
     return weight.detach().view(torch.int16).numpy().view(np.uint16)
 
 
@@ -251,9 +255,16 @@ def compute_quantized(
     torch.Tensor
         ``[..., out]``, ``x``'s dtype (float32 accumulation, rounded once).
     """
-    rows = x.detach().reshape(-1, x.shape[-1]).to(torch.float32).contiguous()
-    y = quant_linear(rows.numpy(), blocks.numpy(), qtype, bias32, num_threads)
-    return torch.from_numpy(y).to(x.dtype).reshape(*x.shape[:-1], blocks.shape[0])
+    rows = x.detach().reshape(-1, x.shape[-1])
+    dtype = HALF_NAMES.get(x.dtype)
+    if dtype is None:  # float32 (or another float: computed in float32)
+        rows = rows.to(torch.float32).contiguous()
+        y = quant_linear(rows.numpy(), blocks.numpy(), qtype, bias32, num_threads)
+        return torch.from_numpy(y).to(x.dtype).reshape(*x.shape[:-1], blocks.shape[0])
+    rows = rows.contiguous()  # half precision in and out as bits: converted in the kernel
+    out = rows.new_empty((rows.shape[0], blocks.shape[0]))
+    quant_linear(bits_of(rows), blocks.numpy(), qtype, bias32, num_threads, dtype, bits_of(out))
+    return out.view(*x.shape[:-1], blocks.shape[0])
 
 
 @torch.library.custom_op("colibri::quant_linear", mutates_args=())
