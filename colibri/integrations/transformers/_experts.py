@@ -387,13 +387,12 @@ def _held_forward(
         x = x.contiguous()
     ids = top_k_index.detach().reshape(x.shape[0], -1)
     weights = top_k_weights.detach().reshape(ids.shape)
-    if weights.dtype != x.dtype:
-        weights = weights.float()
+    weights = weights.contiguous() if weights.dtype == x.dtype else weights.float().contiguous()
     out = torch.empty_like(x)
     y = state.held(
         bits_of(x),
         ids.numpy(),
-        bits_of(weights) if weights.dtype == x.dtype else weights.contiguous().numpy(),
+        bits_of(weights) if weights.dtype == x.dtype else weights.numpy(),
         dtype=HALF_NAMES[x.dtype],
         out=bits_of(out),
     )

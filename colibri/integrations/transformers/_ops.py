@@ -173,7 +173,7 @@ HALF_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 def bits_of(weight: torch.Tensor) -> np.ndarray:
     """The uint16 bits of a half-precision tensor (a view, no copy)."""
-    return weight.detach().view(torch.int16).numpy().view(np.uint16)
+    return weight.detach().view(torch.uint16).numpy()
 
 
 def compute(

@@ -249,6 +249,17 @@ def test_a_budget_for_every_expert_keeps_them_with_the_same_bits(written):
         a, b = paged.colibri.stats, kept.colibri.stats
         assert a.hits + a.misses == b.hits + b.misses
         assert b.misses == len(pager.resident()) and b.hits > b.misses
+        # a router's ids as int32 and its weights as a strided view: the same as paged
+        gen = torch.Generator().manual_seed(3)
+        x = torch.randn(3, H, generator=gen).to(torch.bfloat16)
+        ids32 = torch.tensor([[0, 3], [2, 1], [3, 0]], dtype=torch.int32)
+        strided = torch.rand(2, 3, generator=gen).to(torch.bfloat16).T
+        assert not strided.is_contiguous()
+        with torch.no_grad():
+            want, got = (m.model.layers[1].mlp.experts(x, ids32.long(), strided.contiguous())
+                         for m in (paged, kept))  # fmt: skip
+            again = kept.model.layers[1].mlp.experts(x, ids32, strided)
+        assert torch.equal(want, got) and torch.equal(want, again)
     finally:
         paged.colibri.close()
         kept.colibri.close()
