@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # CI: the extensions built with AddressSanitizer + UndefinedBehaviorSanitizer (meson's
 # b_sanitize) and Cython's bounds checks on (debug_cython), then the tests that drive the
-# compiled code: routing, DLPack intake, dispatch, pager, and the fuzzers. Any sanitizer report
-# fails the run (halt_on_error). Builds in a temporary virtual environment; nothing is left.
+# compiled code: routing, DLPack intake, dispatch, pager, the quantized kernels and held
+# experts' native step, and the fuzzers. Any sanitizer report fails the run (halt_on_error).
+# Builds in a temporary virtual environment; nothing is left.
 #
 # Python itself is not instrumented, so libasan is preloaded; leak detection is off (CPython
 # keeps its arenas until exit, which LeakSanitizer would report).
@@ -39,7 +40,7 @@ export COLIBRI_FUZZ_EXAMPLES="${COLIBRI_FUZZ_EXAMPLES:-40}"  # tests/test_fuzz.p
 # __cxa_throw interceptor finds no real symbol), and atheris instruments Python, not our C.
 LD_PRELOAD="$libasan" pytest -q -p no:cacheprovider \
   tests/routing/test_routing.py tests/dlpack/test_dlpack.py tests/layer/test_dispatch.py tests/pager/test_pager.py \
-  tests/test_fuzz.py tests/test_threads.py \
+  tests/test_fuzz.py tests/test_threads.py tests/layer/test_held.py tests/layer/test_quant.py \
   --deselect tests/pager/test_pager.py::test_streaming_8x_the_budget_keeps_peak_rss_bounded \
   --deselect tests/pager/test_pager.py::test_populate_commits_the_read_pool_at_once \
   -k "not test_a_budget_without_limit_is_capped_at_the_experts_in_the_files" \
