@@ -38,7 +38,6 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from colibri._dlpack import bf16_to_float32, float32_to_bf16
 from colibri._errors import BudgetError, FormatError
 from colibri.formats import FP8_BLOCKED, ExpertWeights
 from colibri.layer import _ffn, _fp8, _quant, _rows
@@ -48,12 +47,14 @@ from colibri.layer._expert import (
     KERNEL_KINDS,
     QUANT_KERNEL_MAX_ROWS,
     VALUE_KINDS,
+    compute_rows,
     dequantized,
     fp8_nonfinite,
     fp8_parts,
     gated_ffn,
     half_bits,
     kernel_enabled,
+    round_to,
 )
 
 __all__ = ["KERNEL_MAX_ROWS", "ExpertStore", "Fallback", "HeldExperts", "run_experts"]
@@ -318,10 +319,10 @@ class HeldExperts:
             if code == 0:
                 self._reused([e for e in native.active if e not in fresh])
                 return out
-        sums = self._sums(_to_float32(x, dtype), ids, _to_float32(weights, dtype), loads, fresh)
+        sums = self._sums(_values(x, dtype), ids, _values(weights, dtype), loads, fresh)
         if sums is None:
             return None
-        out[...] = sums if kind == 0 else _from_float32(sums, dtype)
+        out[...] = sums if kind == 0 else round_to(sums, dtype).view(np.uint16)
         return out
 
     def _sums(self, x, ids, weights, loads, fresh) -> np.ndarray | None:
@@ -381,18 +382,11 @@ class HeldExperts:
         self._forms, self._native, self._mixed = {}, None, False  # the views go: the pins too
 
 
-def _to_float32(a: np.ndarray, dtype: str) -> np.ndarray:
+def _values(a: np.ndarray, dtype: str) -> np.ndarray:
+    """float32 rows, or the uint16 bits of ``dtype``, as float32 (:func:`compute_rows`)."""
     if a.dtype == np.float32:
         return a
-    if dtype == "bfloat16":
-        return bf16_to_float32(a)
-    return a.view(np.float16).astype(np.float32)
-
-
-def _from_float32(a: np.ndarray, dtype: str) -> np.ndarray:
-    if dtype == "bfloat16":
-        return float32_to_bf16(a)
-    return a.astype(np.float16).view(np.uint16)
+    return compute_rows(a.view(np.float16) if dtype == "float16" else a, dtype)
 
 
 def _check(x: np.ndarray, ids: np.ndarray, weights: np.ndarray) -> tuple:

@@ -113,7 +113,12 @@ def test_half_precision_experts_are_run_experts_bits(dtype):
         weights = np.array([[0.75, 0.25]], np.float32)
         want = run_experts(experts, 0, x, ids, weights, num_experts=E)
         np.testing.assert_array_equal(held(x, ids, weights), want)
-    assert loads.count([1, 4]) == 1 + 4  # held once; run_experts loads every step
+        bits = x.astype(np.float16).view(np.uint16)  # half precision in and out, as bits
+        want = run_experts(experts, 0, bits.view(np.float16).astype(np.float32), ids, weights,
+                           num_experts=E)  # fmt: skip
+        got = held(bits, ids, weights, dtype="float16")
+        np.testing.assert_array_equal(got, want.astype(np.float16).view(np.uint16))
+    assert loads.count([1, 4]) == 1 + 8  # held once; run_experts loads every step
 
 
 def test_what_the_kernel_does_not_take_is_left_to_run_experts(tmp_path):
