@@ -432,6 +432,24 @@ cdef const uint8_t *_matrix(const uint8_t[:, ::1] w, int t, int32_t rows, int32_
     return &w[0, 0]
 
 
+cdef int64_t _fill(colibri_qffn_t *f, object mats, int t, int td, int64_t H,
+                   Py_ssize_t j) except -1:
+    """Point ``f`` at expert j's checked ``(gate, up, down)``: gate and up ``I`` rows of ``H``
+    values of type t, down ``H`` rows of ``I`` values of type td; returns ``I``."""
+    cdef const uint8_t[:, ::1] g
+    cdef const uint8_t[:, ::1] u
+    cdef const uint8_t[:, ::1] d
+    g, u, d = mats
+    cdef int64_t I = g.shape[0]
+    if I < 32 or I % 32:
+        raise ValueError(f"expert {j}: I={I} must be a positive multiple of 32")
+    f.gate = _matrix(g, t, <int32_t>I, <int32_t>H, "gate", j)
+    f.up = _matrix(u, t, <int32_t>I, <int32_t>H, "up", j)
+    f.down = _matrix(d, td, <int32_t>H, <int32_t>I, "down", j)
+    f.ldg, f.ldu, f.ldd = g.shape[1], u.shape[1], d.shape[1]
+    return I
+
+
 def ffn(qtype, gate, up, down, x, act="silu", int num_threads=0, path=None, down_type=None):
     """One quantized expert's gated FFN on a few rows: ``down @ (act(gate @ x) * (up @ x))``.
 
@@ -496,7 +514,6 @@ def ffn_sum(const float[:, ::1] x, list experts, qtype, act, const int64_t[::1] 
     cdef int a = ACTIVATIONS.get(act, -1)
     cdef Py_ssize_t count = len(experts), j
     cdef int64_t T = x.shape[0], H = x.shape[1], total, I
-    cdef const uint8_t[:, ::1] g, u, d
     if a < 0:
         raise ValueError(f"act must be one of {', '.join(ACTIVATIONS)} (got {act!r})")
     if H % 32 or H < 32 or y.shape[0] != T or y.shape[1] != H:
@@ -520,15 +537,10 @@ def ffn_sum(const float[:, ::1] x, list experts, qtype, act, const int64_t[::1] 
         for j in range(count):
             if oss:
                 I = _gpt_oss_expert(&f[j], experts[j], H, alpha, limit, j)
+                if I < 32 or I % 32:
+                    raise ValueError(f"expert {j}: I={I} must be a positive multiple of 32")
             else:
-                g, u, d = experts[j]
-                I = g.shape[0]
-                f[j].gate = _matrix(g, t, <int32_t>I, <int32_t>H, "gate", j)
-                f[j].up = _matrix(u, t, <int32_t>I, <int32_t>H, "up", j)
-                f[j].down = _matrix(d, td, <int32_t>H, <int32_t>I, "down", j)
-                f[j].ldg, f[j].ldu, f[j].ldd = g.shape[1], u.shape[1], d.shape[1]
-            if I < 32 or I % 32:
-                raise ValueError(f"expert {j}: I={I} must be a positive multiple of 32")
+                I = _fill(&f[j], experts[j], t, td, H, j)
             f[j].n, f[j].H, f[j].I = <int32_t>(bounds[j + 1] - bounds[j]), <int32_t>H, <int32_t>I
             f[j].type, f[j].down_type, f[j].act, f[j].path = t, td, a, p
         _run(f, count, bounds, rows, scale, total, x, y, num_threads, oss)
@@ -815,19 +827,9 @@ cdef class Held:
         cdef int t = _type(qtype, False), td = _type(down_type, False)
         if self.t >= 0 and (t, td) != (self.t, self.td):
             return False
-        cdef const uint8_t[:, ::1] g = mats[0]
-        cdef const uint8_t[:, ::1] u = mats[1]
-        cdef const uint8_t[:, ::1] d = mats[2]
-        cdef int64_t I = g.shape[0], H = self.hidden
-        if I < 32 or I % 32:
-            raise ValueError(f"expert {e}: I={I} must be a positive multiple of 32")
         cdef colibri_qffn_t *f = &self.forms[e]
-        f.gate = _matrix(g, t, <int32_t>I, <int32_t>H, "gate", e)
-        f.up = _matrix(u, t, <int32_t>I, <int32_t>H, "up", e)
-        f.down = _matrix(d, td, <int32_t>H, <int32_t>I, "down", e)
-        f.ldg, f.ldu, f.ldd = g.shape[1], u.shape[1], d.shape[1]
-        f.H, f.I, f.type, f.down_type, f.act, f.path = <int32_t>H, <int32_t>I, t, td, self.act, \
-            self.path
+        f.I = <int32_t>_fill(f, mats, t, td, self.hidden, e)
+        f.H, f.type, f.down_type, f.act, f.path = <int32_t>self.hidden, t, td, self.act, self.path
         self.t, self.td = t, td
         self.keep[e] = mats
         self.held[e] = 1

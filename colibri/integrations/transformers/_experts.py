@@ -381,7 +381,8 @@ def _held_forward(
             activation=state.activation,
             num_threads=paging.num_threads,
         )
-    paging.open_pager()  # a clear error once closed
+    else:
+        paging.open_pager()  # a clear error once closed
     x = hidden_states.detach()
     if not x.is_contiguous():
         x = x.contiguous()

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from colibri.integrations.transformers._ops import bits_of
 from colibri.layer import rms_norm
 
 __all__ = ["MAX_VALUES", "install"]
@@ -32,16 +33,12 @@ MAX_VALUES = 1 << 16
 _DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
-# How a dtype's values are viewed for the kernel: float32 as is, half types as uint16 bits.
-_VIEWS = {torch.float32: (torch.float32, np.float32), torch.bfloat16: (torch.int16, np.uint16),
-          torch.float16: (torch.int16, np.uint16)}  # fmt: skip
 _STATE = "_colibri_norm"  # (weight, its values: a view, follows in-place changes, address)
 
 
 def _numpy(t: torch.Tensor) -> np.ndarray:
-    """``t``'s values as the kernel reads them, no copy."""
-    as_torch, as_numpy = _VIEWS[t.dtype]
-    return t.detach().view(as_torch).numpy().view(as_numpy)
+    """``t``'s values as the kernel reads them, no copy: float32 as is, half types as bits."""
+    return t.detach().numpy() if t.dtype == torch.float32 else bits_of(t)
 
 
 def _eps(module: nn.Module) -> float | None:
