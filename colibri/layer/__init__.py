@@ -12,7 +12,8 @@ framework) and the transformers integration both run their experts through it, o
 a step).
 :func:`expert_ffn` is the fused half-precision expert kernel on its own; :func:`half_linear`
 and :func:`quant_linear` are colibri's linear kernels for half-precision and block-quantized
-weights, :func:`rms_norm` transformers' RMSNorm in one call; :func:`dispatch`,
+weights, :func:`rms_norm` transformers' RMSNorm in one call, :func:`attention` a decoding
+step's attention over its key/value cache; :func:`dispatch`,
 :func:`gather` and :func:`combine` are vLLM-style token-reordering steps, usable with any
 expert implementation.
 """
@@ -23,6 +24,7 @@ from colibri.layer._engine import KERNEL_MAX_ROWS, ExpertStore, HeldExperts, run
 from colibri.layer._expert import (
     QUANT_KERNEL_MAX_ROWS,
     activation_function,
+    attention,
     expert_ffn,
     gpt_oss_experts,
     half_linear,
@@ -43,6 +45,7 @@ __all__ = [
     "InMemoryExperts",
     "MoELayer",
     "activation_function",
+    "attention",
     "check_row_values",
     "combine",
     "detected_path",

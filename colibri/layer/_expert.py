@@ -21,9 +21,16 @@ import numpy as np
 from colibri._dlpack import bf16_to_float32, float32_to_bf16, import_host, to_caller
 from colibri._errors import FormatError
 from colibri.formats import FP8_BLOCKED, ExpertWeights
-from colibri.layer import _ffn, _fp8, _norm, _quant, _rows
+from colibri.layer import _attention, _ffn, _fp8, _norm, _quant, _rows
 
-__all__ = ["activation_function", "expert_ffn", "half_linear", "quant_linear", "rms_norm"]
+__all__ = [
+    "activation_function",
+    "attention",
+    "expert_ffn",
+    "half_linear",
+    "quant_linear",
+    "rms_norm",
+]
 
 
 def _gelu_tanh(x: np.ndarray) -> np.ndarray:
@@ -258,6 +265,71 @@ def rms_norm(
             f"{list(x.shape)} (got {out.dtype} {list(out.shape)})"
         )
     _norm.rms_norm(x, weight, eps, out, kind)
+    return out
+
+
+def attention(
+    q: np.ndarray,
+    k: np.ndarray,
+    v: np.ndarray,
+    scale: float,
+    dtype: str = "float32",
+    mask: np.ndarray | None = None,
+    out: np.ndarray | None = None,
+) -> np.ndarray:
+    """Attention of a few query rows over a key/value cache, as a decoding step needs it:
+    ``out[t, h] = softmax_j(scale * q[h, t] . k[g, j] + mask[t, j]) @ v[g]``, ``g = h // G``.
+
+    Parameters
+    ----------
+    q : numpy.ndarray
+        ``[Hq, T, D]``: float32, or the ``uint16`` bits of ``dtype``.
+    k, v : numpy.ndarray
+        ``[Hkv, L, D]``, stored as ``q`` is; ``Hkv`` divides ``Hq`` (``G = Hq / Hkv`` query
+        heads share a key/value head).
+    scale : float
+        Multiplies the dot products (``1 / sqrt(D)`` in most models).
+    dtype : str
+        ``"float32"``, ``"bfloat16"`` or ``"float16"``: what ``q``, ``k``, ``v`` and the
+        result hold.
+    mask : numpy.ndarray, optional
+        ``[T, L]`` float32 added to the scaled scores (``-inf``: not attended).
+    out : numpy.ndarray, optional
+        ``[T, Hq, D]`` C-contiguous, stored as ``q`` is: where the result goes.
+
+    Returns
+    -------
+    numpy.ndarray
+        ``[T, Hq, D]`` (the token-major layout a model's output projection reads). float32
+        arithmetic in a fixed order, rounded once to ``dtype``; a row with every key masked
+        gets zeros.
+    """
+    kind = VALUE_KINDS.get(dtype)
+    if kind is None:
+        raise ValueError(f"attention(): dtype must be one of {sorted(VALUE_KINDS)} (got {dtype!r})")
+    storage = np.float32 if kind == _norm.KIND_PLAIN else np.uint16
+    q, k, v = (np.ascontiguousarray(a) for a in (q, k, v))
+    if any(a.ndim != 3 or a.dtype != storage for a in (q, k, v)):
+        raise ValueError(
+            f"attention(): q, k and v must be 3-d {np.dtype(storage).name} arrays for "
+            f"dtype={dtype!r} (got {', '.join(f'{a.dtype} {list(a.shape)}' for a in (q, k, v))})"
+        )
+    scale = float(scale)
+    if not math.isfinite(scale):
+        raise ValueError(f"attention(): scale must be finite (got {scale})")
+    if mask is not None:
+        mask = np.ascontiguousarray(mask, np.float32)
+        if mask.ndim != 2:
+            raise ValueError(f"attention(): mask must be [T, L] (got {list(mask.shape)})")
+    shape = (q.shape[1], q.shape[0], q.shape[2])
+    if out is None:
+        out = np.empty(shape, storage)
+    elif out.shape != shape or out.dtype != storage or not out.flags.c_contiguous:
+        raise ValueError(
+            f"attention(): out must be C-contiguous {np.dtype(storage).name} {list(shape)} "
+            f"(got {out.dtype} {list(out.shape)})"
+        )
+    _attention.attention(q, k, v, scale, out, kind, mask)
     return out
 
 

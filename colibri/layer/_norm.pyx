@@ -9,47 +9,19 @@ last place of the storage type, and rarely.
 """
 
 from libc.math cimport sqrtf
-from libc.stdint cimport uint16_t
 
 from colibri.layer._half cimport (
     COLIBRI_W_BF16,
     COLIBRI_W_F16,
-    colibri_bf16_to_float,
-    colibri_float_to_bf16,
-    colibri_float_to_half,
-    colibri_half_to_float,
+    load_value,
+    store_value,
+    value_t,
 )
 
 # How values are stored: float32 (plain), or 16-bit bits of half.h's kinds.
 KIND_PLAIN = 0
 KIND_FLOAT16 = COLIBRI_W_F16
 KIND_BFLOAT16 = COLIBRI_W_BF16
-
-ctypedef fused value_t:
-    float
-    uint16_t
-
-
-cdef inline float _load(const value_t *p, Py_ssize_t i, int kind) noexcept nogil:
-    if value_t is float:
-        return p[i]
-    elif kind == COLIBRI_W_BF16:
-        return colibri_bf16_to_float(p[i])
-    else:
-        return colibri_half_to_float(p[i])
-
-
-cdef inline float _round(value_t *p, Py_ssize_t i, float f, int kind) noexcept nogil:
-    """Store ``f`` at ``p[i]`` in the storage type; return the stored value as float32."""
-    if value_t is float:
-        p[i] = f
-        return f
-    elif kind == COLIBRI_W_BF16:
-        p[i] = colibri_float_to_bf16(f)
-        return colibri_bf16_to_float(p[i])
-    else:
-        p[i] = colibri_float_to_half(f)
-        return colibri_half_to_float(p[i])
 
 
 cdef void _rows(const value_t *x, const value_t *w, Py_ssize_t T, Py_ssize_t n, float eps,
@@ -61,24 +33,24 @@ cdef void _rows(const value_t *x, const value_t *w, Py_ssize_t T, Py_ssize_t n, 
         s0 = s1 = s2 = s3 = 0.0  # products of floats are exact in double
         i = 0
         while i + 4 <= n:
-            h = _load(x, i, kind)
+            h = load_value(x, i, kind)
             s0 += <double>h * h
-            h = _load(x, i + 1, kind)
+            h = load_value(x, i + 1, kind)
             s1 += <double>h * h
-            h = _load(x, i + 2, kind)
+            h = load_value(x, i + 2, kind)
             s2 += <double>h * h
-            h = _load(x, i + 3, kind)
+            h = load_value(x, i + 3, kind)
             s3 += <double>h * h
             i += 4
         while i < n:
-            h = _load(x, i, kind)
+            h = load_value(x, i, kind)
             s0 += <double>h * h
             i += 1
         v = <float>(((s0 + s1) + (s2 + s3)) / <double>n)
         r = 1.0 / sqrtf(v + eps)  # torch's rsqrt: a division by a rounded square root
         for i in range(n):
-            h = _round(y, i, _load(x, i, kind) * r, kind)
-            _round(y, i, _load(w, i, kind) * h, kind)
+            h = store_value(y, i, load_value(x, i, kind) * r, kind)
+            store_value(y, i, load_value(w, i, kind) * h, kind)
         x += n
         y += n
 

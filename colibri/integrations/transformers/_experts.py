@@ -82,6 +82,9 @@ class Paging:
         each shape, and the timings that chose it (``from_pretrained(linears=...)``).
     norms : list of str
         The RMSNorm modules on colibri's kernel at decode sizes.
+    attention : str or None
+        The model's attention implementation when colibri's kernel runs its decoding steps
+        (``"colibri"``; None: transformers' own).
     """
 
     pager: Any
@@ -95,6 +98,7 @@ class Paging:
     auto_budget: Any = None
     linears: dict = field(default_factory=dict)
     norms: list = field(default_factory=list)
+    attention: str | None = None
     #: Experts spread over ranks (:mod:`colibri.distributed`): computes every paged experts
     #: module instead of :func:`run_experts`, ``remote(layer, x [T, H], ids [T, k] numpy,
     #: weights [T, k]) -> [T, H]``.

@@ -26,7 +26,7 @@ from colibri._errors import FormatError
 from colibri._regular import open_regular
 from colibri._units import parse_size
 from colibri._validate import check_choice, check_threads
-from colibri.integrations.transformers import _gpt_oss, _norms, _threads
+from colibri.integrations.transformers import _attention, _gpt_oss, _norms, _threads
 from colibri.integrations.transformers._budget import for_model
 from colibri.integrations.transformers._checkpoint import (
     TORCH_DTYPES,
@@ -320,7 +320,8 @@ def from_pretrained(
         (Q8_0, Q4_K, ...) stay as stored and run colibri's quantized kernel for every input
         when the model computes in half precision, unless ``"torch"`` (then: dequantized).
         Unless ``"torch"``, the model's RMSNorms run colibri's kernel at decode sizes too
-        (``model.colibri.norms`` names them).
+        (``model.colibri.norms`` names them), and so does the attention of decoding steps
+        where the model's is transformers' ``"sdpa"`` (``model.colibri.attention``).
     expert_parallel : bool, dict or colibri.distributed.ExpertParallel, optional
         Spread the routed experts over the ranks of a torch.distributed (gloo) group: call
         on every rank; rank 0 gets the model, every other rank serves its share of the
@@ -423,6 +424,7 @@ def from_pretrained(
                                  blocks)  # fmt: skip
         if linears != "torch":
             paging.norms = _norms.install(model)
+            paging.attention = _attention.NAME if _attention.install(model) else None
         _threads.install(model)
         if partition is not None:
             _partition(model, partition, topk_groups)
