@@ -15,7 +15,8 @@ resident: ``MADV_WILLNEED`` reads exactly that range, then ``MADV_POPULATE_READ`
 5.14, which reports an I/O error or a truncated file as ``OSError`` instead of a ``SIGBUS``
 on first access; elsewhere a read of one byte per OS page) maps it, ``drop`` takes pages out
 of the process (``MADV_DONTNEED``: page-table entries go, the page cache keeps its copy, the
-next access re-faults from the file). ``close`` unmaps, unless views are still alive: then
+next access re-faults from the file; with ``pageout``, ``MADV_PAGEOUT`` first drops that copy
+too). ``close`` unmaps, unless views are still alive: then
 the mapping lives until the last view dies (never a ``BufferError``, never memory pulled
 from under a view).
 
@@ -54,6 +55,8 @@ OPEN_FLAGS = os.O_RDONLY | getattr(os, "O_BINARY", 0) | getattr(os, "O_CLOEXEC",
 
 #: ``madvise`` exists (not on Windows).
 HAS_MADVISE = hasattr(mmap.mmap, "madvise")
+#: ``MADV_PAGEOUT`` (Linux >= 5.4): reclaim the range's pages now; Python < 3.13 lacks it.
+MADV_PAGEOUT = getattr(mmap, "MADV_PAGEOUT", 21 if sys.platform.startswith("linux") else None)
 #: ``MADV_POPULATE_READ`` (Linux >= 5.14); Python < 3.13 lacks the constant, its value is 22.
 MADV_POPULATE_READ = getattr(
     mmap, "MADV_POPULATE_READ", 22 if sys.platform.startswith("linux") else None
@@ -253,6 +256,7 @@ class FileMap:
     """
 
     _populate_works = MADV_POPULATE_READ is not None  # cleared at the first EINVAL
+    _pageout_works = MADV_PAGEOUT is not None  # cleared at the first EINVAL
 
     def __init__(self, path: str, fd: int, offset: int, length: int) -> None:
         self.path, self.offset, self.length = path, offset, length
@@ -334,12 +338,24 @@ class FileMap:
         except OSError:
             return False
 
-    def drop(self, start: int, length: int) -> bool:
+    def drop(self, start: int, length: int, *, pageout: bool = False) -> bool:
         """Take bytes ``[start, start + length)`` out of the process (``MADV_DONTNEED``);
-        False where the OS cannot (Windows: close the mapping instead) or once closed."""
+        False where the OS cannot (Windows: close the mapping instead) or once closed.
+
+        With ``pageout``, first ``MADV_PAGEOUT``: the page cache's copy goes too, unless
+        another process maps it (or the file is not this user's to page out: then it stays,
+        as it does on kernels before 5.4).
+        """
         length = min(length, self.length - start)
         if length <= 0:
             return True
+        if pageout and HAS_MADVISE and FileMap._pageout_works:
+            try:
+                self._call(MADV_PAGEOUT, start, length)
+            except OSError as exc:
+                if exc.errno != errno.EINVAL:  # EINVAL: the kernel predates 5.4
+                    raise
+                FileMap._pageout_works = False
         return HAS_MADVISE and self._call(mmap.MADV_DONTNEED, start, length)
 
     def close(self) -> None:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 from typing import NamedTuple
 
-__all__ = ["MemoryLimit", "cgroup_limit", "mem_available"]
+__all__ = ["MemoryLimit", "cgroup_limit", "mem_available", "usable_memory"]
 
 #: Where the cgroup file systems are mounted, where the kernel says which cgroups this
 #: process is in, and its memory counters (tests point these at fake trees).
@@ -92,3 +92,17 @@ def mem_available(meminfo: str | None = None) -> int | None:
         if key == "MemAvailable":
             return int(value.split()[0]) * 1024
     return None
+
+
+def usable_memory(in_use: int) -> MemoryLimit | None:
+    """What this process may use in all, holding ``in_use`` bytes now: the smaller of its
+    cgroup limit (which counts what it holds) and ``MemAvailable + in_use``; None where the
+    OS says neither."""
+    limits = []
+    cgroup = cgroup_limit()
+    if cgroup is not None:
+        limits.append(cgroup)
+    available = mem_available()
+    if available is not None:
+        limits.append(MemoryLimit(available + in_use, "MemAvailable + in use"))
+    return min(limits, default=None)

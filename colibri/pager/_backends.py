@@ -6,9 +6,15 @@
     per page (a compact numpy array per file: how many resident experts use the page). Loading
     an expert makes its pages resident (``MADV_POPULATE_READ``; without it ``MADV_WILLNEED``),
     evicting it drops the pages no other resident expert uses (``MADV_DONTNEED``), so a page
-    shared by two experts is released with the last of them. The kernel may map more than
-    asked (it maps whole large folios of the page cache, up to 2 MiB, on a fault); right after
-    a load the pager drops again the pages around it that it does not hold.
+    shared by two experts is released with the last of them. Where the memory this process
+    may use (its cgroup limit, or what the machine has available) cannot hold the files, an
+    evicted expert's pages leave the page cache as well (``MADV_PAGEOUT``): kept, they would
+    fill the limit, and each later read would wait for the kernel to reclaim memory (at
+    half a 1.6 GB file's size: 112 ms of system time a token, re-faulted library pages
+    among it). Where memory holds the files, the page cache keeps them for later misses. The
+    kernel may map more than asked (it maps whole large folios of the page cache, up to 2 MiB,
+    on a fault); right after a load the pager drops again the pages around it that it does
+    not hold.
 ``"view"`` (default on Windows, where ``madvise`` is missing)
     Each resident expert's page run is mapped as its own view (offset rounded down to
     ``mmap.ALLOCATIONGRANULARITY``, 64 KiB on Windows) and unmapped when it is evicted. A
@@ -50,6 +56,8 @@ from colibri._files import (
     check_same,
     identity,
 )
+from colibri._memory import usable_memory
+from colibri._units import process_memory
 from colibri.formats import ExpertLayout, WeightSource
 from colibri.pager._cache import _Slot
 from colibri.pager._policy_base import Key
@@ -95,6 +103,14 @@ def _spans(layout: ExpertLayout, page_size: int, index: dict[str, int]) -> tuple
                 merged.append([first, end])
         out += [(f, first, end) for first, end in merged]
     return tuple(out)
+
+
+def _cache_short(nbytes: int) -> bool:
+    """Whether the memory this process may use in all cannot hold ``nbytes`` of files in the
+    page cache beside what it holds now (False where the OS says nothing)."""
+    in_use = process_memory().rss or 0
+    limit = usable_memory(in_use)
+    return limit is not None and limit.nbytes - in_use < nbytes
 
 
 def _guarded(m: FileMap) -> int:
@@ -315,6 +331,7 @@ class _MapIO(_IO):
         self.window = max(1, _MAP_WINDOW // self.page_size)  # pages the kernel may map at once
         self.index = {p: i for i, p in enumerate(self.paths)}
         self.where: dict[Key, list[tuple[int, int]]] = {}  # (file, offset) of each matrix
+        self.pageout = _cache_short(sum(self.sizes))  # evicted pages leave the page cache
 
     def claim(self, slot, key):
         return sum(self.tables[f].hold(first, end) for f, first, end in self.spans[key])
@@ -329,10 +346,10 @@ class _MapIO(_IO):
         return all([self.maps[f].advise(first * ps, (end - first) * ps)
                     for f, first, end in self.spans[key]])  # fmt: skip
 
-    def _drop(self, f: int, runs) -> None:
+    def _drop(self, f: int, runs, pageout: bool = False) -> None:
         ps = self.page_size
         for first, end in runs:
-            self.maps[f].drop(first * ps, (end - first) * ps)
+            self.maps[f].drop(first * ps, (end - first) * ps, pageout=pageout)
 
     def settle(self, slot, key):
         # The kernel maps whole page-cache folios on a fault: drop what it mapped beyond.
@@ -348,7 +365,7 @@ class _MapIO(_IO):
         freed = 0
         for f, first, end in self.spans[key]:
             runs = self.tables[f].unhold(first, end)
-            self._drop(f, runs)
+            self._drop(f, runs, self.pageout)
             freed += sum(e - s for s, e in runs)
         return freed
 

@@ -6,7 +6,7 @@ import mmap
 import os
 import re
 
-from colibri._files import MADV_POPULATE_READ, FileMap, FileReader
+from colibri._files import MADV_PAGEOUT, MADV_POPULATE_READ, FileMap, FileReader
 
 _KINDS = {mmap.MADV_DONTNEED: "drop"} if hasattr(mmap, "MADV_DONTNEED") else {}
 if hasattr(mmap, "MADV_WILLNEED"):
@@ -14,12 +14,15 @@ if hasattr(mmap, "MADV_WILLNEED"):
     _KINDS[mmap.MADV_RANDOM] = "random"
 if MADV_POPULATE_READ is not None:
     _KINDS[MADV_POPULATE_READ] = "populate"
+if MADV_PAGEOUT is not None:
+    _KINDS[MADV_PAGEOUT] = "pageout"
 
 
 def hook_io(monkeypatch, before):
     """Call ``before(kind, path, offset, length)`` ahead of every syscall that moves expert
     bytes: ``kind`` is ``"read"`` (a positional read; returning an int shortens it to that
-    many bytes), ``"willneed"``, ``"populate"``, ``"random"`` or ``"drop"`` (madvise of a mapping).
+    many bytes), ``"willneed"``, ``"populate"``, ``"random"``, ``"pageout"`` or ``"drop"``
+    (madvise of a mapping).
     ``before`` may raise to inject a fault, or block."""
     real_pread, real_advise = FileReader._pread, FileMap._advise
 

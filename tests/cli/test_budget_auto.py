@@ -98,12 +98,13 @@ def test_mem_available(tmp_path):
 @pytest.fixture
 def machine(monkeypatch):
     """Set the memory facts ``_budget`` sees: ``machine(limit, available, in_use)``."""
+    from colibri import _memory
     from colibri.integrations.transformers import _budget
 
     def set_(limit, available, in_use):
         cgroup = MemoryLimit(limit, "cgroup v2 /fake/memory.max") if limit else None
-        monkeypatch.setattr(_budget, "cgroup_limit", lambda: cgroup)
-        monkeypatch.setattr(_budget, "mem_available", lambda: available)
+        monkeypatch.setattr(_memory, "cgroup_limit", lambda: cgroup)
+        monkeypatch.setattr(_memory, "mem_available", lambda: available)
         monkeypatch.setattr(_budget, "process_memory",
                             lambda: ProcessMemory(in_use, in_use, None, None))  # fmt: skip
         return _budget

@@ -21,6 +21,7 @@ import pytest
 import colibri.pager._backends
 from _support.paging import held_pages, hook_io, mapped_rss, mappings
 from colibri._files import FileMap
+from colibri._units import ProcessMemory
 from colibri.formats import open_weights
 from colibri.formats.raw import write_experts
 from colibri.pager import IO_BACKENDS, FileChangedError, Pager, Trace, replay
@@ -581,3 +582,70 @@ def test_an_advised_expert_loads_from_the_page_cache(tmp_path):
             check(batch, experts, 0)
         loaded = _storage_reads() - before
     assert advised >= 2 * EXPERT and loaded <= EXPERT // 8, (advised, loaded)
+
+
+@linux
+@pytest.mark.parametrize("short", [True, False])
+def test_evicted_pages_leave_the_page_cache_where_memory_cannot_hold_the_files(
+    weights, monkeypatch, short
+):
+    """Under a memory limit smaller than the files, an evicted expert's pages are paged out
+    (MADV_PAGEOUT) before they are unmapped; with memory for the files, only unmapped."""
+    from colibri import _memory
+    from colibri._memory import MemoryLimit
+
+    path, experts = weights
+    in_use = 300 << 20
+    limit = in_use + (os.path.getsize(path) // 2 if short else os.path.getsize(path) * 2)
+    monkeypatch.setattr(_memory, "cgroup_limit", lambda: MemoryLimit(limit, "fake"))
+    monkeypatch.setattr(_memory, "mem_available", lambda: 1 << 40)
+    monkeypatch.setattr(colibri.pager._backends, "process_memory",
+                        lambda: ProcessMemory(in_use, in_use, None, None))  # fmt: skip
+    calls = []
+    hook_io(monkeypatch, lambda kind, p, offset, length: calls.append((kind, offset, length)))
+    monkeypatch.setattr(FileMap, "_pageout_works", True)
+    with Pager(path, budget_bytes=EXPERT, page_size_kb=4, io="mmap", policy="fifo") as pager:
+        with pager.load(0, [0]) as batch:
+            check(batch, experts, 0)
+        calls.clear()
+        with pager.load(0, [1]) as batch:  # evicts expert 0
+            check(batch, experts, 0)
+        runs = _page_runs(pager.source, (0, 0), 4096)
+        out = [(o, n) for k, o, n in calls if k == "pageout"]
+        dropped = [(o, n) for k, o, n in calls if k == "drop"]
+        assert out == (runs if short else [])
+        assert all(run in dropped for run in runs)  # unmapped either way
+        if short:  # paged out before unmapped
+            assert calls.index(("pageout", *runs[0])) < calls.index(("drop", *runs[0]))
+
+
+@linux
+def test_pageout_on_an_old_kernel_only_unmaps(weights, monkeypatch):
+    """EINVAL from MADV_PAGEOUT (Linux < 5.4) turns it off; the drop still happens. Another
+    error is raised."""
+    path, _ = weights
+    calls = []
+
+    def before(kind, p, offset, length):
+        calls.append(kind)
+        if kind == "pageout":
+            raise OSError(errno.EINVAL if len(calls) < 3 else errno.EIO, "refused")
+
+    hook_io(monkeypatch, before)
+    monkeypatch.setattr(FileMap, "_pageout_works", True)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        m = FileMap(path, fd, 0, os.path.getsize(path))
+    finally:
+        os.close(fd)
+    try:
+        calls.clear()
+        assert m.drop(0, 4096, pageout=True)
+        assert calls == ["pageout", "drop"] and not FileMap._pageout_works
+        assert m.drop(0, 4096, pageout=True)
+        assert calls == ["pageout", "drop", "drop"]
+        monkeypatch.setattr(FileMap, "_pageout_works", True)
+        with pytest.raises(OSError, match="refused"):
+            m.drop(0, 4096, pageout=True)
+    finally:
+        m.close()

@@ -17,7 +17,7 @@ import math
 from typing import Any, NamedTuple
 
 from colibri._errors import BudgetError
-from colibri._memory import cgroup_limit, mem_available
+from colibri._memory import usable_memory
 from colibri._units import format_bytes, process_memory
 from colibri._validate import check_page_size_kb
 
@@ -94,19 +94,13 @@ def auto_budget(resident: int, floor: int, ceiling: int) -> AutoBudget:
         The OS says nothing of its memory, or what it leaves is below ``floor``.
     """
     in_use = process_memory().rss or 0
-    limits = []
-    cgroup = cgroup_limit()
-    if cgroup is not None:
-        limits.append((cgroup.nbytes, cgroup.source))
-    available = mem_available()
-    if available is not None:
-        limits.append((available + in_use, "MemAvailable + in use"))
-    if not limits:
+    limit = usable_memory(in_use)
+    if limit is None:
         raise BudgetError(
             "budget='auto' needs Linux's /proc/meminfo or a cgroup memory limit, and neither "
             "is here; give the budget in bytes (e.g. budget='3GiB')"
         )
-    usable, source = min(limits)
+    usable, source = limit
     margin = MARGIN_BYTES + int(usable * MARGIN_SHARE)
     left = usable - in_use - resident - margin
     chosen = AutoBudget(min(left, ceiling), usable, source, in_use, resident, margin,
