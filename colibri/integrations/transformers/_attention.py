@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from colibri.integrations.transformers._ops import HALF_NAMES, bits_of
+from colibri.integrations.transformers._ops import HALF_NAMES, values_of
 from colibri.layer import attention
 
 __all__ = ["MAX_QUERIES", "NAME", "install"]
@@ -27,12 +27,6 @@ __all__ = ["MAX_QUERIES", "NAME", "install"]
 NAME = "colibri"
 #: Most query rows a call runs on colibri's kernel (decoding steps; more: sdpa).
 MAX_QUERIES = 8
-
-
-def _values(t: torch.Tensor):
-    """``t`` as the kernel reads it: float32 as is, half types as bits (no copy)."""
-    t = t.detach()
-    return t.numpy() if t.dtype == torch.float32 else bits_of(t)
 
 
 def _mask(mask: torch.Tensor | None, b: int, length: int):
@@ -94,9 +88,9 @@ def forward(
     length = key.shape[2]
     out = torch.empty((B, T, Hq, D), dtype=dtype)
     for b in range(B):
-        attention(_values(query[b].contiguous()), _values(key[b].contiguous()),
-                  _values(value[b].contiguous()), scale, name, _mask(mask, b, length),
-                  _values(out[b]))  # fmt: skip
+        attention(values_of(query[b].contiguous()), values_of(key[b].contiguous()),
+                  values_of(value[b].contiguous()), scale, name, _mask(mask, b, length),
+                  values_of(out[b]))  # fmt: skip
     return out, None
 
 

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from colibri.integrations.transformers._ops import bits_of
+from colibri.integrations.transformers._ops import values_of
 from colibri.layer import rms_norm
 
 __all__ = ["MAX_VALUES", "install"]
@@ -34,11 +34,6 @@ _DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: 
 
 
 _STATE = "_colibri_norm"  # (weight, its values: a view, follows in-place changes, address)
-
-
-def _numpy(t: torch.Tensor) -> np.ndarray:
-    """``t``'s values as the kernel reads them, no copy: float32 as is, half types as bits."""
-    return t.detach().numpy() if t.dtype == torch.float32 else bits_of(t)
 
 
 def _eps(module: nn.Module) -> float | None:
@@ -53,10 +48,10 @@ def compute(
     x: torch.Tensor, weight: torch.Tensor, eps: float, values: np.ndarray | None = None
 ) -> torch.Tensor:
     """colibri's RMSNorm of ``x [..., n]`` with ``weight [n]`` (same dtype, on the CPU;
-    ``values``: the weight as :func:`_numpy` gives it, when the caller holds it)."""
-    rows = _numpy(x).reshape(-1, x.shape[-1])
+    ``values``: the weight as ``values_of`` gives it, when the caller holds it)."""
+    rows = values_of(x).reshape(-1, x.shape[-1])
     out = np.empty(rows.shape, rows.dtype)
-    rms_norm(rows, _numpy(weight) if values is None else values, eps, _DTYPES[x.dtype], out)
+    rms_norm(rows, values_of(weight) if values is None else values, eps, _DTYPES[x.dtype], out)
     return torch.from_numpy(out).view(x.dtype).reshape(x.shape)
 
 
@@ -85,7 +80,7 @@ def _forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.colibri.rms_norm(x, weight, _eps(self))
     state = self.__dict__.get(_STATE)
     if state is None or state[0] is not weight or state[2] != weight.data_ptr():
-        state = self.__dict__[_STATE] = (weight, _numpy(weight), weight.data_ptr())  # new
+        state = self.__dict__[_STATE] = (weight, values_of(weight), weight.data_ptr())  # new
     return compute(x, weight, _eps(self), state[1])
 
 

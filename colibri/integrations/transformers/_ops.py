@@ -176,6 +176,11 @@ def bits_of(weight: torch.Tensor) -> np.ndarray:
     return weight.detach().view(torch.uint16).numpy()
 
 
+def values_of(t: torch.Tensor) -> np.ndarray:
+    """``t`` as colibri's kernels read it, no copy: float32 as is, half types as bits."""
+    return t.detach().numpy() if t.dtype == torch.float32 else bits_of(t)
+
+
 def compute(
     x: torch.Tensor,
     weight: torch.Tensor,
