@@ -12,8 +12,7 @@ from libc.stdlib cimport free, malloc
 from libc.string cimport memset
 
 from colibri.layer._half cimport (
-    COLIBRI_W_BF16,
-    COLIBRI_W_F16,
+    check_kind,
     load_value,
     store_value,
     value_t,
@@ -118,11 +117,7 @@ def attention(const value_t[:, :, ::1] q, const value_t[:, :, ::1] k,
         raise ValueError(
             f"attention(): mask must be [{T}, {L}] (got [{mask.shape[0]}, {mask.shape[1]}])"
         )
-    if value_t is float:
-        if kind != 0:
-            raise ValueError(f"attention(): float32 values take kind 0 (got {kind})")
-    elif kind != COLIBRI_W_BF16 and kind != COLIBRI_W_F16:
-        raise ValueError(f"attention(): uint16 values need a half kind (got {kind})")
+    check_kind(<const value_t *>NULL, kind, "attention()")
     if Hq == 0 or T == 0 or D == 0:
         return
     cdef const float *m = NULL if mask is None else &mask[0, 0]

@@ -42,3 +42,14 @@ cdef inline float store_value(value_t *p, Py_ssize_t i, float f, int kind) noexc
     else:
         p[i] = colibri_float_to_half(f)
         return colibri_half_to_float(p[i])
+
+
+cdef inline int check_kind(const value_t *values, int kind, str where) except -1:
+    """Raise unless ``kind`` names how ``values`` are stored (float32: 0; uint16: a half kind;
+    ``values`` only picks the storage type and may be NULL)."""
+    if value_t is float:
+        if kind != 0:
+            raise ValueError(f"{where}: float32 values take kind 0 (got {kind})")
+    elif kind != COLIBRI_W_BF16 and kind != COLIBRI_W_F16:
+        raise ValueError(f"{where}: uint16 values need a half kind (got {kind})")
+    return 0

@@ -13,6 +13,7 @@ from libc.math cimport sqrtf
 from colibri.layer._half cimport (
     COLIBRI_W_BF16,
     COLIBRI_W_F16,
+    check_kind,
     load_value,
     store_value,
     value_t,
@@ -68,11 +69,7 @@ def rms_norm(const value_t[:, ::1] x, const value_t[::1] weight, float eps,
             f"rms_norm(): x is [{T}, {n}], weight [{weight.shape[0]}] and out "
             f"[{out.shape[0]}, {out.shape[1]}]; weight must be [{n}] and out [{T}, {n}]"
         )
-    if value_t is float:
-        if kind != 0:
-            raise ValueError(f"rms_norm(): float32 values take kind 0 (got {kind})")
-    elif kind != COLIBRI_W_BF16 and kind != COLIBRI_W_F16:
-        raise ValueError(f"rms_norm(): uint16 values need a half kind (got {kind})")
+    check_kind(<const value_t *>NULL, kind, "rms_norm()")
     if T == 0 or n == 0:
         return
     with nogil:
