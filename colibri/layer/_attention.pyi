@@ -10,4 +10,5 @@ def attention(
     out: np.ndarray,
     kind: int,
     mask: np.ndarray | None = None,
+    path: str | None = None,
 ) -> None: ...

@@ -1,4 +1,5 @@
-"""Attention of a few query rows over a key/value cache, for decoding steps.
+"""Attention of a few query rows over a key/value cache, for decoding steps
+(``include/colibri/attention.h``: the same bits on every SIMD path).
 
 ``out[t, h] = sum_j p[h, t, j] v[h // G, j]`` with ``p = softmax_j(scale * q[h, t] . k[h // G, j]
 + mask[t, j])``, ``G = Hq / Hkv`` query heads a key/value head (grouped-query attention).
@@ -7,103 +8,36 @@ a fixed order, the output rounded once to the storage type: the same bits on eve
 machine. A row whose every key is masked (``-inf``) gets zeros; NaN and inf scores give NaN.
 """
 
-from libc.math cimport INFINITY, expf
-from libc.stdlib cimport free, malloc
-from libc.string cimport memset
+from libc.stdint cimport int64_t
 
 from colibri.layer._half cimport (
     check_kind,
-    load_value,
     store_value,
     value_t,
 )
 
-
-cdef inline float _dot(const float *a, const float *b, Py_ssize_t n) noexcept nogil:
-    """``a . b`` in eight running sums (lanes a compiler vectorizes), added pairwise."""
-    cdef float s0 = 0, s1 = 0, s2 = 0, s3 = 0, s4 = 0, s5 = 0, s6 = 0, s7 = 0
-    cdef Py_ssize_t i = 0
-    while i + 8 <= n:
-        s0 += a[i] * b[i]
-        s1 += a[i + 1] * b[i + 1]
-        s2 += a[i + 2] * b[i + 2]
-        s3 += a[i + 3] * b[i + 3]
-        s4 += a[i + 4] * b[i + 4]
-        s5 += a[i + 5] * b[i + 5]
-        s6 += a[i + 6] * b[i + 6]
-        s7 += a[i + 7] * b[i + 7]
-        i += 8
-    while i < n:
-        s0 += a[i] * b[i]
-        i += 1
-    return ((s0 + s1) + (s2 + s3)) + ((s4 + s5) + (s6 + s7))
+from colibri.layer._ffn import path_index
 
 
-cdef int _attend(const value_t *q, const value_t *k, const value_t *v, const float *mask,
-                 Py_ssize_t Hq, Py_ssize_t Hkv, Py_ssize_t T, Py_ssize_t L, Py_ssize_t D,
-                 float scale, value_t *out, int kind) noexcept nogil:
-    """One key/value head at a time: its G * T query rows scored against each key (read
-    once), softmax, then each value row (read once) added to every query row's sum.
-    Returns -1 when scratch memory is short."""
-    cdef Py_ssize_t G = Hq // Hkv, R = G * T, g, r, j, d, h, t
-    cdef float *buf = <float *>malloc((R * L + 2 * R * D + D + R) * sizeof(float))
-    if buf == NULL:
-        return -1
-    cdef float *s = buf  # [R, L]: scores, then their exponentials
-    cdef float *qf = s + R * L  # [R, D]
-    cdef float *acc = qf + R * D  # [R, D]
-    cdef float *row = acc + R * D  # [D]: a key or value row as float32
-    cdef float *total = row + D  # [R]
-    cdef float m, p, a
-    cdef const value_t *kg
-    cdef const value_t *vg
-    for g in range(Hkv):
-        for r in range(R):  # row r: head g * G + r // T, query t = r % T
-            h, t = g * G + r // T, r % T
-            for d in range(D):
-                qf[r * D + d] = load_value(q, (h * T + t) * D + d, kind)
-        kg, vg = k + g * L * D, v + g * L * D
-        for j in range(L):
-            for d in range(D):
-                row[d] = load_value(kg, j * D + d, kind)
-            for r in range(R):
-                a = _dot(&qf[r * D], row, D) * scale
-                if mask != NULL:
-                    a = a + mask[(r % T) * L + j]
-                s[r * L + j] = a
-        for r in range(R):
-            m = -INFINITY
-            for j in range(L):
-                if s[r * L + j] > m:
-                    m = s[r * L + j]
-            a = 0
-            for j in range(L):
-                p = expf(s[r * L + j] - m) if m != -INFINITY else 0
-                s[r * L + j] = p
-                a = a + p
-            total[r] = a
-        memset(acc, 0, R * D * sizeof(float))
-        for j in range(L):
-            for d in range(D):
-                row[d] = load_value(vg, j * D + d, kind)
-            for r in range(R):
-                p = s[r * L + j]
-                for d in range(D):
-                    acc[r * D + d] += p * row[d]
-        for r in range(R):
-            h, t = g * G + r // T, r % T
-            a = total[r]
-            for d in range(D):
-                store_value(out, (t * Hq + h) * D + d, acc[r * D + d] / a if a != 0 else 0, kind)
-    free(buf)
-    return 0
+cdef extern from "colibri/attention.h" nogil:
+    ctypedef struct colibri_attend_t:
+        const void *q
+        const void *k
+        const void *v
+        const float *mask
+        void *out
+        int64_t Hq, Hkv, T, L, D
+        float scale
+        int kind
+    int colibri_attend(const colibri_attend_t *a, int path)
 
 
 def attention(const value_t[:, :, ::1] q, const value_t[:, :, ::1] k,
               const value_t[:, :, ::1] v, float scale, value_t[:, :, ::1] out, int kind,
-              const float[:, ::1] mask=None):
+              const float[:, ::1] mask=None, path=None):
     """``q [Hq, T, D]`` over ``k, v [Hkv, L, D]`` into ``out [T, Hq, D]``; ``mask [T, L]``
-    float32, added to the scaled scores. float32 (``kind`` 0), or uint16 bits of ``kind``."""
+    float32, added to the scaled scores. float32 (``kind`` 0), or uint16 bits of ``kind``;
+    ``path`` a SIMD path this CPU runs (None: the dispatched one; every path: the same bits)."""
     cdef Py_ssize_t Hq = q.shape[0], T = q.shape[1], D = q.shape[2]
     cdef Py_ssize_t Hkv = k.shape[0], L = k.shape[1]
     if (Hkv == 0 or Hq % Hkv or k.shape[2] != D or v.shape[0] != Hkv or v.shape[1] != L
@@ -120,15 +54,18 @@ def attention(const value_t[:, :, ::1] q, const value_t[:, :, ::1] k,
     check_kind(<const value_t *>NULL, kind, "attention()")
     if Hq == 0 or T == 0 or D == 0:
         return
-    cdef const float *m = NULL if mask is None else &mask[0, 0]
-    cdef int failed
+    cdef int p = path_index(path)
     cdef Py_ssize_t i
     if L == 0:  # nothing to attend to: zeros, as for fully masked rows
         for i in range(T * Hq * D):
             store_value(&out[0, 0, 0], i, 0, kind)
         return
+    cdef colibri_attend_t a
+    a.q, a.k, a.v, a.out = &q[0, 0, 0], &k[0, 0, 0], &v[0, 0, 0], &out[0, 0, 0]
+    a.mask = NULL if mask is None else &mask[0, 0]
+    a.Hq, a.Hkv, a.T, a.L, a.D, a.scale, a.kind = Hq, Hkv, T, L, D, scale, kind
+    cdef int failed
     with nogil:
-        failed = _attend(&q[0, 0, 0], &k[0, 0, 0], &v[0, 0, 0], m, Hq, Hkv, T, L, D, scale,
-                         &out[0, 0, 0], kind)
+        failed = colibri_attend(&a, p)
     if failed:
         raise MemoryError()

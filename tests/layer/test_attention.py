@@ -143,3 +143,23 @@ def test_bad_input_is_named():
         attention(q, k, v, 0.1, "bfloat16", mask=np.zeros(5, np.float32))
     with pytest.raises(ValueError, match=r"out must be C-contiguous uint16 \[1, 8, 16\]"):
         attention(q, k, v, 0.1, "bfloat16", out=np.empty((8, 1, 16), np.uint16))
+
+
+@pytest.mark.parametrize("name", sorted(DTYPES))
+def test_every_simd_path_gives_the_same_bits(name):
+    from colibri.layer import _attention, _ffn, _norm
+
+    dtype, kind = DTYPES[name], {"float32": 0, "bfloat16": _norm.KIND_BFLOAT16,
+                                 "float16": _norm.KIND_FLOAT16}[name]  # fmt: skip
+    for hq, hkv, t, length, d in [(16, 4, 1, 70, 64), (6, 2, 3, 9, 13)]:
+        q, k, v = (_numpy(a) for a in _case(8 + d, hq, hkv, t, length, d, dtype, 3.0))
+        mask = np.where(np.arange(length) % 5 == 0, -np.inf, 0.25).astype(np.float32)
+        mask = np.tile(mask, (t, 1))
+        outs = []
+        for path in _ffn.runnable_paths():
+            out = np.empty((t, hq, d), q.dtype)
+            _attention.attention(q, k, v, 0.2, out, kind, mask, path)
+            outs.append(out)
+        assert all(np.array_equal(o, outs[0]) for o in outs[1:])
+        want = _reference(_torch(q, dtype), _torch(k, dtype), _torch(v, dtype), 0.2, mask)
+        _check(_torch(outs[0], dtype), want, dtype)
