@@ -2,8 +2,8 @@
 
 transformers' ``"sdpa"`` attention runs torch's ``scaled_dot_product_attention``, whose CPU
 kernel is built for long query blocks: one bfloat16 query row of 16 heads over a 4-head cache
-takes ~80 us at 32 keys and ~1.1 ms at 512 (one thread), 15-60 layers a token. colibri's
-kernel reads the cache once per key/value head, ~17 us and ~0.2 ms.
+takes ~90 us at 32 keys and ~1 ms at 512 (one thread), 15-60 layers a token. colibri's
+kernel reads the cache once per key/value head, ~19 us and ~0.13 ms.
 
 A model from :func:`from_pretrained` whose attention is ``"sdpa"`` gets ``"colibri"``: the
 masks sdpa's (the same ``AttentionMaskInterface`` entry), the same arguments. A call of at
