@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from colibri._errors import ColibriError
+from colibri.integrations.transformers._linears import linear
 
 
 class UnsupportedRouterError(ColibriError, NotImplementedError):
@@ -155,7 +156,7 @@ def _fw_linear_softmax(out_dtype: str) -> Callable:
 
     def forward(self, routing, hidden_states):
         hidden_states = hidden_states.reshape(-1, self.hidden_dim)
-        router_logits = F.linear(hidden_states, self.weight)
+        router_logits = linear(self, hidden_states)
         ids, weights = routing.route(self, router_logits)
         if out_dtype == "logits":
             weights = weights.to(router_logits.dtype)
@@ -165,7 +166,7 @@ def _fw_linear_softmax(out_dtype: str) -> Callable:
 
 
 def _fw_jamba(self, routing, hidden_states):
-    router_logits = F.linear(hidden_states, self.weight)
+    router_logits = linear(self, hidden_states)
     ids, weights = routing.route(self, router_logits)
     return router_logits, weights.to(hidden_states.dtype), ids
 
@@ -187,13 +188,13 @@ def _cfg_topk_softmax(module):
 
 
 def _fw_gpt_oss(self, routing, hidden_states):
-    router_logits = F.linear(hidden_states, self.weight, self.bias)
+    router_logits = linear(self, hidden_states, self.bias)
     ids, weights = routing.route(self, router_logits)
     return router_logits, weights.to(router_logits.dtype), ids
 
 
 def _fw_granite(self, routing, hidden_states):
-    router_logits = F.linear(hidden_states, self.weight).float()
+    router_logits = linear(self, hidden_states).float()
     ids, weights = routing.route(self, router_logits)
     return router_logits, weights.type_as(hidden_states), ids
 
@@ -213,7 +214,7 @@ def _cfg_cohere2(module):
 
 
 def _fw_cohere2(self, routing, hidden_states):
-    router_logits = F.linear(hidden_states, self.weight)
+    router_logits = linear(self, hidden_states)
     ids, weights = routing.route(self, router_logits)
     return router_logits, weights.to(hidden_states.dtype), ids
 
@@ -226,7 +227,7 @@ def _cfg_llama4(module):
 
 
 def _fw_llama4(self, routing, hidden_states):
-    router_logits = F.linear(hidden_states, self.weight, self.bias)
+    router_logits = linear(self, hidden_states, self.bias)
     ids, weights = routing.route(self, router_logits)
     router_scores = torch.zeros_like(router_logits).scatter_(
         1, ids, weights.to(router_logits.dtype)
@@ -335,7 +336,7 @@ def _cfg_mistral4(module):
 
 def _fw_mistral4(self, routing, hidden_states):
     hidden_states = hidden_states.view(-1, self.hidden_dim)
-    router_logits = F.linear(hidden_states, self.weight)
+    router_logits = linear(self, hidden_states)
     ids, weights = routing.route(self, router_logits)
     return router_logits, weights.to(router_logits.dtype), ids
 
@@ -376,7 +377,7 @@ def _cfg_sigmoid_bias(scale_attr: str | None) -> Callable:
 
 def _fw_minimax_m2(self, routing, hidden_states, e_score_correction_bias):
     hidden_states = hidden_states.reshape(-1, self.hidden_dim)
-    router_logits = F.linear(hidden_states.to(self.weight.dtype), self.weight)
+    router_logits = linear(self, hidden_states.to(self.weight.dtype))
     ids, weights = routing.route(self, router_logits, correction_bias=e_score_correction_bias)
     return router_logits, weights, ids
 
@@ -424,7 +425,7 @@ def _cfg_laguna(module):
 
 def _fw_laguna(self, routing, hidden_states):
     hidden_states = hidden_states.reshape(-1, self.hidden_dim)
-    router_logits = F.linear(hidden_states, self.weight).float()
+    router_logits = linear(self, hidden_states).float()
     if self.router_logit_softcapping > 0.0:
         cap = self.router_logit_softcapping
         router_logits = torch.tanh(router_logits / cap) * cap
@@ -455,7 +456,7 @@ def _cfg_deepseek_v4(module):
 
 def _fw_deepseek_v4(self, routing, hidden_states):
     flat = hidden_states.reshape(-1, self.hidden_dim)
-    logits = F.linear(flat, self.weight)
+    logits = linear(self, flat)
     ids, weights = routing.route(self, logits)
     return logits, weights.to(logits.dtype), ids
 
@@ -464,7 +465,7 @@ def _fw_deepseek_v4(self, routing, hidden_states):
 
 
 def _fw_aria(self, routing, hidden_states):
-    router_logits = F.linear(hidden_states, self.weight)
+    router_logits = linear(self, hidden_states)
     ids, weights = routing.route(self, router_logits)
     return router_logits, weights.to(router_logits.dtype), ids
 
@@ -492,7 +493,7 @@ def _cfg_sigmoid_own_bias(module):
 
 def _fw_minimax_m3(self, routing, hidden_states):
     hidden_states = hidden_states.reshape(-1, self.hidden_dim)
-    router_logits = F.linear(hidden_states.to(self.weight.dtype), self.weight)
+    router_logits = linear(self, hidden_states.to(self.weight.dtype))
     ids, weights = routing.route(self, router_logits)
     return router_logits, weights, ids
 
@@ -538,7 +539,7 @@ def _cfg_lfm2(module):
 
 
 def _fw_lfm2(self, routing, hidden_states, expert_bias=None):
-    router_logits = F.linear(hidden_states, self.weight)
+    router_logits = linear(self, hidden_states)
     given = {"correction_bias": expert_bias} if self.use_expert_bias else {}
     ids, weights = routing.route(self, router_logits, **given)
     return router_logits, weights.type_as(router_logits), ids

@@ -35,7 +35,7 @@ from colibri._validate import check_choice
 from colibri.integrations.transformers._ops import bits_of, compute, compute_quantized
 from colibri.integrations.transformers._threads import DECODE_ROWS, one_thread
 
-__all__ = ["LINEAR_MODES", "MAX_ROWS", "LinearChoice", "install"]
+__all__ = ["LINEAR_MODES", "MAX_ROWS", "LinearChoice", "install", "linear"]
 
 LINEAR_MODES = ("auto", "colibri", "torch")
 # Most input rows colibri's kernel takes (more: torch's GEMM; "auto" may choose fewer). The
@@ -80,13 +80,13 @@ class LinearChoice:
 class _Linear:
     """One linear's colibri state: its weight's bits (refreshed when the weight moves)."""
 
-    def __init__(self, module: nn.Linear, num_threads: int, rows: int) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, num_threads: int,
+                 rows: int) -> None:  # fmt: skip
         self.num_threads = num_threads
         self.rows = rows
-        self.refresh(module)
+        self.refresh(weight, bias)
 
-    def refresh(self, module: nn.Linear) -> None:
-        weight, bias = module.weight, module.bias
+    def refresh(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         self.key = _key(weight, bias)
         usable = weight.dtype in _HALVES and weight.device.type == "cpu" and weight.is_contiguous()
         self.bits = bits_of(weight) if usable else None  # a view: follows in-place changes
@@ -142,40 +142,69 @@ def _needs_grad(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
 
 
-def _forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    state: _Linear = self.__dict__[_STATE]
-    weight = self.weight
-    few = 0 < x.numel() <= state.rows * self.in_features
+def _run(state: _Linear, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
+    """``F.linear(x, weight, bias)``, on colibri's kernel for few rows on the CPU."""
+    few = 0 < x.numel() <= state.rows * weight.shape[1]
     if torch.compiler.is_compiling():  # an opaque node of the graph
         if few and weight.dtype in _HALVES and not _needs_grad(x, weight):
-            return torch.ops.colibri.linear(x, weight, self.bias, state.num_threads)
-        return F.linear(x, weight, self.bias)
+            return torch.ops.colibri.linear(x, weight, bias, state.num_threads)
+        return F.linear(x, weight, bias)
     if not few or x.device.type != "cpu" or _needs_grad(x, weight):
-        return F.linear(x, weight, self.bias)
-    bias = self.bias
+        return F.linear(x, weight, bias)
     if _key(weight, bias) != state.key:  # moved (.to(), a copy) or a new bias: read again
-        state.refresh(self)
+        state.refresh(weight, bias)
     if state.bits is None:
         return F.linear(x, weight, bias)
     return compute(x, weight, bias, state.num_threads, state.bits, state.bias32)
 
 
-def _candidates(model: nn.Module, skip: list[str]) -> list[tuple[str, nn.Linear]]:
-    """The ``nn.Linear`` modules of ``model`` colibri's kernel may run: half-precision
+def _forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    return _run(self.__dict__[_STATE], x, self.weight, self.bias)
+
+
+def linear(module: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """A router's logits ``F.linear(x, module.weight, bias)``: on colibri's kernel where
+    :func:`install` chose it for the router's weight shape (decoding rows), else torch's."""
+    state = module.__dict__.get(_STATE)
+    if state is None:
+        return F.linear(x, module.weight, bias)
+    return _run(state, x, module.weight, bias)
+
+
+def _usable(weight: object) -> bool:
+    """A weight colibri's linear kernel reads: ``[out, in]`` half precision, contiguous,
+    in CPU memory."""
+    return (
+        isinstance(weight, torch.Tensor)
+        and weight.dim() == 2
+        and weight.device.type == "cpu"
+        and weight.dtype in _HALVES
+        and weight.is_contiguous()
+    )
+
+
+def _candidates(
+    model: nn.Module, skip: list[str], routers: list[str]
+) -> list[tuple[str, nn.Module]]:
+    """The modules whose linear colibri's kernel may run: ``nn.Linear`` with half-precision
     contiguous weights on the CPU, outside the ``skip`` modules (the routed experts), not
-    already given another forward (a patched router)."""
+    already given another forward; and the patched ``routers`` (their logits' linear)."""
     prefixes = tuple(f"{name}." for name in skip)
     found = []
     for name, module in model.named_modules():
         if not isinstance(module, nn.Linear) or name.startswith(prefixes) or name in skip:
             continue
-        weight = module.weight
-        if weight.device.type != "cpu" or weight.dtype not in _HALVES or weight.is_meta:
-            continue
-        if not weight.is_contiguous() or "forward" in module.__dict__:
-            continue
-        found.append((name, module))
+        if _usable(module.weight) and "forward" not in module.__dict__:
+            found.append((name, module))
+    for name in routers:
+        module = model.get_submodule(name)
+        if _usable(getattr(module, "weight", None)):
+            found.append((name, module))
     return found
+
+
+def _bias(module: nn.Module) -> torch.Tensor | None:
+    return module.bias if isinstance(module, nn.Linear) else None
 
 
 def _best(fn, repeats: int) -> float:
@@ -191,8 +220,8 @@ def _best(fn, repeats: int) -> float:
 def _measure(module: nn.Linear, num_threads: int, rows: int) -> tuple[float, float]:
     """The best of a few timings of ``rows`` input rows: colibri's kernel, then ``F.linear``
     on one torch thread, as a decoding step runs it (:mod:`._threads`)."""
-    weight, bias = module.weight, module.bias
-    x = torch.randn(rows, module.in_features).to(weight.dtype)
+    weight, bias = module.weight, _bias(module)
+    x = torch.randn(rows, weight.shape[1]).to(weight.dtype)
     bits = bits_of(weight)
     bias32 = None if bias is None else bias.detach().to(torch.float32).numpy()
     with torch.no_grad():
@@ -224,6 +253,7 @@ def install(
     num_threads: int = 0,
     skip: list[str] = (),
     quantized: dict | None = None,
+    routers: list[str] = (),
 ) -> dict[tuple[int, int, str], LinearChoice]:
     """Run the non-expert linears of ``model`` on colibri's kernel as ``mode`` says.
 
@@ -243,6 +273,9 @@ def install(
         ``{module name: (qtype, blocks)}``: linears whose weights stay block-quantized as
         stored (``blocks`` ``uint8 [out, row_bytes]``; the module's weight on the meta
         device), run on colibri's quantized kernel whatever ``mode`` says.
+    routers : list of str
+        Names of the patched routers: their logits' linear (``linear``) is chosen as the
+        others are.
 
     Returns
     -------
@@ -252,7 +285,8 @@ def install(
     """
     check_choice("from_pretrained(): linears", mode, LINEAR_MODES)
     by_shape: dict[tuple[int, int, str], list[tuple[str, nn.Linear]]] = {}
-    for name, module in _candidates(model, list(skip)):
+    routers = set(routers)
+    for name, module in _candidates(model, list(skip), sorted(routers)):
         out, inp = module.weight.shape
         key = (int(out), int(inp), str(module.weight.dtype).removeprefix("torch."))
         by_shape.setdefault(key, []).append((name, module))
@@ -266,10 +300,12 @@ def install(
             choice = _choose(members[0][1], num_threads, names)
         choices[key] = choice
         if choice.engine == "colibri":
-            for _, module in members:
+            for name, module in members:
                 # plain instance attributes, as patch() does for routers
-                module.__dict__[_STATE] = _Linear(module, num_threads, choice.rows)
-                module.__dict__["forward"] = types.MethodType(_forward, module)
+                state = _Linear(module.weight, _bias(module), num_threads, choice.rows)
+                module.__dict__[_STATE] = state
+                if name not in routers:  # a router's own forward calls linear()
+                    module.__dict__["forward"] = types.MethodType(_forward, module)
     for name, (qtype, blocks) in (quantized or {}).items():
         module = model.get_submodule(name)
         key = (module.out_features, module.in_features, qtype)

@@ -419,9 +419,9 @@ def from_pretrained(
         paging.resident_bytes = _load_resident(model, checkpoint, plan, torch_dtype, kept, blocks)
         _generation_config(model, checkpoint)
         model.eval()
-        patch(model, num_threads=num_threads)
+        routers = [router.name for router in patch(model, num_threads=num_threads)]
         paging.linears = install(model, linears, num_threads, [n for n, _ in modules],
-                                 blocks)  # fmt: skip
+                                 blocks, routers)  # fmt: skip
         if linears != "torch":
             paging.norms = _norms.install(model)
             paging.attention = _attention.NAME if _attention.install(model) else None

@@ -30,6 +30,7 @@ from colibri.integrations.transformers import (  # noqa: E402
     _linears,
     from_pretrained,
     patch,
+    patched_routers,
     unpatch,
 )
 from colibri.layer import _ffn  # noqa: E402
@@ -96,16 +97,21 @@ def _check_close(got, want):
 
 def test_every_linear_within_one_bf16_rounding_of_torch(models, kernel_calls):
     """Each linear call on colibri's kernel against F.linear on the same input (the bound
-    of the module docstring), and the logits against the torch-linears model's."""
+    of the module docstring), the routers' logits too, and the logits against the
+    torch-linears model's."""
     model, ref = models
     names = {name for choice in model.colibri.linears.values() for name in choice.modules}
+    routers = {r.name for r in patched_routers(model)}
     assert {"lm_head", "model.layers.0.self_attn.q_proj"} <= names
+    assert routers and routers <= names
     assert all(c.engine == "colibri" for c in model.colibri.linears.values())
     assert all(c.engine == "torch" for c in ref.colibri.linears.values())
     seen = []
 
     def check(module, args, out):
-        x, w, b = args[0], module.weight, module.bias
+        x, w, b = args[0], module.weight, getattr(module, "bias", None)
+        if isinstance(out, tuple):  # a router: its logits
+            out = out[0]
         want = torch.nn.functional.linear(x, w, b)
         size = x.float().abs() @ w.float().abs().T + (0 if b is None else b.float().abs())
         bound = 2 * (w.shape[1] + 1) * U * size + 2.0**-8 * (out.float().abs() + want.float().abs())
@@ -220,23 +226,27 @@ def test_auto_records_its_measurement(untied):
 
 def test_auto_follows_the_timings(untied, monkeypatch, kernel_calls):
     """Timings made up per shape: colibri's kernel wins everywhere (q/o: MAX_ROWS rows), up to
-    4 rows (the LM head) or nowhere (k/v); the forward follows each choice."""
-    wins = {32: _linears.MAX_ROWS, 96: 4, 16: 0}  # out features -> most rows colibri wins at
+    4 rows (the LM head), at one row (the routers) or nowhere (k/v); the forward follows each
+    choice."""
+    wins = {32: _linears.MAX_ROWS, 96: 4, 16: 0, 8: 1}  # out features -> most rows it wins at
 
     def made_up(module, num_threads, rows):
-        return (1.0, 2.0) if rows <= wins[module.out_features] else (2.0, 1.0)
+        return (1.0, 2.0) if rows <= wins[module.weight.shape[0]] else (2.0, 1.0)
 
     monkeypatch.setattr(_linears, "_measure", made_up)
     model = _load(untied, "auto")
     choices = model.colibri.linears
     got = {key[0]: (c.engine, c.rows, sorted(c.by_rows)) for key, c in choices.items()}
     assert got == {32: ("colibri", 8, [1, 8]), 96: ("colibri", 4, [1, 4, 8]),
-                   16: ("torch", 0, [1])}  # fmt: skip
+                   16: ("torch", 0, [1]), 8: ("colibri", 1, [1, 2, 4, 8])}  # fmt: skip
     _logits(model, token_ids(1, batch=1, length=4))
     assert len(kernel_calls) == 2 * 2 + 1  # q/o of two layers and the LM head
     kernel_calls.clear()
     _logits(model, token_ids(1, batch=1, length=5))
     assert len(kernel_calls) == 2 * 2  # the LM head's 5 rows went to torch
+    kernel_calls.clear()
+    _logits(model, token_ids(1, batch=1, length=1))
+    assert len(kernel_calls) == 2 * 2 + 1 + 2  # one row: the routers of two layers too
 
 
 def test_compiles_in_one_graph(models):
