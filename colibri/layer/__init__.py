@@ -12,8 +12,9 @@ framework) and the transformers integration both run their experts through it, o
 a step).
 :func:`expert_ffn` is the fused half-precision expert kernel on its own; :func:`half_linear`
 and :func:`quant_linear` are colibri's linear kernels for half-precision and block-quantized
-weights, :func:`rms_norm` transformers' RMSNorm in one call, :func:`attention` a decoding
-step's attention over its key/value cache; :func:`dispatch`,
+weights, :func:`rms_norm` transformers' RMSNorm in one call, :func:`rope` its rotary
+embedding, :func:`attention` a decoding step's attention over its key/value cache;
+:func:`dispatch`,
 :func:`gather` and :func:`combine` are vLLM-style token-reordering steps, usable with any
 expert implementation.
 """
@@ -30,6 +31,7 @@ from colibri.layer._expert import (
     half_linear,
     quant_linear,
     rms_norm,
+    rope,
 )
 from colibri.layer._ffn import detected_path, ffn_path, simd_path
 from colibri.layer._moe import InMemoryExperts, MoELayer
@@ -60,6 +62,7 @@ __all__ = [
     "quant_linear",
     "quantize",
     "rms_norm",
+    "rope",
     "run_experts",
     "simd_path",
 ]

@@ -21,7 +21,7 @@ import numpy as np
 from colibri._dlpack import bf16_to_float32, float32_to_bf16, import_host, to_caller
 from colibri._errors import FormatError
 from colibri.formats import FP8_BLOCKED, ExpertWeights
-from colibri.layer import _attention, _ffn, _fp8, _norm, _quant, _rows
+from colibri.layer import _attention, _ffn, _fp8, _norm, _quant, _rope, _rows
 
 __all__ = [
     "activation_function",
@@ -266,6 +266,51 @@ def rms_norm(
         )
     _norm.rms_norm(x, weight, eps, out, kind)
     return out
+
+
+def rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, dtype: str = "float32") -> np.ndarray:
+    """Rotary position embedding of each row, in place, as transformers'
+    ``apply_rotary_pos_emb`` computes it: ``round(x * cos) + round(rotate_half(x) * sin)``
+    with ``rotate_half(x) = [-x[d/2:], x[:d/2]]``, each product rounded to ``dtype``.
+
+    Parameters
+    ----------
+    x : numpy.ndarray
+        ``[R, d]`` C-contiguous, ``d`` even (one row per head): float32, or the ``uint16``
+        bits of ``dtype``. Overwritten with the result.
+    cos, sin : numpy.ndarray
+        ``[d]``, stored as ``x`` is: the position's rotation.
+    dtype : str
+        ``"float32"``, ``"bfloat16"`` or ``"float16"``.
+
+    Returns
+    -------
+    numpy.ndarray
+        ``x``, rotated: equal to torch's elementwise result bit for bit.
+    """
+    kind = VALUE_KINDS.get(dtype)
+    if kind is None:
+        raise ValueError(f"rope(): dtype must be one of {sorted(VALUE_KINDS)} (got {dtype!r})")
+    storage = np.float32 if kind == _norm.KIND_PLAIN else np.uint16
+    cos, sin = np.asarray(cos), np.asarray(sin)
+    if (
+        not isinstance(x, np.ndarray)
+        or x.ndim != 2
+        or not x.flags.c_contiguous
+        or not x.flags.writeable
+        or x.dtype != storage
+        or cos.dtype != storage
+        or sin.dtype != storage
+    ):
+        raise ValueError(
+            f"rope(): x must be a writeable C-contiguous [R, d] array, x, cos and sin "
+            f"{np.dtype(storage).name} for dtype={dtype!r} (got x "
+            f"{getattr(x, 'dtype', type(x).__name__)} {list(getattr(x, 'shape', ()))}, cos "
+            f"{cos.dtype}, sin {sin.dtype})"
+        )
+    _rope.rope(x, np.ascontiguousarray(cos).reshape(-1), np.ascontiguousarray(sin).reshape(-1),
+               kind)  # fmt: skip
+    return x
 
 
 def attention(

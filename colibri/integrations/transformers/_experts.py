@@ -85,6 +85,9 @@ class Paging:
     attention : str or None
         The model's attention implementation when colibri's kernel runs its decoding steps
         (``"colibri"``; None: transformers' own).
+    decode : list of str
+        The decoder layers whose one-token steps skip transformers' module calls (the same
+        forwards called directly).
     """
 
     pager: Any
@@ -99,6 +102,7 @@ class Paging:
     linears: dict = field(default_factory=dict)
     norms: list = field(default_factory=list)
     attention: str | None = None
+    decode: list = field(default_factory=list)
     #: Experts spread over ranks (:mod:`colibri.distributed`): computes every paged experts
     #: module instead of :func:`run_experts`, ``remote(layer, x [T, H], ids [T, k] numpy,
     #: weights [T, k]) -> [T, H]``.

@@ -26,7 +26,7 @@ from colibri._errors import FormatError
 from colibri._regular import open_regular
 from colibri._units import parse_size
 from colibri._validate import check_choice, check_threads
-from colibri.integrations.transformers import _attention, _gpt_oss, _norms, _threads
+from colibri.integrations.transformers import _attention, _decode, _gpt_oss, _norms, _threads
 from colibri.integrations.transformers._budget import for_model
 from colibri.integrations.transformers._checkpoint import (
     TORCH_DTYPES,
@@ -425,6 +425,7 @@ def from_pretrained(
         if linears != "torch":
             paging.norms = _norms.install(model)
             paging.attention = _attention.NAME if _attention.install(model) else None
+            paging.decode = _decode.install(model)
         _threads.install(model)
         if partition is not None:
             _partition(model, partition, topk_groups)

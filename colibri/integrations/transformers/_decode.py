@@ -1,0 +1,191 @@
+"""A decoding step of a whole decoder layer without transformers' module calls.
+
+A model from :func:`from_pretrained` runs each token's decoder layer as some forty torch
+operations and module calls (norms, projections, views, transposes, rotary embedding's ten
+elementwise operations, the MoE block's wrappers), each a few microseconds of Python and
+dispatch. Between the layers' weights streaming through the caches, that overhead, not the
+arithmetic, is most of a decoding step. For a layer whose code colibri knows (the
+``forward`` of the layer, its attention and its MoE block, and the rotary embedding, checked
+by fingerprint as routers are), a step of one token of one sequence calls the same
+forwards that ``layer(...)`` would reach — colibri's norms, linears, router, attention and
+experts — directly, rotates the query and key heads with :func:`colibri.layer.rope` and adds
+the residuals with two torch operations: the same values, bit for bit, in a few calls.
+
+Every other call (a prompt, a batch, gradients, a compiled graph, a module with hooks, for
+instance when transformers records attentions or router logits) runs the layer's own
+``forward``.
+"""
+
+from __future__ import annotations
+
+import types
+
+import torch
+from torch import nn
+
+from colibri.integrations.transformers._families import _fingerprint
+from colibri.integrations.transformers._ops import HALF_NAMES, values_of
+from colibri.layer import rope
+
+__all__ = ["install"]
+
+_STATE = "_colibri_decode"
+
+# The code a step reproduces, by fingerprint (_families._fingerprint): transformers 5.x's
+# Qwen3-MoE layer (its attention and layer forward are Qwen3's too).
+_KNOWN = {
+    "layer": frozenset({"4c8db5469287"}),
+    "attention": frozenset({"3500b11ad4d3"}),
+    "moe": frozenset({"dcdb4c3469b6"}),
+    "rotary": frozenset({"efe5fb4ba37f"}),
+}
+_DTYPES = {torch.float32: "float32", **HALF_NAMES}
+
+
+def _hooked(module: nn.Module) -> bool:
+    return bool(module._forward_hooks or module._forward_pre_hooks)
+
+
+class _Layer:
+    """One decoder layer's step: its modules and shapes, read once."""
+
+    __slots__ = ("attn", "code", "experts", "gate", "hidden", "kv_heads", "heads", "head_dim",
+                 "layer", "mlp", "modules", "norm_in", "norm_post", "q_norm", "k_norm")  # fmt: skip
+
+    def __init__(self, layer: nn.Module) -> None:
+        attn, mlp = layer.self_attn, layer.mlp
+        self.layer, self.attn, self.mlp = layer, attn, mlp
+        self.gate, self.experts = mlp.gate, mlp.experts
+        self.code = (type(attn).forward, type(mlp).forward)  # what the step stands for
+        self.norm_in, self.norm_post = layer.input_layernorm, layer.post_attention_layernorm
+        self.q_norm, self.k_norm = attn.q_norm, attn.k_norm
+        self.head_dim = attn.head_dim
+        self.heads = attn.q_proj.out_features // attn.head_dim
+        self.kv_heads = attn.k_proj.out_features // attn.head_dim
+        self.hidden = attn.q_proj.in_features
+        # the modules whose hooks a step would skip
+        self.modules = (attn, mlp, self.gate, self.experts, self.norm_in, self.norm_post,
+                        self.q_norm, self.k_norm, attn.q_proj, attn.k_proj, attn.v_proj,
+                        attn.o_proj)  # fmt: skip
+
+    def takes(self, hidden: torch.Tensor, cache, position_embeddings) -> bool:
+        """Whether this call is a step this class runs: one token of one sequence on the
+        CPU, no gradients, no hooks, a cache to append to, the attention's and MoE block's
+        forwards still the code the step stands for."""
+        attn, mlp = self.attn, self.mlp
+        return (
+            hidden.shape == (1, 1, self.hidden)
+            and cache is not None
+            and position_embeddings is not None
+            and not torch.is_grad_enabled()
+            and hidden.dtype in _DTYPES
+            and hidden.device.type == "cpu"
+            and hidden.is_contiguous()
+            and not self.layer.training
+            and not torch.compiler.is_compiling()
+            and (type(attn).forward, type(mlp).forward) == self.code
+            and "forward" not in attn.__dict__
+            and "forward" not in mlp.__dict__
+            and not any(_hooked(m) for m in self.modules)
+            and not (torch.nn.modules.module._global_forward_hooks
+                     or torch.nn.modules.module._global_forward_pre_hooks)
+        )  # fmt: skip
+
+    def step(self, hidden, mask, cache, position_embeddings, kwargs) -> torch.Tensor:
+        """``Qwen3MoeDecoderLayer.forward`` for ``hidden [1, 1, H]``."""
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+        attn, D = self.attn, self.head_dim
+        x = hidden.view(1, self.hidden)
+        h = self.norm_in.forward(x)
+        q = self.q_norm.forward(attn.q_proj.forward(h).view(1, 1, self.heads, D))
+        k = self.k_norm.forward(attn.k_proj.forward(h).view(1, 1, self.kv_heads, D))
+        v = attn.v_proj.forward(h).view(1, self.kv_heads, 1, D)
+        cos, sin = position_embeddings
+        q, k = _rotated(q, cos, sin), _rotated(k, cos, sin)
+        keys, values = cache.update(k.view(1, self.kv_heads, 1, D), v, attn.layer_idx)
+        interface = ALL_ATTENTION_FUNCTIONS.get_interface(attn.config._attn_implementation, _eager)
+        out, _ = interface(attn, q.view(1, self.heads, 1, D), keys, values, mask,
+                           dropout=0.0, scaling=attn.scaling,
+                           sliding_window=attn.sliding_window, **kwargs)  # fmt: skip
+        x = x + attn.o_proj.forward(out.reshape(1, self.heads * D))
+        h = self.norm_post.forward(x)
+        _, weights, ids = self.gate.forward(h)
+        x = x + self.experts.forward(h, ids, weights)
+        return x.view(1, 1, self.hidden)
+
+
+def _eager(*args, **kwargs):
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import eager_attention_forward
+
+    return eager_attention_forward(*args, **kwargs)
+
+
+def _rotated(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``x [1, 1, heads, D]``, a norm's new output, rotated in place as
+    ``apply_rotary_pos_emb`` rotates it."""
+    x = x.contiguous()
+    rows = values_of(x).reshape(-1, x.shape[-1])
+    rope(rows, values_of(cos).reshape(-1), values_of(sin).reshape(-1), _DTYPES[x.dtype])
+    return x
+
+
+def _forward(self: nn.Module, hidden_states, attention_mask=None, position_ids=None,
+             past_key_values=None, use_cache=False, position_embeddings=None,
+             **kwargs):  # fmt: skip
+    state: _Layer = self.__dict__[_STATE]
+    if state.takes(hidden_states, past_key_values, position_embeddings) and (
+        position_embeddings[0].dtype == hidden_states.dtype
+        and position_embeddings[0].shape[-2:] == (1, state.head_dim)
+    ):
+        given = dict(kwargs, position_ids=position_ids, use_cache=use_cache)  # as attention's
+        return state.step(hidden_states, attention_mask, past_key_values, position_embeddings,
+                          given)  # fmt: skip
+    return type(self).forward(self, hidden_states, attention_mask=attention_mask,
+                              position_ids=position_ids, past_key_values=past_key_values,
+                              use_cache=use_cache, position_embeddings=position_embeddings,
+                              **kwargs)  # fmt: skip
+
+
+def _known(layer: nn.Module) -> bool:
+    """Whether ``layer`` runs the code a step reproduces: fingerprints of its forward, its
+    attention's, its MoE block's and the rotary embedding of its module."""
+    import inspect
+    import sys
+
+    attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+    if attn is None or mlp is None or not hasattr(mlp, "gate") or not hasattr(mlp, "experts"):
+        return False
+    rotary = getattr(sys.modules.get(type(attn).__module__), "apply_rotary_pos_emb", None)
+    try:
+        found = {
+            "layer": _fingerprint(type(layer).forward),
+            "attention": _fingerprint(type(attn).forward),
+            "moe": _fingerprint(type(mlp).forward),
+            "rotary": _fingerprint(inspect.unwrap(rotary)) if rotary is not None else None,
+        }
+    except (OSError, TypeError):  # no source to read
+        return False
+    if any(found[key] not in _KNOWN[key] for key in _KNOWN):
+        return False
+    return (
+        getattr(attn, "sliding_window", None) is None
+        and all(hasattr(attn, n) for n in ("q_norm", "k_norm", "layer_idx", "config"))
+        and all(isinstance(getattr(attn, n, None), nn.Linear)
+                for n in ("q_proj", "k_proj", "v_proj", "o_proj"))
+        and attn.q_proj.out_features % attn.head_dim == 0
+        and attn.k_proj.out_features % attn.head_dim == 0
+    )  # fmt: skip
+
+
+def install(model: nn.Module) -> list[str]:
+    """Give each decoder layer of ``model`` whose code colibri knows the one-call decoding
+    step; returns their names."""
+    taken = []
+    for name, module in model.named_modules():
+        if _STATE in module.__dict__ or not _known(module):
+            continue
+        module.__dict__[_STATE] = _Layer(module)
+        module.__dict__["forward"] = types.MethodType(_forward, module)
+        taken.append(name)
+    return taken

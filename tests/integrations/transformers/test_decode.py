@@ -1,0 +1,158 @@
+"""A ``from_pretrained`` model's one-token decoder-layer steps (``_decode``) against the
+layer's own forward bit for bit, and the calls that run the layer's own forward."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+pytest.importorskip("safetensors")
+
+from _support.hf_families import build_model, randomise_routers, token_ids  # noqa: E402
+from colibri.integrations.transformers import _decode, from_pretrained, patch, unpatch  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    model = build_model("qwen3_moe").to(torch.bfloat16)
+    randomise_routers(model, [r.name for r in patch(model)])
+    unpatch(model)
+    path = tmp_path_factory.mktemp("decode")
+    model.save_pretrained(path)
+    return path
+
+
+@pytest.fixture
+def model(folder):
+    return from_pretrained(folder, budget="64MiB")
+
+
+@pytest.fixture
+def steps(monkeypatch):
+    """The steps run, as ``(layer index, keys in the cache after it)``."""
+    ran = []
+    step = _decode._Layer.step
+
+    def counting(self, hidden, mask, cache, position_embeddings, kwargs):
+        out = step(self, hidden, mask, cache, position_embeddings, kwargs)
+        layer = self.attn.layer_idx
+        ran.append((layer, cache.get_seq_length(layer)))
+        return out
+
+    monkeypatch.setattr(_decode._Layer, "step", counting)
+    return ran
+
+
+def _generate(model, ids, **kwargs):
+    with torch.no_grad():
+        return model.generate(ids, max_new_tokens=6, do_sample=False, output_scores=True,
+                              return_dict_in_generate=True, **kwargs)  # fmt: skip
+
+
+def _own_forward(model):
+    for name in model.colibri.decode:
+        model.get_submodule(name).__dict__.pop("forward")
+
+
+def test_steps_equal_the_layers_own_forward(model, steps):
+    layers = model.config.num_hidden_layers
+    assert model.colibri.decode == [f"model.layers.{i}" for i in range(layers)]
+    ids = token_ids(seed=5, batch=1, length=7)
+    ours = _generate(model, ids)
+    # five steps after the prompt, each through every layer, the cache one key longer each
+    assert steps == [(i, 8 + s) for s in range(5) for i in range(layers)]
+    _own_forward(model)
+    theirs = _generate(model, ids)
+    assert torch.equal(ours.sequences, theirs.sequences)
+    assert all(torch.equal(a, b) for a, b in zip(ours.scores, theirs.scores, strict=True))
+
+
+def test_a_step_is_the_layer_forward_on_any_inputs(model):
+    """One layer's step against its forward on the same random state (a cache of 9 keys,
+    a hidden state far from the model's usual scale)."""
+    from transformers import DynamicCache
+
+    layer = model.model.layers[1]
+    rotary = model.model.rotary_emb
+    g = torch.Generator().manual_seed(0)
+    hidden = (torch.randn(1, 1, model.config.hidden_size, generator=g) * 30).bfloat16()
+    position = torch.tensor([[9]])
+    cos, sin = rotary(hidden, position)
+    caches = []
+    for _ in range(2):
+        cache = DynamicCache(config=model.config)
+        for i in range(model.config.num_hidden_layers):
+            shape = (1, model.config.num_key_value_heads, 9, layer.self_attn.head_dim)
+            keys = torch.randn(shape, generator=torch.Generator().manual_seed(i)).bfloat16()
+            cache.update(keys, keys.flip(-1), i)
+        caches.append(cache)
+    with torch.no_grad():
+        ours = layer(hidden, None, position, caches[0], True, (cos, sin))
+        theirs = type(layer).forward(layer, hidden, None, position, caches[1], True, (cos, sin))
+    assert torch.equal(ours, theirs)
+    assert torch.equal(caches[0].layers[1].keys, caches[1].layers[1].keys)
+    assert torch.equal(caches[0].layers[1].values, caches[1].layers[1].values)
+
+
+def test_other_calls_run_the_layers_forward(model, steps):
+    ids = token_ids(seed=5, batch=2, length=7)
+    _generate(model, ids, attention_mask=torch.ones_like(ids))  # a batch
+    assert steps == []
+    # a hook on a module the step would skip: that layer runs its forward, the hook fires
+    fired = []
+    model.model.layers[0].mlp.gate.register_forward_hook(lambda *a: fired.append(1))
+    _generate(model, ids[:1])
+    assert len(fired) == 6 and 0 not in {layer for layer, _ in steps}
+    assert {layer for layer, _ in steps} == set(range(1, model.config.num_hidden_layers))
+    steps.clear()
+    with torch.enable_grad():  # gradients: torch's graph, the layers' own code
+        out = model(ids[:1, :3], use_cache=True)
+        model(ids[:1, 3:4], past_key_values=out.past_key_values)
+    assert steps == []
+
+
+def test_forwards_replaced_after_loading_run(model, steps, monkeypatch):
+    """A module's forward replaced on the instance, or its class's code changed after
+    loading: the layer runs its own forward, which calls them."""
+    from transformers.models.qwen3_moe import modeling_qwen3_moe as m
+
+    calls = []
+    mlp = model.model.layers[1].mlp
+    real = mlp.forward
+    monkeypatch.setattr(mlp, "forward", lambda h: calls.append(1) or real(h))
+    ids = token_ids(seed=5, batch=1, length=7)
+    _generate(model, ids)
+    assert len(calls) == 6 and 1 not in {layer for layer, _ in steps}
+    steps.clear()
+    attention = m.Qwen3MoeAttention.forward
+    monkeypatch.setattr(m.Qwen3MoeAttention, "forward", lambda *a, **k: attention(*a, **k))
+    _generate(model, ids)
+    assert steps == []
+
+
+def test_router_logits_asked_for_are_recorded(model, steps):
+    """transformers' output recorders hook the routers: the layers run their forward."""
+    ids = token_ids(seed=5, batch=1, length=7)
+    with torch.no_grad():
+        out = model.model(ids, use_cache=True)
+        step = model(ids[:, :1] + 1, past_key_values=out.past_key_values,
+                     output_router_logits=True)  # fmt: skip
+    layers = model.config.num_hidden_layers
+    assert len(step.router_logits) == layers and steps == []
+
+
+def test_unknown_code_gets_no_step(folder, monkeypatch):
+    from transformers.models.qwen3_moe import modeling_qwen3_moe as m
+
+    forward = m.Qwen3MoeAttention.forward
+
+    def changed(self, *args, **kwargs):  # any other code: another fingerprint
+        return forward(self, *args, **kwargs)
+
+    monkeypatch.setattr(m.Qwen3MoeAttention, "forward", changed)
+    model = from_pretrained(folder, budget="64MiB")
+    assert model.colibri.decode == []
+    torch_only = from_pretrained(folder, budget="64MiB", linears="torch")
+    assert torch_only.colibri.decode == []
