@@ -21,7 +21,7 @@ from torch import nn
 from colibri.integrations.transformers._ops import HALF_NAMES, values_of
 from colibri.layer import attention
 
-__all__ = ["MAX_QUERIES", "NAME", "install"]
+__all__ = ["MAX_QUERIES", "NAME", "install", "plain"]
 
 #: The attention implementation's name in transformers' registries.
 NAME = "colibri"
@@ -39,6 +39,12 @@ def _mask(mask: torch.Tensor | None, b: int, length: int):
             return None
         return torch.zeros(m.shape).masked_fill_(~m, float("-inf")).numpy()
     return m.to(torch.float32).numpy()
+
+
+def plain(kwargs: dict) -> bool:
+    """Whether a call's extra arguments leave it on colibri's kernel (no position bias, no
+    cache object, no softcap)."""
+    return all(kwargs.get(name) is None for name in ("position_bias", "cache", "softcap"))
 
 
 def _sdpa(*args, **kwargs):
@@ -76,9 +82,7 @@ def forward(
         or key.shape[-1] != D
         or value.shape[-1] != D
         or (mask is not None and (mask.ndim != 4 or mask.shape[1] != 1))
-        or kwargs.get("position_bias") is not None
-        or kwargs.get("cache") is not None
-        or kwargs.get("softcap") is not None
+        or not plain(kwargs)
         or (torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value)))
     ):
         return _sdpa(module, query, key, value, attention_mask, dropout=dropout,

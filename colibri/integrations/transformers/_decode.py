@@ -3,29 +3,33 @@
 A model from :func:`from_pretrained` runs each token's decoder layer as some forty torch
 operations and module calls (norms, projections, views, transposes, rotary embedding's ten
 elementwise operations, the MoE block's wrappers), each a few microseconds of Python and
-dispatch. Between the layers' weights streaming through the caches, that overhead, not the
-arithmetic, is most of a decoding step. For a layer whose code colibri knows (the
-``forward`` of the layer, its attention and its MoE block, and the rotary embedding, checked
-by fingerprint as routers are), a step of one token of one sequence calls the same
-forwards that ``layer(...)`` would reach — colibri's norms, linears, router, attention and
-experts — directly, rotates the query and key heads with :func:`colibri.layer.rope` and adds
-the residuals with two torch operations: the same values, bit for bit, in a few calls.
+dispatch, several times that when the weights streaming through the caches have evicted the
+interpreter's state. For a layer whose code colibri knows (the ``forward`` of the layer, its
+attention and its MoE block, and the rotary embedding, checked by fingerprint as routers
+are), a step of one token of one sequence computes what ``layer(...)`` would, in a few
+calls: colibri's kernels called directly where the modules' forwards would call them (their
+RMSNorms, quantized linears, the attention over the cache when it is colibri's), the other
+modules' forwards called directly (router, experts, other linears),
+:func:`colibri.layer.rope` for the rotary embedding, two torch additions for the residuals.
+The values between the calls are numpy views. The result is the layer's own, bit for bit.
 
 Every other call (a prompt, a batch, gradients, a compiled graph, a module with hooks, for
-instance when transformers records attentions or router logits) runs the layer's own
-``forward``.
+instance when transformers records attentions or router logits, or a forward replaced after
+loading) runs the layer's own ``forward``.
 """
 
 from __future__ import annotations
 
 import types
 
+import numpy as np
 import torch
 from torch import nn
 
+from colibri.integrations.transformers import _attention, _linears, _norms
 from colibri.integrations.transformers._families import _fingerprint
 from colibri.integrations.transformers._ops import HALF_NAMES, values_of
-from colibri.layer import rope
+from colibri.layer import attention, quant_linear, rms_norm, rope
 
 __all__ = ["install"]
 
@@ -92,42 +96,69 @@ class _Layer:
         )  # fmt: skip
 
     def step(self, hidden, mask, cache, position_embeddings, kwargs) -> torch.Tensor:
-        """``Qwen3MoeDecoderLayer.forward`` for ``hidden [1, 1, H]``."""
+        """``Qwen3MoeDecoderLayer.forward`` for ``hidden [1, 1, H]``: the values between the
+        calls are numpy views (torch's own objects only where a forward needs them)."""
         from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-        attn, D = self.attn, self.head_dim
+        attn, D, dtype = self.attn, self.head_dim, hidden.dtype
         x = hidden.view(1, self.hidden)
-        h = self.norm_in.forward(x)
-        q = self.q_norm.forward(attn.q_proj.forward(h).view(1, 1, self.heads, D))
-        k = self.k_norm.forward(attn.k_proj.forward(h).view(1, 1, self.kv_heads, D))
-        v = attn.v_proj.forward(h).view(1, self.kv_heads, 1, D)
-        cos, sin = position_embeddings
-        q, k = _rotated(q, cos, sin), _rotated(k, cos, sin)
-        keys, values = cache.update(k.view(1, self.kv_heads, 1, D), v, attn.layer_idx)
+        h = _norm(self.norm_in, values_of(x), dtype)
+        q = _norm(self.q_norm, _project(attn.q_proj, h, dtype).reshape(self.heads, D), dtype)
+        k = _norm(self.k_norm, _project(attn.k_proj, h, dtype).reshape(self.kv_heads, D), dtype)
+        v = _project(attn.v_proj, h, dtype)
+        cos, sin = (values_of(t).reshape(D) for t in position_embeddings)
+        rope(q, cos, sin, _DTYPES[dtype])
+        rope(k, cos, sin, _DTYPES[dtype])
+        keys, values = cache.update(_tensor(k, dtype).view(1, self.kv_heads, 1, D),
+                                    _tensor(v, dtype).view(1, self.kv_heads, 1, D),
+                                    attn.layer_idx)  # fmt: skip
         interface = ALL_ATTENTION_FUNCTIONS.get_interface(attn.config._attn_implementation, _eager)
-        out, _ = interface(attn, q.view(1, self.heads, 1, D), keys, values, mask,
-                           dropout=0.0, scaling=attn.scaling,
-                           sliding_window=attn.sliding_window, **kwargs)  # fmt: skip
-        x = x + attn.o_proj.forward(out.reshape(1, self.heads * D))
-        h = self.norm_post.forward(x)
+        if interface is _attention.forward and mask is None and _attention.plain(kwargs):
+            out = np.empty((1, self.heads, D), q.dtype)  # sdpa's layout, [T, Hq, D]
+            scale = D**-0.5 if attn.scaling is None else float(attn.scaling)
+            attention(q.reshape(self.heads, 1, D), values_of(keys[0].contiguous()),
+                      values_of(values[0].contiguous()), scale, _DTYPES[dtype], None,
+                      out)  # fmt: skip
+        else:
+            out, _ = interface(attn, _tensor(q, dtype).view(1, self.heads, 1, D), keys, values,
+                               mask, dropout=0.0, scaling=attn.scaling,
+                               sliding_window=attn.sliding_window, **kwargs)  # fmt: skip
+            out = values_of(out.contiguous())
+        o = _project(attn.o_proj, out.reshape(1, self.heads * D), dtype)
+        x = x + _tensor(o, dtype)
+        h = _tensor(_norm(self.norm_post, values_of(x), dtype), dtype)
         _, weights, ids = self.gate.forward(h)
         x = x + self.experts.forward(h, ids, weights)
         return x.view(1, 1, self.hidden)
+
+
+def _tensor(values: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+    """numpy values (float32, or a half type's bits) as a torch tensor of ``dtype``, no copy."""
+    t = torch.from_numpy(values)
+    return t if dtype == torch.float32 else t.view(dtype)
+
+
+def _norm(module: nn.Module, rows: np.ndarray, dtype: torch.dtype) -> np.ndarray:
+    """``module(rows)``: colibri's kernel called here when its forward would call it."""
+    given = _norms.direct(module, dtype) if rows.size <= _norms.MAX_VALUES else None
+    if given is None:
+        return values_of(module.forward(_tensor(rows, dtype)))
+    return rms_norm(rows, given[0], given[1], _DTYPES[dtype])
+
+
+def _project(module: nn.Module, rows: np.ndarray, dtype: torch.dtype) -> np.ndarray:
+    """``module(rows)`` of a linear: colibri's quantized kernel called here when its forward
+    would call it, else its forward."""
+    given = _linears.direct(module)
+    if given is None:
+        return values_of(module.forward(_tensor(rows, dtype)))
+    return quant_linear(rows, *given, _DTYPES[dtype])
 
 
 def _eager(*args, **kwargs):
     from transformers.models.qwen3_moe.modeling_qwen3_moe import eager_attention_forward
 
     return eager_attention_forward(*args, **kwargs)
-
-
-def _rotated(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """``x [1, 1, heads, D]``, a norm's new output, rotated in place as
-    ``apply_rotary_pos_emb`` rotates it."""
-    x = x.contiguous()
-    rows = values_of(x).reshape(-1, x.shape[-1])
-    rope(rows, values_of(cos).reshape(-1), values_of(sin).reshape(-1), _DTYPES[x.dtype])
-    return x
 
 
 def _forward(self: nn.Module, hidden_states, attention_mask=None, position_ids=None,

@@ -99,6 +99,7 @@ class _Quantized:
     def __init__(self, module: nn.Linear, qtype: str, blocks, num_threads: int) -> None:
         self.qtype = qtype
         self.blocks = torch.from_numpy(blocks)  # uint8 [out, row_bytes]
+        self.array = blocks
         self.num_threads = num_threads
         self.refresh(module)
 
@@ -128,6 +129,20 @@ def _quantized_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     if (None if bias is None else (bias.data_ptr(), bias._version)) != state.key:
         state.refresh(self)
     return compute_quantized(x, state.blocks, state.qtype, state.bias32, state.num_threads)
+
+
+def direct(module: nn.Module) -> tuple | None:
+    """``(blocks, qtype, bias32, num_threads)``: the arguments of the quantized kernel call
+    ``module``'s forward makes (its state refreshed as the forward refreshes it), for a caller
+    that makes the call itself; None when its forward is not colibri's quantized one."""
+    forward = module.__dict__.get("forward")
+    if getattr(forward, "__func__", None) is not _quantized_forward:
+        return None
+    state: _Quantized = module.__dict__[_STATE]
+    bias = module.bias
+    if (None if bias is None else (bias.data_ptr(), bias._version)) != state.key:
+        state.refresh(module)
+    return state.array, state.qtype, state.bias32, state.num_threads
 
 
 def _key(weight: torch.Tensor, bias: torch.Tensor | None) -> tuple:

@@ -84,6 +84,22 @@ def _forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return compute(x, weight, _eps(self), state[1])
 
 
+def direct(module: nn.Module, dtype: torch.dtype) -> tuple[np.ndarray, float] | None:
+    """``(weight values, eps)`` for a caller that runs ``module``'s kernel call itself on a
+    decode-size ``dtype`` input: when its forward is colibri's and would call the kernel;
+    None otherwise (call its forward)."""
+    forward = module.__dict__.get("forward")
+    weight = module.weight
+    if (
+        getattr(forward, "__func__", None) is not _forward
+        or weight.dtype != dtype
+        or weight.device.type != "cpu"
+        or (torch.is_grad_enabled() and weight.requires_grad)
+    ):
+        return None
+    return values_of(weight), _eps(module)
+
+
 def _agrees(module: nn.Module, eps: float) -> bool:
     """Whether ``module``'s class computes colibri's formula: its forward and the kernel on a
     copy with a random weight, over random rows, equal to one unit in the last place."""

@@ -266,6 +266,28 @@ def test_a_budget_for_every_expert_keeps_them_with_the_same_bits(written):
     assert pager.pinned() == []
 
 
+def test_decoding_steps_equal_the_layers_own_forward(written):
+    """The one-call decoder-layer steps (``model.colibri.decode``) on a file with a
+    quantized q_proj (colibri's quantized kernel called by the step) and float ones (their
+    forwards): the same tokens and logits bit for bit as the layers' own forwards."""
+    path, _ = written()
+    model = from_pretrained(path, budget=2 * _expert_bytes(), page_size_kb=4)
+    try:
+        assert model.colibri.decode == [f"model.layers.{i}" for i in range(LAYERS)]
+        ids = token_ids(4, batch=1, length=5, high=256)
+        runs = []
+        for _ in range(2):
+            runs.append(model.generate(ids, max_new_tokens=6, do_sample=False, output_logits=True,
+                                       return_dict_in_generate=True))  # fmt: skip
+            for name in model.colibri.decode:  # the second run: the layers' own forward
+                model.get_submodule(name).__dict__.pop("forward", None)
+        assert torch.equal(runs[0].sequences, runs[1].sequences)
+        for a, b in zip(runs[0].logits, runs[1].logits, strict=True):
+            assert torch.equal(a, b)
+    finally:
+        model.colibri.close()
+
+
 _Q_PROJ = "model.layers.0.self_attn.q_proj"  # the file's one Q8_0 linear
 
 
