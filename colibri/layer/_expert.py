@@ -269,9 +269,10 @@ def rms_norm(
 
 
 def rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, dtype: str = "float32") -> np.ndarray:
-    """Rotary position embedding of each row, in place, as transformers'
-    ``apply_rotary_pos_emb`` computes it: ``round(x * cos) + round(rotate_half(x) * sin)``
-    with ``rotate_half(x) = [-x[d/2:], x[:d/2]]``, each product rounded to ``dtype``.
+    """Rotary position embedding of each row, in place, as transformers computes it.
+
+    ``round(x * cos) + round(rotate_half(x) * sin)`` with ``rotate_half(x) = [-x[d/2:],
+    x[:d/2]]``, each product rounded to ``dtype`` (transformers' ``apply_rotary_pos_emb``).
 
     Parameters
     ----------
@@ -322,7 +323,8 @@ def attention(
     mask: np.ndarray | None = None,
     out: np.ndarray | None = None,
 ) -> np.ndarray:
-    """Attention of a few query rows over a key/value cache, as a decoding step needs it:
+    """Attention of a few query rows over a key/value cache, as a decoding step needs it.
+
     ``out[t, h] = softmax_j(scale * q[h, t] . k[g, j] + mask[t, j]) @ v[g]``, ``g = h // G``.
 
     Parameters

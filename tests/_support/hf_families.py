@@ -332,6 +332,18 @@ def compiled_logits(model: torch.nn.Module, ids) -> tuple[torch.Tensor, list]:
         torch._dynamo.reset()
 
 
+def save_bfloat16(folder, model_type: str = "qwen3_moe"):
+    """Save a random ``model_type`` model in bfloat16 to ``folder``, its routers randomised
+    (no routing ties); returns ``folder``."""
+    from colibri.integrations.transformers import patch, unpatch
+
+    model = build_model(model_type).to(torch.bfloat16)
+    randomise_routers(model, [r.name for r in patch(model)])
+    unpatch(model)
+    model.save_pretrained(folder)
+    return folder
+
+
 def save_patched(model: torch.nn.Module, folder, max_shard_size: str) -> torch.nn.Module:
     """Save ``model`` to ``folder`` as a checkpoint with a tokenizer, its routers randomised
     first (so that routing is not a tie), and return it patched with colibri: the reference

@@ -14,18 +14,13 @@ pytest.importorskip("safetensors")
 
 from transformers import AttentionInterface  # noqa: E402
 
-from _support.hf_families import build_model, randomise_routers, token_ids  # noqa: E402
-from colibri.integrations.transformers import _attention, from_pretrained, patch, unpatch  # noqa: E402
+from _support.hf_families import build_model, save_bfloat16, token_ids  # noqa: E402
+from colibri.integrations.transformers import _attention, from_pretrained  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory):
-    model = build_model("qwen3_moe").to(torch.bfloat16)
-    randomise_routers(model, [r.name for r in patch(model)])
-    unpatch(model)
-    path = tmp_path_factory.mktemp("attention")
-    model.save_pretrained(path)
-    return path
+    return save_bfloat16(tmp_path_factory.mktemp("attention"))
 
 
 @pytest.fixture(scope="module")

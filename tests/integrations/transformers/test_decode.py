@@ -10,18 +10,13 @@ pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 pytest.importorskip("safetensors")
 
-from _support.hf_families import build_model, randomise_routers, token_ids  # noqa: E402
-from colibri.integrations.transformers import _decode, from_pretrained, patch, unpatch  # noqa: E402
+from _support.hf_families import save_bfloat16, token_ids  # noqa: E402
+from colibri.integrations.transformers import _decode, from_pretrained  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory):
-    model = build_model("qwen3_moe").to(torch.bfloat16)
-    randomise_routers(model, [r.name for r in patch(model)])
-    unpatch(model)
-    path = tmp_path_factory.mktemp("decode")
-    model.save_pretrained(path)
-    return path
+    return save_bfloat16(tmp_path_factory.mktemp("decode"))
 
 
 @pytest.fixture
