@@ -28,7 +28,10 @@ read-ahead) and "read/asked" their ratio.
 wall time on the decoding thread, module hooks installed only with the flag): the routed
 experts (kernels and their Python), paging (inside the pager's load / advise / prefetch:
 waiting for reads), the other linears, attention (all but its linears), routing (the
-routers), and the rest (norms, embeddings, the MoE blocks' glue, generate(), Python).
+routers), and the rest (norms, embeddings, the MoE blocks' glue, generate(), Python). The
+hooks turn the decoder layers' one-call steps off (``model.colibri.decode``: a module with
+hooks runs its own forward), so the breakdown is of the layers' own forward;
+``bench/bench_decode.py`` times the steps against it.
 """
 
 from __future__ import annotations

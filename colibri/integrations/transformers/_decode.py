@@ -86,6 +86,7 @@ class _Layer:
             and hidden.device.type == "cpu"
             and hidden.is_contiguous()
             and not self.layer.training
+            and not attn.training  # its dropout
             and not torch.compiler.is_compiling()
             and (type(attn).forward, type(mlp).forward) == self.code
             and "forward" not in attn.__dict__

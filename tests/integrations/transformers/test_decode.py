@@ -95,6 +95,10 @@ def test_other_calls_run_the_layers_forward(model, steps):
     ids = token_ids(seed=5, batch=2, length=7)
     _generate(model, ids, attention_mask=torch.ones_like(ids))  # a batch
     assert steps == []
+    with torch.enable_grad():  # gradients: torch's graph, the layers' own code
+        out = model(ids[:1, :3], use_cache=True)
+        model(ids[:1, 3:4], past_key_values=out.past_key_values)
+    assert steps == []
     # a hook on a module the step would skip: that layer runs its forward, the hook fires
     fired = []
     model.model.layers[0].mlp.gate.register_forward_hook(lambda *a: fired.append(1))
@@ -102,10 +106,9 @@ def test_other_calls_run_the_layers_forward(model, steps):
     assert len(fired) == 6 and 0 not in {layer for layer, _ in steps}
     assert {layer for layer, _ in steps} == set(range(1, model.config.num_hidden_layers))
     steps.clear()
-    with torch.enable_grad():  # gradients: torch's graph, the layers' own code
-        out = model(ids[:1, :3], use_cache=True)
-        model(ids[:1, 3:4], past_key_values=out.past_key_values)
-    assert steps == []
+    model.model.layers[1].self_attn.train()  # its dropout: the layer's own forward
+    _generate(model, ids[:1])
+    assert steps == []  # layer 0 hooked, layer 1 training
 
 
 def test_forwards_replaced_after_loading_run(model, steps, monkeypatch):
