@@ -141,7 +141,7 @@ def _tensor(values: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
 
 def _norm(module: nn.Module, rows: np.ndarray, dtype: torch.dtype) -> np.ndarray:
     """``module(rows)``: colibri's kernel called here when its forward would call it."""
-    given = _norms.direct(module, dtype) if rows.size <= _norms.MAX_VALUES else None
+    given = _norms.direct(module, dtype, rows.size)
     if given is None:
         return values_of(module.forward(_tensor(rows, dtype)))
     return rms_norm(rows, given[0], given[1], _DTYPES[dtype])

@@ -99,7 +99,7 @@ class _Quantized:
     def __init__(self, module: nn.Linear, qtype: str, blocks, num_threads: int) -> None:
         self.qtype = qtype
         self.blocks = torch.from_numpy(blocks)  # uint8 [out, row_bytes]
-        self.array = blocks
+        self.array = blocks  # the same memory as numpy, for direct() callers
         self.num_threads = num_threads
         self.refresh(module)
 
@@ -107,6 +107,13 @@ class _Quantized:
         bias = module.bias
         self.key = None if bias is None else (bias.data_ptr(), bias._version)
         self.bias32 = None if bias is None else bias.detach().to(torch.float32).numpy()
+
+    def current(self, module: nn.Linear) -> _Quantized:
+        """This state, its bias read again if ``module``'s moved or changed in place."""
+        bias = module.bias
+        if (None if bias is None else (bias.data_ptr(), bias._version)) != self.key:
+            self.refresh(module)
+        return self
 
 
 def _quantized_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
@@ -125,9 +132,7 @@ def _quantized_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
             f"a {state.qtype} linear kept as stored has no gradient; run under "
             "torch.no_grad(), or load with linears='torch' (bfloat16 weights, dequantized)"
         )
-    bias = self.bias
-    if (None if bias is None else (bias.data_ptr(), bias._version)) != state.key:
-        state.refresh(self)
+    state.current(self)
     return compute_quantized(x, state.blocks, state.qtype, state.bias32, state.num_threads)
 
 
@@ -138,10 +143,7 @@ def direct(module: nn.Module) -> tuple | None:
     forward = module.__dict__.get("forward")
     if getattr(forward, "__func__", None) is not _quantized_forward:
         return None
-    state: _Quantized = module.__dict__[_STATE]
-    bias = module.bias
-    if (None if bias is None else (bias.data_ptr(), bias._version)) != state.key:
-        state.refresh(module)
+    state: _Quantized = module.__dict__[_STATE].current(module)
     return state.array, state.qtype, state.bias32, state.num_threads
 
 

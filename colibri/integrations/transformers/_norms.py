@@ -84,16 +84,17 @@ def _forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return compute(x, weight, _eps(self), state[1])
 
 
-def direct(module: nn.Module, dtype: torch.dtype) -> tuple[np.ndarray, float] | None:
+def direct(module: nn.Module, dtype: torch.dtype, size: int) -> tuple[np.ndarray, float] | None:
     """``(weight values, eps)`` for a caller that runs ``module``'s kernel call itself on a
-    decode-size ``dtype`` input: when its forward is colibri's and would call the kernel;
-    None otherwise (call its forward)."""
+    ``dtype`` input of ``size`` values (no gradient): when its forward is colibri's and would
+    call the kernel; None otherwise (call its forward)."""
     forward = module.__dict__.get("forward")
     weight = module.weight
     if (
         getattr(forward, "__func__", None) is not _forward
         or weight.dtype != dtype
         or weight.device.type != "cpu"
+        or not 0 < size <= MAX_VALUES
         or (torch.is_grad_enabled() and weight.requires_grad)
     ):
         return None
