@@ -13,6 +13,7 @@ from libc.stdlib cimport free, malloc
 from colibri._dlpack._capsule cimport (BFLOAT16, FLOAT16, FLOAT32, FLOAT64, INT32, INT64,
                                        DType, HostTensor, import_tensor, new_result)
 from colibri._openmp cimport COLIBRI_OPENMP, COLIBRI_OPENMP_VERSION, colibri_max_threads
+from colibri._pool cimport share_pool
 from colibri._route cimport (COLIBRI_BF16, COLIBRI_F16, COLIBRI_F32, COLIBRI_F64,
                              COLIBRI_GROUP_MAX, COLIBRI_GROUP_TOP2_SUM, COLIBRI_OK,
                              COLIBRI_ROW_ALL_NEG_INF, COLIBRI_ROW_NAN, COLIBRI_ROW_SHORT,
@@ -27,6 +28,8 @@ import threading
 import numpy as np
 
 from colibri._dlpack import DTYPE_NAMES, to_caller
+
+share_pool()  # one worker pool a process (colibri/_pool.pyx)
 
 
 cdef extern from "colibri/pool.h" nogil:

@@ -350,3 +350,43 @@ def test_threads_wait_for_slots_other_threads_pin(weights):
             for got, want in zip(results[n], expected, strict=True):
                 np.testing.assert_array_equal(got, want)
         assert pager.pinned() == []
+
+
+_HELPERS = r"""
+import os, sys
+import numpy as np
+from colibri import _pool
+from colibri.layer import expert_ffn, half_linear, quant_linear, quantize, rms_norm
+import colibri
+
+def helpers():
+    return len(os.listdir("/proc/self/task"))
+
+rng = np.random.default_rng(0)
+x = rng.standard_normal((1, 512)).astype(np.float32)
+bits = (rng.integers(0, 2**14, (512, 512)) | 0x3C00).astype(np.uint16)
+before = helpers()
+counts = []
+for call in (
+    lambda: half_linear(x, bits, "float16", None, 3),  # colibri.layer._ffn
+    lambda: quant_linear(x, quantize(rng.standard_normal((512, 512)).astype(np.float32),
+                                     "q8_0"), "q8_0", None, 3),  # _quant
+    lambda: colibri.init(64, 2, routing_threads=3).route(
+        rng.standard_normal((4096, 64)).astype(np.float32)),  # colibri._core
+):
+    call()
+    counts.append(helpers() - before)
+print(_pool.POOL is not None, counts)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="counts /proc/self/task")
+def test_every_module_runs_on_one_pool():
+    """Kernels of three compiled modules, each asking for 3 threads: two helper threads in
+    all, started by the first and used by the others (a pool a module would start six, each
+    spinning for its module's next call on the same spare cores)."""
+    import subprocess
+
+    out = subprocess.run([sys.executable, "-c", _HELPERS], capture_output=True, text=True,
+                         check=True, timeout=120).stdout.split(maxsplit=1)  # fmt: skip
+    assert out == ["True", "[2, 2, 2]\n"]

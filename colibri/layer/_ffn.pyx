@@ -6,8 +6,11 @@ from libc.stdint cimport int32_t, int64_t, uint16_t, uint64_t
 from libc.stdlib cimport free, malloc
 
 from colibri._openmp cimport colibri_max_threads
+from colibri._pool cimport share_pool
 from colibri.layer._half cimport COLIBRI_W_BF16, COLIBRI_W_F16
 from colibri.layer._plan cimport add_rows, check_plan, gather_rows
+
+share_pool()  # one worker pool a process (colibri/_pool.pyx)
 
 
 cdef extern from "colibri/cpu.h" nogil:

@@ -8,8 +8,11 @@ from libc.stdlib cimport free, malloc
 import numpy as np
 
 from colibri._openmp cimport colibri_max_threads
+from colibri._pool cimport share_pool
 from colibri.layer._plan cimport add_rows, check_plan, gather_rows
 from colibri.layer._ffn import ACTIVATIONS, path_index
+
+share_pool()  # one worker pool a process (colibri/_pool.pyx)
 
 
 cdef extern from "colibri/fp8.h" nogil:

@@ -9,6 +9,7 @@ from libc.stdlib cimport calloc, free, malloc
 import numpy as np
 
 from colibri._openmp cimport colibri_max_threads
+from colibri._pool cimport share_pool
 from colibri.layer._half cimport (
     COLIBRI_W_BF16,
     COLIBRI_W_F16,
@@ -19,6 +20,8 @@ from colibri.layer._half cimport (
 )
 from colibri.layer._plan cimport add_rows, check_plan, gather_rows
 from colibri.layer._ffn import path_index
+
+share_pool()  # one worker pool a process (colibri/_pool.pyx)
 
 
 cdef extern from "colibri/quant.h" nogil:

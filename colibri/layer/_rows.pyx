@@ -16,6 +16,7 @@ from libc.stdlib cimport calloc, free, malloc
 from libc.string cimport memcpy, memset
 
 from colibri._openmp cimport colibri_max_threads
+from colibri._pool cimport share_pool
 from colibri._validate import check_threads
 from colibri.layer._half cimport (
     COLIBRI_W_BF16,
@@ -25,6 +26,9 @@ from colibri.layer._half cimport (
     colibri_float_to_half,
     colibri_half_to_float_fast,
 )
+
+share_pool()  # one worker pool a process (colibri/_pool.pyx)
+
 
 cdef extern from "colibri/pool.h" nogil:
     ctypedef void (*colibri_chunk_fn)(void *arg, int32_t chunk) noexcept nogil

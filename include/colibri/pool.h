@@ -12,6 +12,12 @@
  * POSIX threads; elsewhere (or without GCC/Clang atomics) colibri_pool_run falls back to
  * an OpenMP loop. One call at a time uses the helpers; a concurrent caller runs its chunks
  * alone (still no stall). Helpers: COLIBRI_POOL_MAX - 1 at most, made on first use.
+ *
+ * One pool a process: each compiled module that includes this header has its own static
+ * pool until colibri_pool_share() points it at another's (colibri/_pool.pyx hands every
+ * extension the same one at import). Two pools would each keep a helper spinning for the
+ * next call, and on a machine with one core to spare the helper whose pool runs shares that
+ * core with the others' spinning: it runs a fraction of its chunks, the caller waits for it.
  */
 #ifndef COLIBRI_POOL_H
 #define COLIBRI_POOL_H
@@ -54,6 +60,7 @@ typedef struct {
     pthread_cond_t wake;
     pthread_mutex_t busy; /* held by the call that uses the helpers */
     int helpers;          /* started */
+    int indices;          /* handed to helpers as they start */
     int sleeping;
     pid_t pid; /* a forked child has no helpers: start again */
     /* the current call, written under lock */
@@ -67,19 +74,22 @@ typedef struct {
     volatile int32_t done;
 } colibri_pool_t;
 
-static colibri_pool_t colibri_pool = {PTHREAD_MUTEX_INITIALIZER,
-                                      PTHREAD_COND_INITIALIZER,
-                                      PTHREAD_MUTEX_INITIALIZER,
-                                      0,
-                                      0,
-                                      0,
-                                      0,
-                                      0,
-                                      0,
-                                      0,
-                                      0,
-                                      0,
-                                      0};
+static colibri_pool_t colibri_pool_own = {PTHREAD_MUTEX_INITIALIZER,
+                                          PTHREAD_COND_INITIALIZER,
+                                          PTHREAD_MUTEX_INITIALIZER,
+                                          0,
+                                          0,
+                                          0,
+                                          0,
+                                          0,
+                                          0,
+                                          0,
+                                          0,
+                                          0,
+                                          0,
+                                          0};
+/* The pool this module's calls use: its own until colibri_pool_share(). */
+static colibri_pool_t *colibri_pool_used = &colibri_pool_own;
 
 static inline int64_t colibri_pool_now_ns(void)
 {
@@ -122,8 +132,8 @@ static inline void colibri_pool_work(colibri_pool_t *p, uint32_t gen, colibri_ch
 
 static void *colibri_pool_helper(void *self)
 {
-    colibri_pool_t *p = &colibri_pool;
-    int index = (int)(intptr_t)self;
+    colibri_pool_t *p = (colibri_pool_t *)self;
+    int index = __atomic_fetch_add(&p->indices, 1, __ATOMIC_RELAXED);
     uint32_t seen = 0;
     pthread_mutex_lock(&p->lock);
     seen = p->gen;
@@ -163,6 +173,7 @@ static inline void colibri_pool_grow(colibri_pool_t *p, int count)
     if (p->pid != pid) { /* first use, or a forked child: its helpers did not come along */
         p->pid = pid;
         p->helpers = 0;
+        p->indices = 0;
         p->sleeping = 0;
     }
     while (p->helpers < count && p->helpers < COLIBRI_POOL_MAX - 1) {
@@ -170,7 +181,7 @@ static inline void colibri_pool_grow(colibri_pool_t *p, int count)
         pthread_attr_t attr;
         pthread_attr_init(&attr);
         pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
-        if (pthread_create(&t, &attr, colibri_pool_helper, (void *)(intptr_t)p->helpers) != 0) {
+        if (pthread_create(&t, &attr, colibri_pool_helper, (void *)p) != 0) {
             pthread_attr_destroy(&attr);
             break;
         }
@@ -179,6 +190,29 @@ static inline void colibri_pool_grow(colibri_pool_t *p, int count)
     }
 }
 #endif /* COLIBRI_POOL_THREADS */
+
+/* This module's pool, to hand to another module's colibri_pool_share (NULL without the
+ * threads' pool: OpenMP loops). */
+static inline void *colibri_pool_instance(void)
+{
+#ifdef COLIBRI_POOL_THREADS
+    return (void *)colibri_pool_used;
+#else
+    return NULL;
+#endif
+}
+
+/* Make this module's calls use `pool` (from colibri_pool_instance(), NULL: keep its own);
+ * before its first call. */
+static inline void colibri_pool_share(void *pool)
+{
+#ifdef COLIBRI_POOL_THREADS
+    if (pool != NULL)
+        colibri_pool_used = (colibri_pool_t *)pool;
+#else
+    (void)pool;
+#endif
+}
 
 /* Run fn(arg, c) for every c < chunks on the calling thread and up to threads - 1
  * helpers; returns when every chunk has run. */
@@ -194,7 +228,7 @@ static inline void colibri_pool_run(colibri_chunk_fn fn, void *arg, int32_t chun
     }
 #ifdef COLIBRI_POOL_THREADS
     {
-        colibri_pool_t *p = &colibri_pool;
+        colibri_pool_t *p = colibri_pool_used;
         uint32_t gen;
         int spins = 0;
         if (pthread_mutex_trylock(&p->busy) != 0) { /* another call has the helpers */

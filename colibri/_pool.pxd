@@ -1,0 +1,18 @@
+# colibri's worker pool (include/colibri/pool.h), one a process: every compiled module that
+# runs kernels on it calls share_pool() when it is imported.
+
+from cpython.pycapsule cimport PyCapsule_GetPointer
+
+
+cdef extern from "colibri/pool.h" nogil:
+    void *colibri_pool_instance() noexcept
+    void colibri_pool_share(void *pool) noexcept
+
+
+cdef inline int share_pool() except -1:
+    """Run this module's kernels on the process's one pool (``colibri._pool``'s)."""
+    from colibri._pool import POOL
+
+    if POOL is not None:
+        colibri_pool_share(PyCapsule_GetPointer(POOL, "colibri.pool"))
+    return 0
