@@ -14,6 +14,8 @@ a step).
 and :func:`quant_linear` are colibri's linear kernels for half-precision and block-quantized
 weights, :func:`rms_norm` transformers' RMSNorm in one call, :func:`rope` its rotary
 embedding, :func:`attention` a decoding step's attention over its key/value cache;
+:func:`pre_attention` and :func:`post_attention` a decoder layer's one-token step around
+its attention in two calls;
 :func:`dispatch`,
 :func:`gather` and :func:`combine` are vLLM-style token-reordering steps, usable with any
 expert implementation.
@@ -29,6 +31,8 @@ from colibri.layer._expert import (
     expert_ffn,
     gpt_oss_experts,
     half_linear,
+    post_attention,
+    pre_attention,
     quant_linear,
     rms_norm,
     rope,
@@ -59,6 +63,8 @@ __all__ = [
     "gpt_oss_experts",
     "half_linear",
     "nonfinite_block",
+    "post_attention",
+    "pre_attention",
     "quant_linear",
     "quantize",
     "rms_norm",

@@ -21,13 +21,15 @@ import numpy as np
 from colibri._dlpack import bf16_to_float32, float32_to_bf16, import_host, to_caller
 from colibri._errors import FormatError
 from colibri.formats import FP8_BLOCKED, ExpertWeights
-from colibri.layer import _attention, _ffn, _fp8, _norm, _quant, _rope, _rows
+from colibri.layer import _attention, _ffn, _fp8, _norm, _quant, _rope, _rows, _step
 
 __all__ = [
     "activation_function",
     "attention",
     "expert_ffn",
     "half_linear",
+    "post_attention",
+    "pre_attention",
     "quant_linear",
     "rms_norm",
 ]
@@ -378,6 +380,146 @@ def attention(
         )
     _attention.attention(q, k, v, scale, out, kind, mask)
     return out
+
+
+def _storage(dtype: str, where: str) -> tuple[int, type]:
+    kind = VALUE_KINDS.get(dtype)
+    if kind is None:
+        raise ValueError(f"{where}: dtype must be one of {sorted(VALUE_KINDS)} (got {dtype!r})")
+    return kind, np.float32 if kind == _norm.KIND_PLAIN else np.uint16
+
+
+def _values(a: Any, storage: type, what: str, where: str) -> np.ndarray:
+    a = np.asarray(a)
+    if a.dtype != storage:
+        raise ValueError(f"{where}: {what} must be {np.dtype(storage).name} for this dtype "
+                         f"(got {a.dtype})")  # fmt: skip
+    return np.ascontiguousarray(a)
+
+
+def pre_attention(
+    x: np.ndarray,
+    norm: tuple[np.ndarray, float],
+    projections: tuple[tuple, tuple, tuple],
+    cos: np.ndarray,
+    sin: np.ndarray,
+    q_norm: tuple[np.ndarray, float] | None = None,
+    k_norm: tuple[np.ndarray, float] | None = None,
+    dtype: str = "float32",
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A decoder layer's one-token step up to its attention, in one call.
+
+    ``h = rms_norm(x)``; ``q, k, v`` its three projections; ``q``, ``k`` normed per head
+    (``q_norm``, ``k_norm``) and rotated (:func:`rope`). The values equal those kernels called
+    one by one bit for bit (each result rounded to ``dtype`` as they round it), without the
+    interpreter between them.
+
+    Parameters
+    ----------
+    x : numpy.ndarray
+        ``[H]``: float32, or the ``uint16`` bits of ``dtype``.
+    norm : tuple
+        ``(weight [H], eps)``, the weight stored as ``x``.
+    projections : tuple
+        ``(q, k, v)``, each ``(weight, code, bias, num_threads)``: ``code`` a quantized type
+        of :func:`quant_linear` for rows of blocks ``[out, row_bytes]`` uint8, or
+        ``"bfloat16"`` / ``"float16"`` for a weight's ``uint16`` bits ``[out, H]``;
+        ``bias`` float32 ``[out]`` or None; ``num_threads`` (0: colibri's default).
+    cos, sin : numpy.ndarray
+        ``[D]``, stored as ``x``: the position's rotation (``D`` the head size).
+    q_norm, k_norm : tuple, optional
+        ``(weight, eps)``: an RMSNorm of every ``len(weight)`` values of ``q`` / ``k`` (a
+        head's, or all of them); None: none.
+    dtype : str
+        ``"float32"``, ``"bfloat16"`` or ``"float16"``.
+
+    Returns
+    -------
+    tuple of numpy.ndarray
+        ``q [Hq, D]``, ``k [Hkv, D]``, ``v [Hkv, D]``, stored as ``x``.
+    """
+    where = "pre_attention()"
+    kind, storage = _storage(dtype, where)
+    x, cos, sin = (_values(a, storage, n, where) for a, n in ((x, "x"), (cos, "cos"), (sin, "sin")))
+    D = cos.size
+    if len(projections) != 3:
+        raise ValueError(f"{where}: projections must be (q, k, v) (got {len(projections)})")
+    outs = [projection[0].shape[0] for projection in projections]
+    if D == 0 or outs[0] % D or outs[1] % D or outs[1] != outs[2]:
+        raise ValueError(f"{where}: the q, k, v projections give {outs} values: whole heads "
+                         f"of cos's {D} values, as many for k as for v")  # fmt: skip
+    q, k, v = (np.empty((n // D, D), storage) for n in outs)
+    if norm is None:
+        raise ValueError(f"{where}: norm must be (weight, eps)")
+    norms = [(None, 0.0) if n is None else (_values(n[0], storage, "a norm weight", where),
+                                            float(n[1]))
+             for n in (norm, q_norm, k_norm)]  # fmt: skip
+    _step.enter(x.reshape(-1), *norms[0], tuple(projections), *norms[1], *norms[2],
+                cos.reshape(-1), sin.reshape(-1), q, k, v, kind)  # fmt: skip
+    return q, k, v
+
+
+def post_attention(
+    q: np.ndarray,
+    keys: np.ndarray,
+    values: np.ndarray,
+    scale: float,
+    o_proj: tuple,
+    x: np.ndarray,
+    norm: tuple[np.ndarray, float],
+    router: tuple | None = None,
+    dtype: str = "float32",
+) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """A decoder layer's one-token step from its attention to its router's logits, in one
+    call.
+
+    ``a = attention(q, keys, values)``; ``x = x + o_proj(a)``; ``h = rms_norm(x)``;
+    ``logits = router(h)``: each result rounded to ``dtype`` as those kernels called one by
+    one round it (:func:`attention`, :func:`quant_linear` / :func:`half_linear`,
+    :func:`rms_norm`; the residual add rounded once, as torch adds), bit for bit theirs.
+
+    Parameters
+    ----------
+    q : numpy.ndarray
+        ``[Hq, D]`` (:func:`pre_attention`'s): float32, or the ``uint16`` bits of ``dtype``.
+    keys, values : numpy.ndarray
+        ``[Hkv, L, D]``, ``L > 0``: the cache, this token's row included.
+    scale : float
+        The scores' scale (``D ** -0.5`` for most models).
+    o_proj : tuple
+        ``(weight, code, bias, num_threads)`` ``[H, Hq * D]`` (:func:`pre_attention`).
+    x : numpy.ndarray
+        ``[H]``: the residual stream before the attention.
+    norm : tuple
+        ``(weight [H], eps)``: the norm before the MoE block.
+    router : tuple, optional
+        ``(weight, code, bias, num_threads)`` ``[E, H]``; None: no logits.
+    dtype : str
+        ``"float32"``, ``"bfloat16"`` or ``"float16"``.
+
+    Returns
+    -------
+    tuple
+        ``x [H]`` (after the attention's residual add), ``h [H]`` (normed), ``logits [E]``
+        or None; stored as ``q``.
+    """
+    where = "post_attention()"
+    kind, storage = _storage(dtype, where)
+    q, keys, values, x = (_values(a, storage, n, where) for a, n in (
+        (q, "q"), (keys, "keys"), (values, "values"), (x, "x")))  # fmt: skip
+    if q.ndim != 2 or keys.ndim != 3 or values.ndim != 3:
+        raise ValueError(f"{where}: q must be [Hq, D], keys and values [Hkv, L, D] (got "
+                         f"{list(q.shape)}, {list(keys.shape)}, {list(values.shape)})")  # fmt: skip
+    scale = float(scale)
+    if not math.isfinite(scale):
+        raise ValueError(f"{where}: scale must be finite (got {scale})")
+    H = x.size
+    out, h = np.empty(H, storage), np.empty(H, storage)
+    logits = np.empty(0 if router is None else router[0].shape[0], storage)
+    _step.leave(q, keys, values, scale, tuple(o_proj), x.reshape(-1),
+                _values(norm[0], storage, "the norm weight", where), float(norm[1]),
+                None if router is None else tuple(router), out, h, logits, kind)  # fmt: skip
+    return out, h, None if router is None else logits
 
 
 def quant_linear(

@@ -8,52 +8,12 @@ means can differ in float32's last place; the outputs then differ by at most one
 last place of the storage type, and rarely.
 """
 
-from libc.math cimport sqrtf
-
-from colibri.layer._half cimport (
-    COLIBRI_W_BF16,
-    COLIBRI_W_F16,
-    check_kind,
-    load_value,
-    store_value,
-    value_t,
-)
+from colibri.layer._half cimport COLIBRI_W_BF16, COLIBRI_W_F16, check_kind, value_t
 
 # How values are stored: float32 (plain), or 16-bit bits of half.h's kinds.
 KIND_PLAIN = 0
 KIND_FLOAT16 = COLIBRI_W_F16
 KIND_BFLOAT16 = COLIBRI_W_BF16
-
-
-cdef void _rows(const value_t *x, const value_t *w, Py_ssize_t T, Py_ssize_t n, float eps,
-                value_t *y, int kind) noexcept nogil:
-    cdef Py_ssize_t _, i
-    cdef double s0, s1, s2, s3
-    cdef float h, r, v
-    for _ in range(T):
-        s0 = s1 = s2 = s3 = 0.0  # products of floats are exact in double
-        i = 0
-        while i + 4 <= n:
-            h = load_value(x, i, kind)
-            s0 += <double>h * h
-            h = load_value(x, i + 1, kind)
-            s1 += <double>h * h
-            h = load_value(x, i + 2, kind)
-            s2 += <double>h * h
-            h = load_value(x, i + 3, kind)
-            s3 += <double>h * h
-            i += 4
-        while i < n:
-            h = load_value(x, i, kind)
-            s0 += <double>h * h
-            i += 1
-        v = <float>(((s0 + s1) + (s2 + s3)) / <double>n)
-        r = 1.0 / sqrtf(v + eps)  # torch's rsqrt: a division by a rounded square root
-        for i in range(n):
-            h = store_value(y, i, load_value(x, i, kind) * r, kind)
-            store_value(y, i, load_value(w, i, kind) * h, kind)
-        x += n
-        y += n
 
 
 def rms_norm(const value_t[:, ::1] x, const value_t[::1] weight, float eps,
@@ -73,4 +33,4 @@ def rms_norm(const value_t[:, ::1] x, const value_t[::1] weight, float eps,
     if T == 0 or n == 0:
         return
     with nogil:
-        _rows(&x[0, 0], &weight[0], T, n, eps, &out[0, 0], kind)
+        norm_rows(&x[0, 0], &weight[0], T, n, eps, &out[0, 0], kind)

@@ -6,27 +6,7 @@ elementwise operations on half-precision tensors round each result (float32: no 
 the rows equal transformers' ``apply_rotary_pos_emb`` bit for bit.
 """
 
-from colibri.layer._half cimport check_kind, load_value, store_value, value_t
-
-
-cdef void _rows(value_t *x, const value_t *cos, const value_t *sin, Py_ssize_t R,
-                Py_ssize_t d, int kind) noexcept nogil:
-    cdef Py_ssize_t _, i, half = d // 2
-    cdef float a, b, c, s, lo, hi
-    cdef value_t t
-    for _ in range(R):
-        for i in range(half):
-            a = load_value(x, i, kind)  # x[i]: its partner in rotate_half is -x[i + half]
-            b = load_value(x, i + half, kind)
-            c = load_value(cos, i, kind)
-            s = load_value(sin, i, kind)
-            lo = store_value(&t, 0, a * c, kind) + store_value(&t, 0, -b * s, kind)
-            c = load_value(cos, i + half, kind)
-            s = load_value(sin, i + half, kind)
-            hi = store_value(&t, 0, b * c, kind) + store_value(&t, 0, a * s, kind)
-            store_value(x, i, lo, kind)
-            store_value(x, i + half, hi, kind)
-        x += d
+from colibri.layer._half cimport check_kind, value_t
 
 
 def rope(value_t[:, ::1] x, const value_t[::1] cos, const value_t[::1] sin, int kind):
@@ -42,4 +22,4 @@ def rope(value_t[:, ::1] x, const value_t[::1] cos, const value_t[::1] sin, int 
     if R == 0 or d == 0:
         return
     with nogil:
-        _rows(&x[0, 0], &cos[0], &sin[0], R, d, kind)
+        rope_rows(&x[0, 0], &cos[0], &sin[0], R, d, kind)
