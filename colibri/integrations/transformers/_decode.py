@@ -7,11 +7,14 @@ dispatch, several times that when the weights streaming through the caches have 
 interpreter's state. For a layer whose code colibri knows (the ``forward`` of the layer, its
 attention and its MoE block, and the rotary embedding, checked by fingerprint as routers
 are), a step of one token of one sequence computes what ``layer(...)`` would, in a few
-calls: colibri's kernels called directly where the modules' forwards would call them (their
-RMSNorms, quantized linears, the attention over the cache when it is colibri's), the other
-modules' forwards called directly (router, experts, other linears),
-:func:`colibri.layer.rope` for the rotary embedding, two torch additions for the residuals.
-The values between the calls are numpy views. The result is the layer's own, bit for bit.
+calls. When every kernel of the attention half is colibri's (norms, projections quantized or
+on colibri's linear kernel, the attention over the cache), two native calls around the cache
+update, :func:`colibri.layer.pre_attention` and :func:`colibri.layer.post_attention` (which
+also computes the router's logits when its linear is colibri's), then the routing and the
+experts' forward. Otherwise colibri's kernels are called directly where the modules'
+forwards would call them, the other modules' forwards one by one (:meth:`_Layer.calls`),
+:func:`colibri.layer.rope` for the rotary embedding. The values between the calls are numpy
+views; torch adds the experts' residual. The result is the layer's own, bit for bit.
 
 Every other call (a prompt, a batch, gradients, a compiled graph, a module with hooks, for
 instance when transformers records attentions or router logits, or a forward replaced after
@@ -26,10 +29,17 @@ import numpy as np
 import torch
 from torch import nn
 
-from colibri.integrations.transformers import _attention, _linears, _norms
+from colibri.integrations.transformers import _attention, _linears, _norms, _patch
 from colibri.integrations.transformers._families import _fingerprint
 from colibri.integrations.transformers._ops import HALF_NAMES, values_of
-from colibri.layer import attention, quant_linear, rms_norm, rope
+from colibri.layer import (
+    attention,
+    post_attention,
+    pre_attention,
+    quant_linear,
+    rms_norm,
+    rope,
+)
 
 __all__ = ["install"]
 
@@ -96,11 +106,60 @@ class _Layer:
                      or torch.nn.modules.module._global_forward_pre_hooks)
         )  # fmt: skip
 
+    def kernels(self, dtype: torch.dtype) -> tuple | None:
+        """The norms' and projections' arguments of :func:`colibri.layer.pre_attention` and
+        :func:`colibri.layer.post_attention` when every module of the attention half computes
+        with colibri's kernels; None otherwise."""
+        attn, size = self.attn, self.heads * self.head_dim
+        norms = (_norms.direct(self.norm_in, dtype, self.hidden),
+                 _norms.direct(self.q_norm, dtype, size),
+                 _norms.direct(self.k_norm, dtype, self.kv_heads * self.head_dim),
+                 _norms.direct(self.norm_post, dtype, self.hidden))  # fmt: skip
+        linears = tuple(_linears.direct(m) for m in (attn.q_proj, attn.k_proj, attn.v_proj,
+                                                     attn.o_proj))  # fmt: skip
+        if None in norms or None in linears:
+            return None
+        return norms, linears
+
     def step(self, hidden, mask, cache, position_embeddings, kwargs) -> torch.Tensor:
-        """``Qwen3MoeDecoderLayer.forward`` for ``hidden [1, 1, H]``: the values between the
-        calls are numpy views (torch's own objects only where a forward needs them)."""
+        """``Qwen3MoeDecoderLayer.forward`` for ``hidden [1, 1, H]``: two native calls around
+        the cache update when every kernel is colibri's, else the modules' calls one by one
+        (:meth:`calls`)."""
         from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+        attn, dtype = self.attn, hidden.dtype
+        interface = ALL_ATTENTION_FUNCTIONS.get_interface(attn.config._attn_implementation, _eager)
+        given = None
+        if interface is _attention.forward and mask is None and _attention.plain(kwargs):
+            given = self.kernels(dtype)
+        if given is None:
+            return self.calls(hidden, mask, cache, position_embeddings, kwargs, interface)
+        (norm_in, q_norm, k_norm, norm_post), (q, k, v, o) = given
+        D, name = self.head_dim, _DTYPES[dtype]
+        x = values_of(hidden).reshape(self.hidden)
+        cos, sin = (values_of(t).reshape(D) for t in position_embeddings)
+        queries, key, value = pre_attention(x, norm_in, (q, k, v), cos, sin, q_norm, k_norm, name)
+        keys, values = cache.update(_tensor(key, dtype).view(1, self.kv_heads, 1, D),
+                                    _tensor(value, dtype).view(1, self.kv_heads, 1, D),
+                                    attn.layer_idx)  # fmt: skip
+        rest = _patch.routed(self.gate)
+        router = None if rest is None else _linears.direct(self.gate, router=True)
+        scale = D**-0.5 if attn.scaling is None else float(attn.scaling)
+        out, h, logits = post_attention(queries, values_of(keys[0].contiguous()),
+                                        values_of(values[0].contiguous()), scale, o, x,
+                                        norm_post, router, name)  # fmt: skip
+        h = _tensor(h, dtype).view(1, self.hidden)
+        if logits is None:
+            _, weights, ids = self.gate.forward(h)
+        else:
+            _, weights, ids = rest(_tensor(logits, dtype).view(1, -1))
+        y = self.experts.forward(h, ids, weights)
+        return (_tensor(out, dtype).view(1, self.hidden) + y).view(1, 1, self.hidden)
+
+    def calls(self, hidden, mask, cache, position_embeddings, kwargs, interface) -> torch.Tensor:
+        """The step as the modules' calls one by one: colibri's kernels called directly where
+        a module's forward would call them, the values between the calls numpy views (torch's
+        own objects only where a forward needs them)."""
         attn, D, dtype = self.attn, self.head_dim, hidden.dtype
         x = hidden.view(1, self.hidden)
         h = _norm(self.norm_in, values_of(x), dtype)
@@ -113,7 +172,6 @@ class _Layer:
         keys, values = cache.update(_tensor(k, dtype).view(1, self.kv_heads, 1, D),
                                     _tensor(v, dtype).view(1, self.kv_heads, 1, D),
                                     attn.layer_idx)  # fmt: skip
-        interface = ALL_ATTENTION_FUNCTIONS.get_interface(attn.config._attn_implementation, _eager)
         if interface is _attention.forward and mask is None and _attention.plain(kwargs):
             out = np.empty((1, self.heads, D), q.dtype)  # sdpa's layout, [T, Hq, D]
             scale = D**-0.5 if attn.scaling is None else float(attn.scaling)
@@ -151,7 +209,7 @@ def _project(module: nn.Module, rows: np.ndarray, dtype: torch.dtype) -> np.ndar
     """``module(rows)`` of a linear: colibri's quantized kernel called here when its forward
     would call it, else its forward."""
     given = _linears.direct(module)
-    if given is None:
+    if given is None or given[1] in HALF_NAMES.values():  # none, or half precision: its forward
         return values_of(module.forward(_tensor(rows, dtype)))
     return quant_linear(rows, *given, _DTYPES[dtype])
 

@@ -154,14 +154,17 @@ def _softmax_topk(normalize: Callable[[Any], bool]) -> Callable:
 def _fw_linear_softmax(out_dtype: str) -> Callable:
     """Router ``F.linear(h, weight)`` in the model dtype; weights cast as transformers does."""
 
-    def forward(self, routing, hidden_states):
-        hidden_states = hidden_states.reshape(-1, self.hidden_dim)
-        router_logits = linear(self, hidden_states)
+    def routed(self, routing, router_logits):
         ids, weights = routing.route(self, router_logits)
         if out_dtype == "logits":
             weights = weights.to(router_logits.dtype)
         return router_logits, weights, ids
 
+    def forward(self, routing, hidden_states):
+        hidden_states = hidden_states.reshape(-1, self.hidden_dim)
+        return routed(self, routing, linear(self, hidden_states))
+
+    forward.routed = routed  # the rest once the logits are known (_patch.routed)
     return forward
 
 

@@ -32,7 +32,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from colibri._validate import check_choice
-from colibri.integrations.transformers._ops import bits_of, compute, compute_quantized
+from colibri.integrations.transformers._ops import HALF_NAMES, bits_of, compute, compute_quantized
 from colibri.integrations.transformers._threads import DECODE_ROWS, one_thread
 
 __all__ = ["LINEAR_MODES", "MAX_ROWS", "LinearChoice", "install", "linear"]
@@ -136,15 +136,35 @@ def _quantized_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     return compute_quantized(x, state.blocks, state.qtype, state.bias32, state.num_threads)
 
 
-def direct(module: nn.Module) -> tuple | None:
-    """``(blocks, qtype, bias32, num_threads)``: the arguments of the quantized kernel call
-    ``module``'s forward makes (its state refreshed as the forward refreshes it), for a caller
-    that makes the call itself; None when its forward is not colibri's quantized one."""
+def direct(module: nn.Module, router: bool = False) -> tuple | None:
+    """``(weight, code, bias32, num_threads)``: the arguments of the kernel call ``module``'s
+    forward makes for one input row (its state refreshed as the forward refreshes it), for a
+    caller that makes the call itself (``colibri.layer._step``): ``code`` the quantized type
+    of rows of blocks, or ``"bfloat16"`` / ``"float16"`` for a half-precision weight's bits.
+    None when the forward would not call colibri's kernel. ``router``: ``module`` is a router
+    whose forward computes its logits with :func:`linear` (no bias)."""
     forward = module.__dict__.get("forward")
-    if getattr(forward, "__func__", None) is not _quantized_forward:
+    state = module.__dict__.get(_STATE)
+    if getattr(forward, "__func__", None) is _quantized_forward:
+        state = state.current(module)
+        return state.array, state.qtype, state.bias32, state.num_threads
+    if not isinstance(state, _Linear) or (
+        not router and getattr(forward, "__func__", None) is not _forward
+    ):
         return None
-    state: _Quantized = module.__dict__[_STATE].current(module)
-    return state.array, state.qtype, state.bias32, state.num_threads
+    weight = module.weight
+    bias = None if router else module.bias
+    if (
+        state.rows < 1
+        or weight.device.type != "cpu"
+        or (torch.is_grad_enabled() and weight.requires_grad)
+    ):
+        return None
+    if _key(weight, bias) != state.key:  # as _run: read again
+        state.refresh(weight, bias)
+    if state.bits is None:
+        return None
+    return state.bits, HALF_NAMES[weight.dtype], state.bias32, state.num_threads
 
 
 def _key(weight: torch.Tensor, bias: torch.Tensor | None) -> tuple:

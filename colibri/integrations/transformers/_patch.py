@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import inspect
 import itertools
 import types
@@ -149,6 +150,20 @@ class _State:
 def _patched_call(self, *args, **kwargs):
     state = self.__dict__[_STATE]
     return state.kind.forward(self, state.routing, *args, **kwargs)
+
+
+def routed(module: Any) -> Callable | None:
+    """``f(logits)``: what ``module``'s patched forward returns once its logits' linear
+    ``linear(module, hidden)`` (:mod:`._linears`) gave ``logits`` ``[T, E]``, for a caller
+    that computed them itself; None when its forward is not colibri's or has other steps."""
+    state = module.__dict__.get(_STATE)
+    if state is None:
+        return None
+    forward = module.__dict__.get(state.kind.method)
+    rest = getattr(state.kind.forward, "routed", None)
+    if rest is None or getattr(forward, "__func__", None) is not _patched_call:
+        return None
+    return functools.partial(rest, module, state.routing)
 
 
 def supported_routers() -> dict[str, str]:

@@ -19,9 +19,35 @@ def folder(tmp_path_factory):
     return save_bfloat16(tmp_path_factory.mktemp("decode"))
 
 
+@pytest.fixture(params=["colibri", "sdpa"])
+def model(folder, request):
+    """Every kernel colibri's (the step's two native calls), or torch's sdpa attention (the
+    step calls the modules one by one)."""
+    model = from_pretrained(folder, budget="64MiB", linears="colibri")
+    if request.param == "sdpa":
+        model.config._attn_implementation = "sdpa"
+    return model
+
+
 @pytest.fixture
-def model(folder):
-    return from_pretrained(folder, budget="64MiB")
+def native(monkeypatch):
+    """The native steps run: ``pre_attention`` calls, and ``post_attention`` calls that
+    computed the router's logits."""
+    ran = {"enter": 0, "routed": 0}
+    enter, leave = _decode.pre_attention, _decode.post_attention
+
+    def entering(*args):
+        ran["enter"] += 1
+        return enter(*args)
+
+    def leaving(*args):
+        out = leave(*args)
+        ran["routed"] += out[2] is not None
+        return out
+
+    monkeypatch.setattr(_decode, "pre_attention", entering)
+    monkeypatch.setattr(_decode, "post_attention", leaving)
+    return ran
 
 
 @pytest.fixture
@@ -51,13 +77,15 @@ def _own_forward(model):
         model.get_submodule(name).__dict__.pop("forward")
 
 
-def test_steps_equal_the_layers_own_forward(model, steps):
+def test_steps_equal_the_layers_own_forward(model, steps, native):
     layers = model.config.num_hidden_layers
     assert model.colibri.decode == [f"model.layers.{i}" for i in range(layers)]
     ids = token_ids(seed=5, batch=1, length=7)
     ours = _generate(model, ids)
     # five steps after the prompt, each through every layer, the cache one key longer each
     assert steps == [(i, 8 + s) for s in range(5) for i in range(layers)]
+    on_colibri = model.config._attn_implementation != "sdpa"
+    assert native == {"enter": 5 * layers * on_colibri, "routed": 5 * layers * on_colibri}
     _own_forward(model)
     theirs = _generate(model, ids)
     assert torch.equal(ours.sequences, theirs.sequences)
