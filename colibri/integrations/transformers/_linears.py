@@ -27,6 +27,7 @@ import time
 import types
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 from torch import nn
 from torch.nn import functional as F
@@ -91,6 +92,13 @@ class _Linear:
         usable = weight.dtype in _HALVES and weight.device.type == "cpu" and weight.is_contiguous()
         self.bits = bits_of(weight) if usable else None  # a view: follows in-place changes
         self.bias32 = None if bias is None else bias.detach().to(torch.float32).numpy()
+
+    def current(self, weight: torch.Tensor, bias: torch.Tensor | None) -> np.ndarray | None:
+        """The weight's bits, read again if it moved (``.to()``, a copy) or the bias is new;
+        None when colibri's kernel cannot read it."""
+        if _key(weight, bias) != self.key:
+            self.refresh(weight, bias)
+        return self.bits
 
 
 class _Quantized:
@@ -160,11 +168,10 @@ def direct(module: nn.Module, router: bool = False) -> tuple | None:
         or (torch.is_grad_enabled() and weight.requires_grad)
     ):
         return None
-    if _key(weight, bias) != state.key:  # as _run: read again
-        state.refresh(weight, bias)
-    if state.bits is None:
+    bits = state.current(weight, bias)
+    if bits is None:
         return None
-    return state.bits, HALF_NAMES[weight.dtype], state.bias32, state.num_threads
+    return bits, HALF_NAMES[weight.dtype], state.bias32, state.num_threads
 
 
 def _key(weight: torch.Tensor, bias: torch.Tensor | None) -> tuple:
@@ -188,11 +195,10 @@ def _run(state: _Linear, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
         return F.linear(x, weight, bias)
     if not few or x.device.type != "cpu" or _needs_grad(x, weight):
         return F.linear(x, weight, bias)
-    if _key(weight, bias) != state.key:  # moved (.to(), a copy) or a new bias: read again
-        state.refresh(weight, bias)
-    if state.bits is None:
+    bits = state.current(weight, bias)
+    if bits is None:
         return F.linear(x, weight, bias)
-    return compute(x, weight, bias, state.num_threads, state.bits, state.bias32)
+    return compute(x, weight, bias, state.num_threads, bits, state.bias32)
 
 
 def _forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
