@@ -163,8 +163,10 @@ def test_paging_and_prefetching_from_several_threads(weights):
     batches = _batches(8)
     ctx = colibri.init(E, K)
     kept: list = []
+    # a load that finds every slot pinned by the others' kept views waits wait_timeout, then
+    # raises the documented BudgetError: 1 s, not the default minute, when the crew stops
     with Pager(path, budget_bytes=12 * (2 * I * H + H * I) * 4, page_size_kb=4,
-               policy="lru") as pager:  # fmt: skip
+               policy="lru", wait_timeout=1.0) as pager:  # fmt: skip
         crew = Crew()
         for i in range(3):
             crew.add(f"load-{i}", _pager_work, pager, experts, batches, ctx,
