@@ -38,9 +38,8 @@ mkdir "$work/run"
 cp -r "$root/tests" "$root/pyproject.toml" "$work/run/"
 cd "$work/run"
 "$work/venv/bin/python" -c "import colibri, sys; assert 'site-packages' in colibri.__file__, colibri.__file__"
-# the installed package's own tests (slow ones, and the transformers integration, which adds
-# no packaging question and ran on the same compiled code in the README job: ~1.5 of 4 min)
-# the installed wheel under the suite (the README job ran it all from source): the Python-only
-# fault-injection and fuzz tests, which no build or packaging changes, are left to that job
+# the installed package's own tests; left to the README job, which ran them on the same
+# compiled code: the slow ones, the transformers integration (no packaging question, ~1.5 of
+# 4 min) and the Python-only fault-injection and fuzz tests (~1 min)
 "$work/venv/bin/pytest" -q -p no:cacheprovider -m "not slow" --ignore=tests/integrations \
   --ignore=tests/test_faults.py --ignore=tests/test_fuzz.py
