@@ -40,6 +40,6 @@ cd "$work/run"
 "$work/venv/bin/python" -c "import colibri, sys; assert 'site-packages' in colibri.__file__, colibri.__file__"
 # the installed package's own tests; left to the README job, which ran them on the same
 # compiled code: the slow ones, the transformers integration (no packaging question, ~1.5 of
-# 4 min) and the Python-only fault-injection and fuzz tests (~1 min)
+# 4 min) and the fault-injection and fuzz tests (~1 min: they ask nothing of the packaging)
 "$work/venv/bin/pytest" -q -p no:cacheprovider -m "not slow" --ignore=tests/integrations \
   --ignore=tests/test_faults.py --ignore=tests/test_fuzz.py
