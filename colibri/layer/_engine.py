@@ -250,9 +250,10 @@ class HeldExperts:
         *,
         dtype: str = "float32",
         out: np.ndarray | None = None,
+        residual: np.ndarray | None = None,
     ) -> np.ndarray | None:
         """``sum_j weights[t, j] * expert_{ids[t, j]}(x[t])`` as :func:`run_experts`
-        computes it, rounded once to ``dtype``.
+        computes it, rounded once to ``dtype``; plus ``residual`` if given.
 
         Parameters
         ----------
@@ -263,6 +264,9 @@ class HeldExperts:
             ``"float32"``, ``"bfloat16"`` or ``"float16"``: what ``x`` and the result hold.
         out : [T, H] like ``x``, optional
             Where the result goes.
+        residual : [T, H] like ``x``, optional
+            Added to the rounded sum, the result rounded to ``dtype`` again: torch's add of
+            two tensors of ``dtype`` (a decoder layer's residual stream).
 
         Returns
         -------
@@ -294,14 +298,29 @@ class HeldExperts:
             raise ValueError(
                 f"HeldExperts(): out must be like x (got {out.dtype} {list(out.shape)})"
             )
+        if residual is not None and (
+            residual.shape != x.shape
+            or residual.dtype != storage
+            or not residual.flags.c_contiguous
+        ):
+            raise ValueError(
+                f"HeldExperts(): residual must be like x (got {residual.dtype} "
+                f"{list(residual.shape)})"
+            )
         native = self._native
         if native is not None:  # the steady state: every expert held, one native call
             ids64 = np.ascontiguousarray(ids, np.int64)
-            if native.step(x, ids64, weights, out, kind, self.num_threads) == 0:
+            if native.step(x, ids64, weights, out, kind, self.num_threads, residual) == 0:
                 self._reused(native.active)
                 return out
+        sums = out if residual is None else np.empty_like(out)  # out may be residual itself
         with contextlib.ExitStack() as loads:  # released once the step computed: the reads
-            return self._step(x, ids, weights, dtype, kind, out, loads)  # of its loads checked
+            y = self._step(x, ids, weights, dtype, kind, sums, loads)  # of its loads checked
+        if y is None or residual is None:
+            return y
+        total = _values(residual, dtype) + _values(y, dtype)
+        out[...] = total if kind == 0 else round_to(total, dtype).view(np.uint16)
+        return out
 
     def _step(self, x, ids, weights, dtype, kind, out, loads) -> np.ndarray | None:
         fresh: set[int] = set()  # experts this step loads: counted by the load, not as hits

@@ -80,4 +80,5 @@ class Held:
         out: np.ndarray,
         kind: int,
         num_threads: int = 0,
+        residual: np.ndarray | None = None,
     ) -> int: ...

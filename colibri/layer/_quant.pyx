@@ -838,9 +838,12 @@ cdef class Held:
         self.held[e] = 1
         return True
 
-    def step(self, x, const int64_t[:, ::1] ids, weights, out, int kind, int num_threads=0):
+    def step(self, x, const int64_t[:, ::1] ids, weights, out, int kind, int num_threads=0,
+             residual=None):
         """``out[t] = sum_j weights[t, j] * expert_{ids[t, j]}(x[t])`` (negative ids: none)
-        as :func:`ffn_sum` computes it, rounded once to ``kind``.
+        as :func:`ffn_sum` computes it, rounded once to ``kind``; with ``residual`` (like
+        ``x``), ``residual[t]`` plus that rounded sum, rounded to ``kind`` again (torch's add
+        of two tensors of ``kind``).
 
         ``x`` and ``out`` ``[T, H]``, C-contiguous: float32 (``kind`` 0) or the uint16 bits
         of float16 / bfloat16 (half.h's ``COLIBRI_W_F16`` / ``COLIBRI_W_BF16``); ``weights``
@@ -858,15 +861,27 @@ cdef class Held:
         cdef const uint16_t[:, ::1] wbits
         cdef float[:, ::1] of32
         cdef uint16_t[:, ::1] obits
+        cdef const float[:, ::1] rf32
+        cdef const uint16_t[:, ::1] rbits
+        cdef bint add = residual is not None
+        cdef float y
         if kind == 0:
             xf32, of32 = x, out
             if xf32.shape[0] != T or xf32.shape[1] != H or of32.shape[0] != T or of32.shape[1] != H:
                 raise ValueError(f"step(): x and out must be [{T}, {H}]")
+            if add:
+                rf32 = residual
+                if rf32.shape[0] != T or rf32.shape[1] != H:
+                    raise ValueError(f"step(): residual must be [{T}, {H}] like x")
         elif kind == COLIBRI_W_F16 or kind == COLIBRI_W_BF16:
             xbits, obits = x, out
             if xbits.shape[0] != T or xbits.shape[1] != H or obits.shape[0] != T \
                     or obits.shape[1] != H:
                 raise ValueError(f"step(): x and out must be [{T}, {H}]")
+            if add:
+                rbits = residual
+                if rbits.shape[0] != T or rbits.shape[1] != H:
+                    raise ValueError(f"step(): residual must be [{T}, {H}] like x")
         else:
             raise ValueError(f"step(): kind must be 0, COLIBRI_W_F16 or COLIBRI_W_BF16 ({kind})")
         cdef bint wplain = np.asarray(weights).dtype == np.float32
@@ -961,9 +976,17 @@ cdef class Held:
             for i in range(T):
                 for c in range(H):
                     if kind == 0:
-                        of32[i, c] = ys[i, c]
+                        of32[i, c] = rf32[i, c] + ys[i, c] if add else ys[i, c]
                     elif kind == COLIBRI_W_BF16:
-                        obits[i, c] = colibri_float_to_bf16(ys[i, c])
+                        if add:
+                            y = colibri_bf16_to_float(colibri_float_to_bf16(ys[i, c]))
+                            obits[i, c] = colibri_float_to_bf16(
+                                colibri_bf16_to_float(rbits[i, c]) + y)
+                        else:
+                            obits[i, c] = colibri_float_to_bf16(ys[i, c])
+                    elif add:
+                        y = colibri_half_to_float(colibri_float_to_half(ys[i, c]))
+                        obits[i, c] = colibri_float_to_half(colibri_half_to_float(rbits[i, c]) + y)
                     else:
                         obits[i, c] = colibri_float_to_half(ys[i, c])
         self.active = active

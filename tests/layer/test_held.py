@@ -176,3 +176,52 @@ def test_reuse_checks_what_load_checks(tmp_path):
     pager.close()
     with pytest.raises(ValueError, match="this Pager is closed"):
         pager.reuse(0, [3])
+
+
+def _torch_add(residual, y, dtype):
+    """torch's add of two tensors of ``dtype`` given as bits (float32 as is)."""
+    torch = pytest.importorskip("torch")
+    if dtype == "float32":
+        return (torch.from_numpy(residual) + torch.from_numpy(y)).numpy()
+    t = {"bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
+    a, b = (torch.from_numpy(v.copy()).view(t) for v in (residual, y))
+    return (a + b).view(torch.uint16).numpy()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+@pytest.mark.parametrize("native", [True, False], ids=["quantized", "half-experts"])
+def test_a_residual_is_added_as_torch_adds(tmp_path, dtype, native):
+    """``residual=``: the step's result (rounded to ``dtype``) plus the residual, rounded
+    again, as torch adds the two; on the native step (quantized experts) and on the numpy
+    one (half-precision experts), ``out`` the residual itself too."""
+    rng = np.random.default_rng(10)
+    if native:
+        path = _file(tmp_path, rng, "q8_0", "q8_0")
+        store = Pager(path, budget_bytes=1 << 24, page_size_kb=4)
+        size = H
+    else:
+        shapes = ((E, 64, 32), (E, 64, 32), (E, 32, 64))
+        store = InMemoryExperts(*((rng.standard_normal(s) / 8).astype(np.float16)
+                                  for s in shapes))  # fmt: skip
+        size = 32
+    held = HeldExperts(store, 0, num_experts=E)
+    storage = np.float32 if dtype == "float32" else np.uint16
+    for step in range(3):
+        x = rng.standard_normal((2, size)).astype(np.float32) * 4
+        residual = rng.standard_normal((2, size)).astype(np.float32) * 50
+        if dtype != "float32":  # bits, the residual's far from the sum's scale: rounding shows
+            x, residual = (_bf16(a) if dtype == "bfloat16" else
+                           a.astype(np.float16).view(np.uint16) for a in (x, residual))  # fmt: skip
+        ids = np.array([[1, 4], [2, -1]])
+        weights = np.array([[0.75, 0.25], [1.0, 0.0]], np.float32)
+        y = held(x, ids, weights, dtype=dtype)
+        want = _torch_add(residual, y, dtype)
+        out = residual.copy() if step else np.empty_like(residual)
+        got = held(x, ids, weights, dtype=dtype, out=out, residual=out if step else residual)
+        assert got is out and got.dtype == storage
+        np.testing.assert_array_equal(got, want)
+    with pytest.raises(ValueError, match=r"residual must be like x"):
+        held(x, ids, weights, dtype=dtype, residual=residual[:1])
+    held.release()
+    if native:
+        store.close()

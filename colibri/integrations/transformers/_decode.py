@@ -10,11 +10,14 @@ are), a step of one token of one sequence computes what ``layer(...)`` would, in
 calls. When every kernel of the attention half is colibri's (norms, projections quantized or
 on colibri's linear kernel, the attention over the cache), two native calls around the cache
 update, :func:`colibri.layer.pre_attention` and :func:`colibri.layer.post_attention` (which
-also computes the router's logits when its linear is colibri's), then the routing and the
-experts' forward. Otherwise colibri's kernels are called directly where the modules'
-forwards would call them, the other modules' forwards one by one (:meth:`_Layer.calls`),
-:func:`colibri.layer.rope` for the rotary embedding. The values between the calls are numpy
-views; torch adds the experts' residual. The result is the layer's own, bit for bit.
+also computes the router's logits when its linear is colibri's), then the routing and, once
+a budget that holds every expert holds the layer's, one call of its
+:class:`colibri.layer.HeldExperts` that adds the residual too (else the experts' forward).
+What these calls take of the modules (weights' bits, epsilons, the routing) is read once and
+read again only when a module changes. Otherwise colibri's kernels are called directly
+where the modules' forwards would call them, the other modules' forwards one by one
+(:meth:`_Layer.calls`), :func:`colibri.layer.rope` for the rotary embedding. The values
+between the calls are numpy views. The result is the layer's own, bit for bit.
 
 Every other call (a prompt, a batch, gradients, a compiled graph, a module with hooks, for
 instance when transformers records attentions or router logits, or a forward replaced after
@@ -29,7 +32,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from colibri.integrations.transformers import _attention, _linears, _norms, _patch
+from colibri.integrations.transformers import _attention, _experts, _linears, _norms, _patch
 from colibri.integrations.transformers._families import _fingerprint
 from colibri.integrations.transformers._ops import HALF_NAMES, values_of
 from colibri.layer import (
@@ -54,6 +57,8 @@ _KNOWN = {
     "rotary": frozenset({"efe5fb4ba37f"}),
 }
 _DTYPES = {torch.float32: "float32", **HALF_NAMES}
+# A module's own forward and colibri's states of it (_linears', _norms', _patch's)
+_SOURCES = ("forward", _linears._STATE, _norms._STATE, _patch._STATE)
 
 
 def _hooked(module: nn.Module) -> bool:
@@ -63,8 +68,9 @@ def _hooked(module: nn.Module) -> bool:
 class _Layer:
     """One decoder layer's step: its modules and shapes, read once."""
 
-    __slots__ = ("attn", "code", "experts", "gate", "hidden", "kv_heads", "heads", "head_dim",
-                 "layer", "mlp", "modules", "norm_in", "norm_post", "q_norm", "k_norm")  # fmt: skip
+    __slots__ = ("attn", "code", "experts", "gate", "given", "hidden", "kv_heads", "heads",
+                 "head_dim", "layer", "mlp", "modules", "norm_in", "norm_post", "q_norm", "k_norm",
+                 "sources")  # fmt: skip
 
     def __init__(self, layer: nn.Module) -> None:
         attn, mlp = layer.self_attn, layer.mlp
@@ -81,6 +87,10 @@ class _Layer:
         self.modules = (attn, mlp, self.gate, self.experts, self.norm_in, self.norm_post,
                         self.q_norm, self.k_norm, attn.q_proj, attn.k_proj, attn.v_proj,
                         attn.o_proj)  # fmt: skip
+        # the modules the kernels' arguments come from; (sources' key, arguments) of the last step
+        self.sources = (self.norm_in, self.q_norm, self.k_norm, self.norm_post, attn.q_proj,
+                        attn.k_proj, attn.v_proj, attn.o_proj, self.gate)  # fmt: skip
+        self.given: tuple = (None, None, None)  # key, arguments, the objects key's ids name
 
     def takes(self, hidden: torch.Tensor, cache, position_embeddings) -> bool:
         """Whether this call is a step this class runs: one token of one sequence on the
@@ -121,6 +131,20 @@ class _Layer:
             return None
         return norms, linears
 
+    def arguments(self, dtype: torch.dtype) -> tuple | None:
+        """:meth:`kernels` and the router's (``(kernels, rest of the routing, router's
+        linear)``), read again only when a module they come from changed: its forward, the
+        memory, dtype or strides of its weight, its bias, its epsilon, its routing."""
+        key = (dtype, *map(_source, self.sources))
+        if self.given[0] != key:
+            given = self.kernels(dtype)
+            rest = _patch.routed(self.gate)
+            router = None if rest is None else _linears.direct(self.gate, router=True)
+            # the key holds ids: the objects they name stay alive while it is compared
+            named = [m.__dict__.get(name) for m in self.sources for name in _SOURCES]
+            self.given = key, (given, rest, router), named
+        return self.given[1]
+
     def step(self, hidden, mask, cache, position_embeddings, kwargs) -> torch.Tensor:
         """``Qwen3MoeDecoderLayer.forward`` for ``hidden [1, 1, H]``: two native calls around
         the cache update when every kernel is colibri's, else the modules' calls one by one
@@ -129,9 +153,9 @@ class _Layer:
 
         attn, dtype = self.attn, hidden.dtype
         interface = ALL_ATTENTION_FUNCTIONS.get_interface(attn.config._attn_implementation, _eager)
-        given = None
+        given = rest = router = None
         if interface is _attention.forward and mask is None and _attention.plain(kwargs):
-            given = self.kernels(dtype)
+            given, rest, router = self.arguments(dtype)
         if given is None:
             return self.calls(hidden, mask, cache, position_embeddings, kwargs, interface)
         (norm_in, q_norm, k_norm, norm_post), (q, k, v, o) = given
@@ -142,17 +166,24 @@ class _Layer:
         keys, values = cache.update(_tensor(key, dtype).view(1, self.kv_heads, 1, D),
                                     _tensor(value, dtype).view(1, self.kv_heads, 1, D),
                                     attn.layer_idx)  # fmt: skip
-        rest = _patch.routed(self.gate)
-        router = None if rest is None else _linears.direct(self.gate, router=True)
         scale = D**-0.5 if attn.scaling is None else float(attn.scaling)
         out, h, logits = post_attention(queries, values_of(keys[0].contiguous()),
                                         values_of(values[0].contiguous()), scale, o, x,
                                         norm_post, router, name)  # fmt: skip
-        h = _tensor(h, dtype).view(1, self.hidden)
+        bits, h = h, _tensor(h, dtype).view(1, self.hidden)
         if logits is None:
             _, weights, ids = self.gate.forward(h)
         else:
             _, weights, ids = rest(_tensor(logits, dtype).view(1, -1))
+        held = _experts.held(self.experts, dtype)
+        if held is not None and weights.dtype == dtype and ids.dtype == torch.int64:
+            # the call the experts' forward would make, without its wrappers, and the residual
+            rows = bits.reshape(1, self.hidden)
+            y = held(rows, ids.numpy().reshape(1, -1), values_of(weights).reshape(1, -1),
+                     dtype=name, out=np.empty_like(rows),
+                     residual=out.reshape(1, self.hidden))  # fmt: skip
+            if y is not None:
+                return _tensor(y, dtype).view(1, 1, self.hidden)
         y = self.experts.forward(h, ids, weights)
         return (_tensor(out, dtype).view(1, self.hidden) + y).view(1, 1, self.hidden)
 
@@ -189,6 +220,20 @@ class _Layer:
         _, weights, ids = self.gate.forward(h)
         x = x + self.experts.forward(h, ids, weights)
         return x.view(1, 1, self.hidden)
+
+
+def _source(module: nn.Module) -> tuple:
+    """What :meth:`_Layer.arguments` reads of ``module``, as numbers: its own forward and
+    colibri's states of it (ids), its weight's memory, dtype and strides, its bias's memory
+    and version, its epsilon."""
+    state, params = module.__dict__, module._parameters
+    weight, bias = params.get("weight"), params.get("bias")
+    return (
+        *(id(state.get(name)) for name in _SOURCES),
+        None if weight is None else (weight.data_ptr(), weight.dtype, weight.stride()),
+        None if bias is None else (bias.data_ptr(), bias._version),
+        state.get("variance_epsilon", state.get("eps")),
+    )
 
 
 def _tensor(values: np.ndarray, dtype: torch.dtype) -> torch.Tensor:

@@ -170,6 +170,7 @@ class _Layer:
     next: tuple | None = None  # (layer, router, block) of the next paged MoE block
     handle: int = 0  # names the module to the colibri::experts operator (compiled graphs)
     held: HeldExperts | None = None  # the layer's experts kept, when the budget holds all
+    dispatch: Callable | None = None  # the class's forward: transformers' dispatch to ours
 
 
 # -- which experts modules can be paged -----------------------------------------------------
@@ -283,7 +284,31 @@ def attach(module: nn.Module, state: _Layer, implementation: str, forward: Calla
         del module._parameters[weight]
     module.__dict__[_ATTR] = state
     module.config._experts_implementation_internal = implementation
+    state.dispatch = type(module).forward
     return state.layer
+
+
+def held(module: nn.Module, dtype: torch.dtype) -> HeldExperts | None:
+    """The held experts (:class:`colibri.layer.HeldExperts`) that ``module``'s forward would
+    compute one ``dtype`` row with, for a caller that makes the call itself
+    (:mod:`._decode`): its class's forward still transformers' dispatch, which still picks
+    colibri's, no forward of its own, experts already held. None otherwise: call its
+    forward (which holds them at its first call)."""
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+    state = module.__dict__.get(_ATTR)
+    if (
+        state is None
+        or state.held is None
+        or state.activation is None
+        or dtype not in _KERNEL_DTYPES
+        or "forward" in module.__dict__
+        or type(module).forward is not state.dispatch
+        or ALL_EXPERTS_FUNCTIONS.get(module.config._experts_implementation) is not experts_forward
+    ):
+        return None
+    state.paging.open_pager()  # a clear error once closed
+    return state.held
 
 
 def paged_layers(paging: Paging) -> dict[int, _Layer]:

@@ -31,10 +31,10 @@ def model(folder, request):
 
 @pytest.fixture
 def native(monkeypatch):
-    """The native steps run: ``pre_attention`` calls, and ``post_attention`` calls that
-    computed the router's logits."""
-    ran = {"enter": 0, "routed": 0}
-    enter, leave = _decode.pre_attention, _decode.post_attention
+    """The native steps run: ``pre_attention`` calls, ``post_attention`` calls that
+    computed the router's logits, steps that called the held experts themselves."""
+    ran = {"enter": 0, "routed": 0, "held": 0}
+    enter, leave, held = _decode.pre_attention, _decode.post_attention, _decode._experts.held
 
     def entering(*args):
         ran["enter"] += 1
@@ -45,8 +45,14 @@ def native(monkeypatch):
         ran["routed"] += out[2] is not None
         return out
 
+    def holding(*args):
+        out = held(*args)
+        ran["held"] += out is not None
+        return out
+
     monkeypatch.setattr(_decode, "pre_attention", entering)
     monkeypatch.setattr(_decode, "post_attention", leaving)
+    monkeypatch.setattr(_decode._experts, "held", holding)
     return ran
 
 
@@ -85,7 +91,8 @@ def test_steps_equal_the_layers_own_forward(model, steps, native):
     # five steps after the prompt, each through every layer, the cache one key longer each
     assert steps == [(i, 8 + s) for s in range(5) for i in range(layers)]
     on_colibri = model.config._attn_implementation != "sdpa"
-    assert native == {"enter": 5 * layers * on_colibri, "routed": 5 * layers * on_colibri}
+    # every step's experts held after the prompt's (a budget that holds them all)
+    assert native == dict.fromkeys(("enter", "routed", "held"), 5 * layers * on_colibri)
     _own_forward(model)
     theirs = _generate(model, ids)
     assert torch.equal(ours.sequences, theirs.sequences)
@@ -117,6 +124,34 @@ def test_a_step_is_the_layer_forward_on_any_inputs(model):
     assert torch.equal(ours, theirs)
     assert torch.equal(caches[0].layers[1].keys, caches[1].layers[1].keys)
     assert torch.equal(caches[0].layers[1].values, caches[1].layers[1].values)
+
+
+@pytest.mark.parametrize("change", ["norm", "epsilon", "projection", "router"])
+def test_modules_changed_between_steps_are_read_again(model, steps, change):
+    """What a step reads of its modules, kept between steps, is read again when a module
+    changes: a weight's memory replaced (``.data``, a new parameter), a norm's epsilon; the
+    steps stay the layers' own forward."""
+    ids = token_ids(seed=6, batch=1, length=5)
+    before = _generate(model, ids)
+    g = torch.Generator().manual_seed(1)
+    layer = model.model.layers[0]
+    norm, attn, gate = layer.input_layernorm, layer.self_attn, layer.mlp.gate
+    with torch.no_grad():
+        if change == "norm":
+            norm.weight.data = (torch.rand(norm.weight.shape, generator=g) + 0.5).bfloat16()
+        elif change == "epsilon":
+            attn.k_norm.variance_epsilon = 0.5
+        elif change == "projection":
+            attn.q_proj.weight = torch.nn.Parameter(attn.q_proj.weight.flip(0).contiguous())
+        else:
+            gate.weight.data = gate.weight.data.flip(0).contiguous()
+    ours = _generate(model, ids)
+    assert len(steps) == 2 * 5 * model.config.num_hidden_layers
+    _own_forward(model)
+    theirs = _generate(model, ids)
+    assert not all(torch.equal(a, b) for a, b in zip(before.scores, theirs.scores, strict=True))
+    assert torch.equal(ours.sequences, theirs.sequences)
+    assert all(torch.equal(a, b) for a, b in zip(ours.scores, theirs.scores, strict=True))
 
 
 def test_other_calls_run_the_layers_forward(model, steps):
