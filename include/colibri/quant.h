@@ -121,6 +121,9 @@ static inline int32_t colibri_q_level(int type, const uint8_t *b, int32_t j, int
     }
 }
 
+/* Whether a type's values have a min taken off (value = scale * level - min). */
+#define COLIBRI_Q_HAS_MIN(type) ((type) == COLIBRI_Q4_K || (type) == COLIBRI_Q5_K)
+
 /* Sub-block j's float scale (and, for Q4_K / Q5_K, its min), as GGUF's dequantization
  * forms them: value = scale * level - min. Q6_K's scale is per 16: here, of half `half`.
  * COLIBRI_MXFP4_OSS: b is the block's scale byte (in the separate array). */
@@ -240,6 +243,8 @@ static inline float colibri_q_term(int type, const uint8_t *b, int32_t j, int32_
     if (type == COLIBRI_Q6_K)
         return (colibri_q_f16(b + 208) * d) * (float)isum;
     scale = colibri_q_scale(type, b, j, 0, &min);
+    if (!COLIBRI_Q_HAS_MIN(type)) /* min 0: taking (0 d) s off changes no finite sum's bits */
+        return (scale * d) * (float)isum;
     return (scale * d) * (float)isum - (min * d) * (float)s;
 }
 

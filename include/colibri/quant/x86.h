@@ -460,7 +460,7 @@ COLIBRI_Q_AVX2 static COLIBRI_Q_INLINE void colibri_q_scales8(int type, const ui
                             _mm256_loadu_si256((const __m256i *)(s + (size_t)r * G + g)), 3));     \
                 isum = _mm256_cvtepi32_ps(total);                                                  \
                 __m256 term = _mm256_mul_ps(_mm256_mul_ps(vs, xd), isum);                          \
-                if (type != COLIBRI_Q6_K) {                                                        \
+                if (COLIBRI_Q_HAS_MIN(type)) {                                                     \
                     __m256 xs = _mm256_cvtepi32_ps(                                                \
                         _mm256_loadu_si256((const __m256i *)(s + (size_t)r * G + g)));             \
                     term = _mm256_sub_ps(term, _mm256_mul_ps(_mm256_mul_ps(vm, xd), xs));          \
