@@ -203,7 +203,8 @@ class HeldExperts:
     """One layer's experts held resident across steps: each is loaded from ``store`` once and
     kept (its views pin it), and a step whose experts all take the fused kernel computes
     with no load at all, the same sums as :func:`run_experts`, bit for bit. A layer of
-    block-quantized experts of one kind runs a step in one native call.
+    experts of one kind (block-quantized, float16 or bfloat16) runs a step in one native
+    call.
 
     Only for a store that never has to evict (a :class:`colibri.Pager` whose budget holds
     every expert of the model, :class:`InMemoryExperts`): held experts keep their slots until
@@ -378,16 +379,21 @@ class HeldExperts:
         if self._mixed:
             return
         kind = None if form is None else form[1]
-        if not isinstance(kind, tuple) or kind[0] not in _quant.TYPES:
+        quantized = isinstance(kind, tuple) and kind[0] in _quant.TYPES
+        if not quantized and kind not in KERNEL_KINDS.values():  # float8, or no kernel
             self._mixed, self._native = True, None
             return
         if self._native is None:
-            if len(self._forms) > 1:  # held before in another form
+            hidden = form[0][2].shape[0]  # down: H rows
+            if len(self._forms) > 1 or (quantized and hidden % 32):  # held before, another form
                 self._mixed = True
                 return
-            hidden = form[0][2].shape[0]  # down: H rows
             self._native = _quant.Held(self.num_experts, hidden, self._act, form[2])
-        if not self._native.hold(e, form[0], kind[0], kind[1]):
+        if quantized:
+            held = self._native.hold(e, form[0], kind[0], kind[1])
+        else:
+            held = self._native.hold_half(e, form[0], kind)
+        if not held:
             self._mixed, self._native = True, None
 
     def _reused(self, experts) -> None:

@@ -8,7 +8,7 @@ from libc.stdlib cimport free, malloc
 from colibri._openmp cimport colibri_max_threads
 from colibri._pool cimport share_pool
 from colibri.layer._half cimport COLIBRI_W_BF16, COLIBRI_W_F16
-from colibri.layer._plan cimport add_rows, check_plan, gather_rows
+from colibri.layer._plan cimport check_plan
 
 share_pool()  # one worker pool a process (colibri/_pool.pyx)
 
@@ -24,31 +24,6 @@ cdef extern from "colibri/cpu.h" nogil:
     int colibri_simd_env() noexcept
     int colibri_simd_path() noexcept
     int colibri_path_runs(int path) noexcept
-
-
-cdef extern from "colibri/ffn.h" nogil:
-    ctypedef struct colibri_ffn_t:
-        int32_t n, H, I
-        int32_t kind
-        int32_t act
-        int32_t path
-        const float *x
-        int64_t ldx
-        const uint16_t *gate
-        const uint16_t *up
-        int64_t ldg, ldu
-        const uint16_t *down
-        int64_t ldd
-        float *h
-        uint16_t *xs
-        float *y
-        int64_t ldy
-    enum:
-        COLIBRI_FFN_MAX_ROWS
-    size_t colibri_ffn_split_bytes(const colibri_ffn_t *f) noexcept
-    void colibri_ffn_run(const colibri_ffn_t *f, int threads) noexcept
-    void colibri_ffn_run_many(const colibri_ffn_t *f, int32_t count, int32_t *first,
-                              int threads) noexcept
 
 
 PATHS = tuple(colibri_path_names[i].decode() for i in range(COLIBRI_PATH_COUNT))
@@ -110,29 +85,6 @@ def path_index(path):
     return i
 
 
-cdef const uint16_t *_rows(const uint16_t[:, :] w, int64_t *ld, str what) except NULL:
-    if w.shape[1] > 1 and w.strides[1] != 2:
-        raise ValueError(f"expert_ffn(): {what} rows must be contiguous (got strides "
-                         f"{(w.strides[0], w.strides[1])}); pass np.ascontiguousarray({what})")
-    ld[0] = w.strides[0] // 2
-    return &w[0, 0]
-
-
-cdef int _weights(colibri_ffn_t *f, const uint16_t[:, :] gate, const uint16_t[:, :] up,
-                  const uint16_t[:, :] down, int kind, int act, int path) except -1:
-    """One expert's weights, kind, activation and path into ``f`` (f.I already set and
-    checked); x, y and the scratch are the caller's."""
-    f.kind = kind
-    f.act = act
-    f.path = path
-    f.gate = _rows(gate, &f.ldg, "gate")
-    f.up = _rows(up, &f.ldu, "up")
-    f.down = _rows(down, &f.ldd, "down")
-    f.xs = NULL
-    f.h = NULL
-    return 0
-
-
 def ffn(const float[:, :] x, const uint16_t[:, :] gate, const uint16_t[:, :] up,
         const uint16_t[:, :] down, int kind, int act, float[:, :] y, int num_threads, path=None):
     """y = down @ (act(gate @ x.T) * (up @ x.T)), transposed: the fused kernel.
@@ -153,7 +105,7 @@ def ffn(const float[:, :] x, const uint16_t[:, :] gate, const uint16_t[:, :] up,
         raise ValueError(f"ffn(): empty weights (H={f.H}, I={f.I})")
     if (x.strides[1] != 4 and f.H > 1) or (y.strides[1] != 4 and f.H > 1):
         raise ValueError("ffn(): x and y rows must be contiguous float32")
-    _weights(&f, gate, up, down, kind, act, path_index(path))
+    ffn_weights(&f, gate, up, down, kind, act, path_index(path))
     f.x = &x[0, 0]
     f.ldx = x.strides[0] // 4
     f.y = &y[0, 0]
@@ -183,14 +135,8 @@ def ffn_sum(const float[:, :] x, list experts, int kind, int act,
     assignment, grouped by expert as bounds (int64 [len(experts) + 1], from 0) says, 1 to
     MAX_ROWS rows an expert. Shapes are checked here; float32 accumulation throughout."""
     cdef Py_ssize_t count = len(experts), j
-    cdef int64_t T = x.shape[0], H = x.shape[1], total, n, offset
+    cdef int64_t T = x.shape[0], H = x.shape[1], total
     cdef colibri_ffn_t *fs = NULL
-    cdef int32_t *first = NULL
-    cdef float *xg = NULL
-    cdef float *yg = NULL
-    cdef float *hs = NULL
-    cdef char *split = NULL
-    cdef size_t hbytes = 0, sbytes = 0
     cdef const uint16_t[:, :] g, u, d
     cdef int p = path_index(path)
     if y.shape[0] != T or y.shape[1] != H or (H > 1 and (x.strides[1] != 4 or y.strides[1] != 4)):
@@ -201,51 +147,23 @@ def ffn_sum(const float[:, :] x, list experts, int kind, int act,
     if num_threads < 1:
         num_threads = colibri_max_threads()
     fs = <colibri_ffn_t *>malloc(count * sizeof(colibri_ffn_t))
-    first = <int32_t *>malloc((count + 1) * sizeof(int32_t))
-    xg = <float *>malloc((total * H + 1) * sizeof(float))
-    yg = <float *>malloc((total * H + 1) * sizeof(float))
     try:
-        if fs == NULL or first == NULL or xg == NULL or yg == NULL:
+        if fs == NULL:
             raise MemoryError()
         for j in range(count):
-            n = bounds[j + 1] - bounds[j]
             g, u, d = experts[j]
             if g.shape[1] != H or u.shape[0] != g.shape[0] or u.shape[1] != H \
                     or d.shape[0] != H or d.shape[1] != g.shape[0] or g.shape[0] < 1:
                 raise ValueError(f"ffn_sum(): expert {j} must be gate/up [I, {H}] and down "
                                  f"[{H}, I] (got {tuple(g.shape)}, {tuple(u.shape)}, "
                                  f"{tuple(d.shape)})")
-            fs[j].n = <int32_t>n
+            fs[j].n = <int32_t>(bounds[j + 1] - bounds[j])
             fs[j].H = <int32_t>H
             fs[j].I = <int32_t>g.shape[0]
-            _weights(&fs[j], g, u, d, kind, act, p)
-            fs[j].x = xg + bounds[j] * H
-            fs[j].ldx = H
-            fs[j].y = yg + bounds[j] * H
-            fs[j].ldy = H
-            hbytes += <size_t>n * fs[j].I * sizeof(float)
-            sbytes += colibri_ffn_split_bytes(&fs[j])
-        hs = <float *>malloc(hbytes + sbytes + 64)
-        if hs == NULL:
-            raise MemoryError()
-        split = <char *>hs + hbytes
-        offset = 0
-        for j in range(count):
-            fs[j].h = hs + offset
-            offset += <int64_t>fs[j].n * fs[j].I
-            if colibri_ffn_split_bytes(&fs[j]):
-                fs[j].xs = <uint16_t *>split
-                split += colibri_ffn_split_bytes(&fs[j])
-        with nogil:
-            gather_rows(x, rows, total, xg)
-            colibri_ffn_run_many(fs, <int32_t>count, first, num_threads)
-            add_rows(y, rows, scale, total, yg)
+            ffn_weights(&fs[j], g, u, d, kind, act, p)
+        ffn_run_sum(fs, count, bounds, rows, scale, total, x, y, num_threads)
     finally:
         free(fs)
-        free(first)
-        free(xg)
-        free(yg)
-        free(hs)
 
 
 cdef extern from *:

@@ -72,6 +72,9 @@ class Held:
     def hold(
         self, e: int, mats: tuple[np.ndarray, np.ndarray, np.ndarray], qtype: str, down_type: str
     ) -> bool: ...
+    def hold_half(
+        self, e: int, mats: tuple[np.ndarray, np.ndarray, np.ndarray], kind: int
+    ) -> bool: ...
     def step(
         self,
         x: np.ndarray,

@@ -19,6 +19,7 @@ from colibri.layer._half cimport (
     colibri_half_to_float,
 )
 from colibri.layer._plan cimport add_rows, check_plan, gather_rows
+from colibri.layer._ffn cimport colibri_ffn_t, ffn_run_sum, ffn_weights
 from colibri.layer._ffn import path_index
 
 share_pool()  # one worker pool a process (colibri/_pool.pyx)
@@ -774,17 +775,18 @@ def quantize(x, qtype, int num_threads=0):
 
 
 cdef class Held:
-    """A layer's held quantized experts for decode steps in one call: each expert's weights
-    as the kernel takes them, set once (:meth:`hold`; the arrays are kept alive here), and
-    :meth:`step`, which routes rows to them, runs the kernel and writes the weighted sum in
-    the caller's dtype, with no Python object per expert.
+    """A layer's held experts for decode steps in one call: each expert's weights as the
+    kernel takes them, set once (:meth:`hold` for block-quantized experts, :meth:`hold_half`
+    for float16 / bfloat16 ones; the arrays are kept alive here), and :meth:`step`, which
+    routes rows to them, runs the kernel and writes the weighted sum in the caller's dtype,
+    with no Python object per expert. One kind of experts a layer.
 
     Parameters
     ----------
     num_experts : int
         ``E``.
     hidden : int
-        ``H``, a multiple of 32.
+        ``H`` (a multiple of 32 for quantized experts).
     act : str
         The gate activation (:data:`ACTIVATIONS`, not ``"gpt_oss"``).
     max_rows : int
@@ -792,33 +794,37 @@ cdef class Held:
     """
 
     cdef colibri_qffn_t *forms
+    cdef colibri_ffn_t *halves
     cdef unsigned char *held
     cdef readonly int64_t num_experts, hidden
-    cdef int t, td, act, path, max_rows
+    cdef int t, td, half, act, path, max_rows
     cdef list keep
     #: After a step that returned 1: the experts not held; after 0: the step's experts.
     cdef readonly list missing, active
 
     def __cinit__(self, int64_t num_experts, int64_t hidden, act, int max_rows):
         self.forms = <colibri_qffn_t *>calloc(max(num_experts, 1), sizeof(colibri_qffn_t))
+        self.halves = <colibri_ffn_t *>calloc(max(num_experts, 1), sizeof(colibri_ffn_t))
         self.held = <unsigned char *>calloc(max(num_experts, 1), 1)
-        if self.forms == NULL or self.held == NULL:
+        if self.forms == NULL or self.halves == NULL or self.held == NULL:
             raise MemoryError()
-        self.act = ACTIVATIONS.get(act, -1)
+        self.act = ACTIVATIONS.get(act, -1)  # _ffn's numbers of these four too
         if self.act < 0 or self.act == COLIBRI_QFFN_ACT_GPT_OSS:
             raise ValueError(f"Held(): act must be one of silu, gelu_tanh, gelu, relu ({act!r})")
-        if num_experts < 1 or hidden < 32 or hidden % 32:
-            raise ValueError(f"Held(): E={num_experts} >= 1 and H={hidden}, a multiple of 32")
+        if num_experts < 1 or hidden < 1:
+            raise ValueError(f"Held(): E={num_experts} and H={hidden} must be >= 1")
         if not 1 <= max_rows <= COLIBRI_FFN_MAX_ROWS:
             raise ValueError(f"Held(): max_rows={max_rows} must be 1 to {COLIBRI_FFN_MAX_ROWS}")
         self.num_experts, self.hidden, self.max_rows = num_experts, hidden, max_rows
         self.t = self.td = -1
+        self.half = 0
         self.path = path_index(None)
         self.keep = [None] * num_experts
         self.missing, self.active = [], []
 
     def __dealloc__(self):
         free(self.forms)
+        free(self.halves)
         free(self.held)
 
     def hold(self, int64_t e, tuple mats, qtype, down_type) -> bool:
@@ -827,13 +833,43 @@ cdef class Held:
         layer: the kernel's one call)."""
         if not 0 <= e < self.num_experts:
             raise ValueError(f"hold(): expert {e} outside [0, {self.num_experts})")
+        if self.hidden % 32:
+            raise ValueError(f"hold(): quantized experts' H={self.hidden} must be a multiple "
+                             f"of 32")
         cdef int t = _type(qtype, False), td = _type(down_type, False)
-        if self.t >= 0 and (t, td) != (self.t, self.td):
+        if self.half or (self.t >= 0 and (t, td) != (self.t, self.td)):
             return False
         cdef colibri_qffn_t *f = &self.forms[e]
         f.I = <int32_t>_fill(f, mats, t, td, self.hidden, e)
         f.H, f.type, f.down_type, f.act, f.path = <int32_t>self.hidden, t, td, self.act, self.path
         self.t, self.td = t, td
+        self.keep[e] = mats
+        self.held[e] = 1
+        return True
+
+    def hold_half(self, int64_t e, tuple mats, int kind) -> bool:
+        """Keep expert ``e``'s ``(gate [I, H], up [I, H], down [H, I])``: uint16 bits of
+        float16 / bfloat16 (``kind``: half.h's ``COLIBRI_W_F16`` / ``COLIBRI_W_BF16``), rows
+        contiguous (as :func:`colibri.layer._ffn.ffn_sum` takes them); False, holding
+        nothing, when the experts held before are of another kind."""
+        if not 0 <= e < self.num_experts:
+            raise ValueError(f"hold_half(): expert {e} outside [0, {self.num_experts})")
+        if kind != COLIBRI_W_F16 and kind != COLIBRI_W_BF16:
+            raise ValueError(f"hold_half(): kind must be COLIBRI_W_F16 or COLIBRI_W_BF16 ({kind})")
+        if self.t >= 0 or (self.half and kind != self.half):
+            return False
+        cdef const uint16_t[:, :] g, u, d
+        g, u, d = mats
+        cdef int64_t H = self.hidden, I = g.shape[0]
+        if I < 1 or g.shape[1] != H or u.shape[0] != I or u.shape[1] != H or d.shape[0] != H \
+                or d.shape[1] != I:
+            raise ValueError(f"hold_half(): expert {e} must be gate/up [I, {H}] and down "
+                             f"[{H}, I] (got {tuple(g.shape)}, {tuple(u.shape)}, "
+                             f"{tuple(d.shape)})")
+        cdef colibri_ffn_t *f = &self.halves[e]
+        f.H, f.I = <int32_t>H, <int32_t>I
+        ffn_weights(f, g, u, d, kind, self.act, self.path)
+        self.half = kind
         self.keep[e] = mats
         self.held[e] = 1
         return True
@@ -952,18 +988,10 @@ cdef class Held:
                             xs[i, c] = colibri_bf16_to_float(xbits[i, c])
                         else:
                             xs[i, c] = colibri_half_to_float(xbits[i, c])
-        cdef colibri_qffn_t *f = <colibri_qffn_t *>malloc(max(count, 1) * sizeof(colibri_qffn_t))
-        if f == NULL:
-            raise MemoryError()
-        try:
-            for j in range(count):
-                e = active[j]
-                f[j] = self.forms[e]
-                f[j].n = <int32_t>counts[e]
-            if count:
-                _run(f, count, bounds, rows, scale, total, xs_arr, ys, num_threads, False)
-        finally:
-            free(f)
+        if self.half:
+            self._run_half(active, counts, bounds, rows, scale, total, xs_arr, ys, num_threads)
+        else:
+            self._run(active, counts, bounds, rows, scale, total, xs_arr, ys, num_threads)
         cdef bint finite = True
         with nogil:
             for i in range(T * H):
@@ -990,4 +1018,45 @@ cdef class Held:
                     else:
                         obits[i, c] = colibri_float_to_half(ys[i, c])
         self.active = active
+        return 0
+
+    cdef int _run(self, list active, const int64_t[::1] counts, const int64_t[::1] bounds,
+                  const int64_t[::1] rows, const float[::1] scale, int64_t total,
+                  const float[:, ::1] xs, float[:, ::1] ys, int num_threads) except -1:
+        cdef Py_ssize_t j, count = len(active)
+        cdef int64_t e
+        cdef colibri_qffn_t *f = <colibri_qffn_t *>malloc(max(count, 1) * sizeof(colibri_qffn_t))
+        if f == NULL:
+            raise MemoryError()
+        try:
+            for j in range(count):
+                e = active[j]
+                f[j] = self.forms[e]
+                f[j].n = <int32_t>counts[e]
+            if count:
+                _run(f, count, bounds, rows, scale, total, xs, ys, num_threads, False)
+        finally:
+            free(f)
+        return 0
+
+    cdef int _run_half(self, list active, const int64_t[::1] counts,
+                       const int64_t[::1] bounds, const int64_t[::1] rows,
+                       const float[::1] scale, int64_t total, const float[:, ::1] xs,
+                       float[:, ::1] ys, int num_threads) except -1:
+        cdef Py_ssize_t j, count = len(active)
+        cdef int64_t e
+        cdef colibri_ffn_t *f = <colibri_ffn_t *>malloc(max(count, 1) * sizeof(colibri_ffn_t))
+        if f == NULL:
+            raise MemoryError()
+        if num_threads < 1:
+            num_threads = colibri_max_threads()
+        try:
+            for j in range(count):
+                e = active[j]
+                f[j] = self.halves[e]
+                f[j].n = <int32_t>counts[e]
+            if count:
+                ffn_run_sum(f, count, bounds, rows, scale, total, xs, ys, num_threads)
+        finally:
+            free(f)
         return 0
