@@ -4,9 +4,10 @@ The model: a Qwen3-MoE checkpoint with random weights (``colibri demo``'s: shape
 options, by default the demo's, 3.2 GB in f16) and a locally trained byte-level BPE tokenizer,
 converted to GGUF f16 by llama.cpp's own converter (``convert_hf_to_gguf.py`` from the sdist
 of the installed llama-cpp-python) and quantized from it by llama.cpp's library
-(``llama_model_quantize``) to Q8_0, Q4_0 and Q4_K_M, every file cached under ``--work``.
-colibri reads each file as llama.cpp wrote it: the routed experts paged block-quantized as
-stored, computed by colibri's quantized kernels; llama.cpp maps it (mmap on).
+(``llama_model_quantize``) to Q8_0, Q4_0 and Q4_K_M, every file cached under ``--work``
+(``--types f16``: the converter's f16 file itself, half precision against half precision).
+colibri reads each file as llama.cpp wrote it: the routed experts paged block-quantized (or
+f16) as stored, computed by colibri's kernels; llama.cpp maps it (mmap on).
 
 Every run is a fresh process in its own cgroup (v2 ``memory.max`` / ``io.max`` where the
 memory controller is on the unified tree, else v1 ``memory.limit_in_bytes`` /
@@ -62,10 +63,11 @@ from bench_generate import (
 )
 
 #: llama.cpp's file types (``LLAMA_FTYPE_MOSTLY_*``) of each type asked for.
-FTYPES = {"q8_0": ("Q8_0", 7), "q4_0": ("Q4_0", 2), "q4_k": ("Q4_K_M", 15)}
+FTYPES = {"q8_0": ("Q8_0", 7), "q4_0": ("Q4_0", 2), "q4_k": ("Q4_K_M", 15), "f16": ("f16", 1)}
 #: The issue's targets: colibri / llama.cpp decode tok/s, per table.
 RESIDENT_TARGET = 0.8  # for Q8_0 and Q4_0
 SMALL_TARGET = 2.0  # and never below 1.0 at any limit
+HALF_TARGET = 1.0  # f16, resident: llama.cpp's speed on the same weights
 
 
 # --------------------------------------------------------------------------------------
@@ -90,6 +92,9 @@ def make_models(args) -> dict[str, str]:
         print("# no GGUF file: making them needs llama-cpp-python's converter and quantizer")
         return {t: p for t, p in paths.items() if t not in missing}
     for t in missing:
+        if t == "f16":  # the converter's own file
+            paths[t] = f16
+            continue
         job = dict(src=f16, out=paths[t], ftype=FTYPES[t][1], threads=args.threads)
         done = subprocess.run([sys.executable, __file__, "--quantize", json.dumps(job)],
                               capture_output=True, text=True)  # fmt: skip
@@ -271,6 +276,8 @@ def ratios(rows: list[dict]) -> None:
         resident = fraction is None
         if resident and qtype == "q4_k":
             want = None  # the issue sets no resident target for Q4_K
+        elif resident and qtype == "f16":
+            want = HALF_TARGET
         else:
             want = RESIDENT_TARGET if resident else SMALL_TARGET
         what = f"{FTYPES[qtype][0]}, " + (
@@ -316,7 +323,11 @@ def main(argv=None) -> int:
     parser.add_argument("--experts", type=int, default=26)
     parser.add_argument("--top-k", type=int, default=2)
     parser.add_argument("--vocab", type=int, default=8192)
-    parser.add_argument("--types", default="q8_0,q4_0,q4_k", help="of q8_0,q4_0,q4_k")
+    parser.add_argument(
+        "--types",
+        default="q8_0,q4_0,q4_k",
+        help="of q8_0,q4_0,q4_k,f16 (f16: the converter's file itself)",
+    )
     parser.add_argument("--limits", default="0.5,0.25", help="memory limits, fractions of the file")
     parser.add_argument("--caps", default="5e8,2e9", help="read caps, bytes/s")
     parser.add_argument("--tables", default="resident,small", help="of resident,small")
