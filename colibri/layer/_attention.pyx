@@ -8,28 +8,14 @@ a fixed order, the output rounded once to the storage type: the same bits on eve
 machine. A row whose every key is masked (``-inf``) gets zeros; NaN and inf scores give NaN.
 """
 
-from libc.stdint cimport int64_t
-
 from colibri.layer._half cimport (
     check_kind,
     store_value,
     value_t,
 )
+from colibri.layer._kernels cimport colibri_attend, colibri_attend_t
 
 from colibri.layer._ffn import path_index
-
-
-cdef extern from "colibri/attention.h" nogil:
-    ctypedef struct colibri_attend_t:
-        const void *q
-        const void *k
-        const void *v
-        const float *mask
-        void *out
-        int64_t Hq, Hkv, T, L, D
-        float scale
-        int kind
-    int colibri_attend(const colibri_attend_t *a, int path)
 
 
 def attention(const value_t[:, :, ::1] q, const value_t[:, :, ::1] k,

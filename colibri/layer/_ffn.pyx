@@ -8,6 +8,11 @@ from libc.stdlib cimport free, malloc
 from colibri._openmp cimport colibri_max_threads
 from colibri._pool cimport share_pool
 from colibri.layer._half cimport COLIBRI_W_BF16, COLIBRI_W_F16
+from colibri.layer._kernels cimport (
+    colibri_linear_run,
+    colibri_linear_split_bytes,
+    colibri_linear_t,
+)
 from colibri.layer._plan cimport check_plan
 
 share_pool()  # one worker pool a process (colibri/_pool.pyx)
@@ -204,23 +209,6 @@ def read_pass(const uint64_t[::1] words, int num_threads=0):
     with nogil:
         total = colibri_read_pass(&words[0], words.shape[0], num_threads)
     return total
-
-
-cdef extern from "colibri/linear.h" nogil:
-    ctypedef struct colibri_linear_t:
-        int32_t n, in_dim, out_dim
-        int32_t kind
-        int32_t path
-        const float *x
-        int64_t ldx
-        const uint16_t *w
-        int64_t ldw
-        const float *bias
-        uint16_t *xs
-        float *y
-        int64_t ldy
-    size_t colibri_linear_split_bytes(const colibri_linear_t *l) noexcept
-    void colibri_linear_run(const colibri_linear_t *l, int threads) noexcept
 
 
 def linear(const float[:, :] x, const uint16_t[:, :] w, int kind, float[:, :] y,

@@ -10,6 +10,7 @@ import numpy as np
 
 from colibri._openmp cimport colibri_max_threads
 from colibri._pool cimport share_pool
+from colibri.layer._ffn cimport colibri_ffn_t, ffn_run_sum, ffn_weights
 from colibri.layer._half cimport (
     COLIBRI_W_BF16,
     COLIBRI_W_F16,
@@ -18,8 +19,8 @@ from colibri.layer._half cimport (
     colibri_float_to_half,
     colibri_half_to_float,
 )
+from colibri.layer._kernels cimport colibri_q8_row, colibri_qlinear_run, colibri_qlinear_t
 from colibri.layer._plan cimport add_rows, check_plan, gather_rows
-from colibri.layer._ffn cimport colibri_ffn_t, ffn_run_sum, ffn_weights
 from colibri.layer._ffn import path_index
 
 share_pool()  # one worker pool a process (colibri/_pool.pyx)
@@ -40,7 +41,6 @@ cdef extern from "colibri/quant.h" nogil:
     const int32_t colibri_q_bytes[]
     void colibri_q_dequantize_block(int type, const uint8_t *b, float *out) noexcept
     float colibri_q_scale(int type, const uint8_t *b, int32_t j, int half, float *min) noexcept
-    void colibri_q8_row(const float *x, int32_t K, float *d, int8_t *q, int32_t *s) noexcept
     void colibri_q8_oss_order(int8_t *q, int32_t K) noexcept
     void colibri_q_dot_rows(int path, int type, const uint8_t *w, int64_t ldw, const uint8_t *e,
                             int64_t lde, int32_t rows, int32_t K, const float *d, const int8_t *q,
@@ -79,20 +79,6 @@ cdef extern from "colibri/qffn.h" nogil:
         COLIBRI_QFFN_ACT_GPT_OSS
     void colibri_qffn_run_many(const colibri_qffn_t *f, int32_t count, int32_t *first,
                                int threads) noexcept
-
-
-cdef extern from "colibri/qlinear.h" nogil:
-    ctypedef struct colibri_qlinear_t:
-        int32_t n, in_dim, out_dim, type, path, rows
-        const float *xd
-        const int8_t *xq
-        const int32_t *xs
-        const uint8_t *w
-        int64_t ldw
-        const float *bias
-        float *y
-        int64_t ldy
-    void colibri_qlinear_run(colibri_qlinear_t *l, int threads) noexcept
 
 
 TYPES = {

@@ -28,6 +28,15 @@ from colibri.layer._half cimport (
     store_value,
     value_t,
 )
+from colibri.layer._kernels cimport (
+    colibri_attend,
+    colibri_attend_t,
+    colibri_linear_run,
+    colibri_linear_t,
+    colibri_q8_row,
+    colibri_qlinear_run,
+    colibri_qlinear_t,
+)
 from colibri.layer._norm cimport norm_rows
 from colibri.layer._rope cimport rope_rows
 
@@ -35,51 +44,6 @@ from colibri.layer._ffn import path_index
 from colibri.layer._quant import TYPES, row_values
 
 share_pool()  # one worker pool a process (colibri/_pool.pyx)
-
-
-cdef extern from "colibri/quant.h" nogil:
-    void colibri_q8_row(const float *x, int32_t K, float *d, int8_t *q, int32_t *s) noexcept
-
-
-cdef extern from "colibri/qlinear.h" nogil:
-    ctypedef struct colibri_qlinear_t:
-        int32_t n, in_dim, out_dim, type, path, rows
-        const float *xd
-        const int8_t *xq
-        const int32_t *xs
-        const uint8_t *w
-        int64_t ldw
-        const float *bias
-        float *y
-        int64_t ldy
-    void colibri_qlinear_run(colibri_qlinear_t *l, int threads) noexcept
-
-
-cdef extern from "colibri/linear.h" nogil:
-    ctypedef struct colibri_linear_t:
-        int32_t n, in_dim, out_dim, kind, path
-        const float *x
-        int64_t ldx
-        const uint16_t *w
-        int64_t ldw
-        const float *bias
-        uint16_t *xs
-        float *y
-        int64_t ldy
-    void colibri_linear_run(const colibri_linear_t *l, int threads) noexcept
-
-
-cdef extern from "colibri/attention.h" nogil:
-    ctypedef struct colibri_attend_t:
-        const void *q
-        const void *k
-        const void *v
-        const float *mask
-        void *out
-        int64_t Hq, Hkv, T, L, D
-        float scale
-        int kind
-    int colibri_attend(const colibri_attend_t *a, int path)
 
 
 _HALF = {"float16": COLIBRI_W_F16, "bfloat16": COLIBRI_W_BF16}
