@@ -385,7 +385,8 @@ class HeldExperts:
             return
         if self._native is None:
             hidden = form[0][2].shape[0]  # down: H rows
-            if len(self._forms) > 1 or (quantized and hidden % 32):  # held before, another form
+            # held before in another form, or quantized rows not whole blocks of 32
+            if len(self._forms) > 1 or (quantized and hidden % 32):
                 self._mixed = True
                 return
             self._native = _quant.Held(self.num_experts, hidden, self._act, form[2])
