@@ -52,6 +52,11 @@ _HAS_PREAD = hasattr(os, "pread")
 _HAS_PREADV = hasattr(os, "preadv")
 #: ``os.open`` flags for a weight file: read-only, binary on Windows, not inherited by children.
 OPEN_FLAGS = os.O_RDONLY | getattr(os, "O_BINARY", 0) | getattr(os, "O_CLOEXEC", 0)
+#: What direct reads (``O_DIRECT``: around the page cache) align their buffer's address, file
+#: offset and length to; Linux asks at most the device's logical block, 4096 covers them all.
+DIRECT_ALIGN = 4096
+#: Direct reads exist (Linux).
+HAS_DIRECT = hasattr(os, "O_DIRECT") and _HAS_PREADV
 
 #: ``madvise`` exists (not on Windows).
 HAS_MADVISE = hasattr(mmap.mmap, "madvise")
@@ -117,24 +122,34 @@ class FileReader:
     """Positional reads from a fixed set of files; thread-safe; ``close()`` is idempotent.
 
     ``close()`` waits for reads in progress, so a descriptor is never closed (and its number
-    reused) under a reader.
+    reused) under a reader. With ``direct`` (Linux), :meth:`readinto` can read around the
+    page cache (``O_DIRECT``): a file whose file system refuses it is read as usual.
     """
 
-    def __init__(self, paths) -> None:
+    def __init__(self, paths, *, direct: bool = False) -> None:
         self._paths = tuple(paths)
         self._lock = threading.Condition()
         self._active = 0
         self._closed = False
         self._fds: dict[str, int] = {}
+        self._direct: dict[str, int] = {}  # O_DIRECT descriptors, by path
+        self._refused: set[str] = set()  # paths whose file system refused a direct read
         self._local = threading.local()
         self._handles: list = []  # every per-thread Windows handle, to close them all
         if _HAS_PREAD:
             try:
                 for p in self._paths:
                     self._fds[p] = os.open(p, OPEN_FLAGS)
+                    if direct and HAS_DIRECT:
+                        with contextlib.suppress(OSError):  # EINVAL: tmpfs, some FUSE
+                            self._direct[p] = os.open(p, OPEN_FLAGS | os.O_DIRECT)
             except BaseException:
                 self.close()
                 raise
+
+    def direct(self, path: str) -> bool:
+        """Whether :meth:`readinto` reads ``path`` around the page cache when asked."""
+        return path in self._direct and path not in self._refused
 
     @property
     def closed(self) -> bool:
@@ -156,9 +171,12 @@ class FileReader:
                 self._handles.append(f)
         return f
 
-    def _pread(self, path: str, view: memoryview, offset: int) -> int:
+    def _pread(self, path: str, view: memoryview, offset: int, direct: bool = False) -> int:
         """Read up to ``len(view)`` bytes at ``offset`` into ``view``; the count read (0 at end
-        of file). The one place bytes come from the file (tests inject faults here)."""
+        of file), through the ``O_DIRECT`` descriptor if ``direct``. The one place bytes come
+        from the file (tests inject faults here)."""
+        if direct:
+            return os.preadv(self._direct[path], [view], offset)
         if _HAS_PREADV:
             return os.preadv(self._fds[path], [view], offset)
         if _HAS_PREAD:
@@ -183,8 +201,17 @@ class FileReader:
                 self._active -= 1
                 self._lock.notify_all()
 
-    def readinto(self, path: str, offset: int, buffer: memoryview) -> None:
+    def readinto(
+        self, path: str, offset: int, buffer: memoryview, *, need: int | None = None,
+        direct: bool = False,
+    ) -> None:  # fmt: skip
         """Fill ``buffer`` with the bytes of ``path`` at ``offset``.
+
+        ``need``: how many of them must be read (default all); the rest may lie past the
+        end of the file. ``direct``: around the page cache where the file allows it; the
+        buffer's address, ``offset`` and ``len(buffer)`` are then multiples of
+        :data:`DIRECT_ALIGN` (the caller's promise). A file system that refuses a direct read
+        (``EINVAL``) has the file read as usual from then on.
 
         Raises
         ------
@@ -195,11 +222,18 @@ class FileReader:
         """
         with self._open():
             done, total = 0, len(buffer)
-            while done < total:
+            need = total if need is None else need
+            direct = direct and path in self._direct and path not in self._refused
+            while done < need:
+                aligned = direct and done % DIRECT_ALIGN == 0
                 try:
-                    n = self._pread(path, buffer[done:], offset + done)
+                    n = self._pread(path, buffer[done:], offset + done, aligned)
                 except OSError as exc:
                     if exc.errno == errno.EINTR:
+                        continue
+                    if aligned and exc.errno == errno.EINVAL:  # refused: read it as usual
+                        direct = False
+                        self._refused.add(path)  # its descriptor closes with the reader
                         continue
                     raise OSError(
                         exc.errno,
@@ -232,9 +266,10 @@ class FileReader:
             self._closed = True
             while self._active:
                 self._lock.wait()
-            fds, self._fds = self._fds, {}
+            fds, self._fds = [*self._fds.values(), *self._direct.values()], {}
+            self._direct = {}
             handles, self._handles = self._handles, []
-        for fd in fds.values():
+        for fd in fds:
             os.close(fd)
         for f in handles:
             f.close()

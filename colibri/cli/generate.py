@@ -169,8 +169,8 @@ def add_arguments(parser: argparse.ArgumentParser, *, model: bool = True) -> Non
         choices=("mmap", "read"),
         default=None,
         help="how the pager reads experts: mapped from the files (mmap) or read into its own "
-        "memory (read, for files that may change or network file systems); default: the "
-        "pager's",
+        "memory (read, for files that may change or network file systems); default: mmap, "
+        "or read around the page cache where memory cannot hold the files",
     )
     parser.add_argument(
         "--batch-size", type=_positive, default=1, help="copies of the prompt generated together"

@@ -19,10 +19,15 @@
     Each resident expert's page run is mapped as its own view (offset rounded down to
     ``mmap.ALLOCATIONGRANULARITY``, 64 KiB on Windows) and unmapped when it is evicted. A
     page shared by two experts is mapped, and counted, once per expert.
-``"read"``
+``"read"`` (default where the memory this process may use cannot hold the files)
     Experts are copied with explicit positional reads (``os.preadv``) into one preallocated
     pool of ``capacity`` slots. Never maps a file: use it for files that may change while in
     use and for network file systems (a truncated file is a short read, not a ``SIGBUS``).
+    Where memory cannot hold the files, the reads go around the page cache (``O_DIRECT``,
+    Linux; each range widened to 4 KiB-aligned ends): they stream at the device's rate and
+    leave the limit to the pool, where the page cache would fill it and make every later read
+    wait for the kernel to reclaim memory. A file system that refuses direct reads is read
+    as usual.
 
 Every backend has the same contract (:class:`_IO`): ``claim``/``release`` account an expert's
 pages when it enters or leaves a slot, ``fetch`` does the I/O, ``settle`` follows a
@@ -48,6 +53,8 @@ import numpy as np
 
 from colibri import _guard
 from colibri._files import (
+    DIRECT_ALIGN,
+    HAS_DIRECT,
     HAS_MADVISE,
     OPEN_FLAGS,
     FileChangedError,
@@ -62,12 +69,14 @@ from colibri.formats import ExpertLayout, WeightSource
 from colibri.pager._cache import _Slot
 from colibri.pager._policy_base import Key
 
-__all__ = ["DEFAULT_IO", "IO_BACKENDS"]
+__all__ = ["DEFAULT_IO", "IO_BACKENDS", "default_io"]
 
 Span = tuple[int, int, int]  # (file index, first page, end page): pages an expert touches
 
-#: The ``io=`` choices; the first one available is the default.
+#: The ``io=`` choices.
 IO_BACKENDS = ("mmap", "view", "read")
+#: The default ``io=`` where the memory this process may use holds the weight files (else
+#: ``"read"``: :func:`default_io`).
 DEFAULT_IO = "mmap" if HAS_MADVISE else "view"
 
 
@@ -111,6 +120,17 @@ def _cache_short(nbytes: int) -> bool:
     in_use = process_memory().rss or 0
     limit = usable_memory(in_use)
     return limit is not None and limit.nbytes - in_use < nbytes
+
+
+def default_io(paths) -> str:
+    """The ``io=`` a pager of the files ``paths`` takes by default: :data:`DEFAULT_IO`, or
+    ``"read"`` (direct reads) where the memory this process may use cannot hold the files.
+    There every miss reads the disk anyway, and a read around the page cache streams at the
+    device's rate without filling the limit (a mapping's faults or a buffered read fill it,
+    then wait for the kernel to reclaim it: on a 2 GB/s drive, half the rate)."""
+    if not HAS_DIRECT:
+        return DEFAULT_IO
+    return "read" if _cache_short(sum(os.path.getsize(p) for p in paths)) else DEFAULT_IO
 
 
 def _guarded(m: FileMap) -> int:
@@ -204,7 +224,10 @@ class _IO:
 
 
 class _ReadIO(_IO):
-    """Explicit reads into a pool of ``num_slots x slot_bytes`` bytes."""
+    """Explicit reads into a pool of ``num_slots x slot_bytes`` bytes; around the page cache
+    (``O_DIRECT``, reads aligned to :data:`DIRECT_ALIGN` bytes) where the memory this process
+    may use cannot hold the files: there the page cache would only fill the limit, and each
+    later read wait for the kernel to reclaim it."""
 
     name = "read"
 
@@ -219,35 +242,56 @@ class _ReadIO(_IO):
     ) -> None:
         super().__init__(source, page_size, spans)
         self.slot_bytes = slot_bytes
-        self.reader = FileReader(self.paths)
+        self.reader = FileReader(self.paths, direct=True)
         try:
             for p in self.paths:
                 self._record(self.reader.fileno(p), p)
         except BaseException:
             self.reader.close()
             raise
-        self.pool = np.zeros(num_slots * slot_bytes, dtype=np.uint8)  # calloc: lazily committed
+        self.direct = slot_bytes % DIRECT_ALIGN == 0 and _cache_short(sum(self.sizes))
+        # an anonymous mapping: page-aligned (direct reads need it), committed as slots are used
+        private = {}
+        if hasattr(mmap, "MAP_PRIVATE"):  # not shared memory (POSIX)
+            private["flags"] = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
+        self.pool = np.frombuffer(mmap.mmap(-1, num_slots * slot_bytes, **private), np.uint8)
         self.address = self.pool.ctypes.data
         if populate:  # a non-zero byte a page: the kernel may drop zero-filled pages again
             self.pool[:: mmap.PAGESIZE] = 1
-        self.plans: dict[Key, list[tuple[str, int, int, int]]] = {}
-        self.relative: dict[Key, tuple[int, ...]] = {}  # matrix offsets in a slot
+        # reads that fill a slot ((path, file offset, slot offset, nbytes, bytes needed),
+        # direct or not) and where each matrix lies in the slot
+        self.plans: dict[Key, tuple[list[tuple[str, int, int, int, int]], bool, tuple]] = {}
 
-    def _plan(self, key: Key) -> list[tuple[str, int, int, int]]:
-        """Reads that fill a slot with gate|up|down: ``(path, file_offset, slot_offset,
-        nbytes)``, adjacent ranges merged so a contiguous expert is one read."""
+    def _plan(self, key: Key) -> tuple[list[tuple[str, int, int, int, int]], bool, tuple]:
+        """The reads of ``key``: gate|up|down back to back, adjacent ranges merged so that a
+        contiguous expert is one read; for direct reads each range widened to aligned ends
+        (unless the widened ranges do not fit a slot)."""
         plan = self.plans.get(key)
-        if plan is None:
-            merged: list[list] = []
-            at = 0
-            for ref in self.experts[key].matrices:
-                last = merged[-1] if merged else None
-                if last and last[0] == ref.path and last[1] + last[3] == ref.offset:
-                    last[3] += ref.nbytes
-                else:
-                    merged.append([ref.path, ref.offset, at, ref.nbytes])
-                at += ref.nbytes
-            plan = self.plans[key] = [tuple(p) for p in merged]
+        if plan is not None:
+            return plan
+        merged: list[list] = []  # [path, offset, nbytes]
+        where = []  # each matrix's range and offset in it
+        for ref in self.experts[key].matrices:
+            last = merged[-1] if merged else None
+            if not (last and last[0] == ref.path and last[1] + last[2] == ref.offset):
+                last = [ref.path, ref.offset, 0]
+                merged.append(last)
+            where.append((len(merged) - 1, ref.offset - last[1]))
+            last[2] += ref.nbytes
+        direct = self.direct and all(self.reader.direct(path) for path, _, _ in merged)
+        for a in (DIRECT_ALIGN, 1) if direct else (1,):
+            reads, at = [], 0
+            for path, offset, nbytes in merged:
+                first = offset - offset % a
+                size = -(-(offset + nbytes - first) // a) * a
+                reads.append((path, first, at, size, offset + nbytes - first))
+                at += size
+            if at <= self.slot_bytes:
+                break
+        starts = [at + offset - first for (_, first, at, _, _), (_, offset, _) in
+                  zip(reads, merged, strict=True)]  # fmt: skip
+        rel = tuple(starts[i] + within for i, within in where)
+        plan = self.plans[key] = (reads, a > 1, rel)
         return plan
 
     def claim(self, slot, key):
@@ -256,25 +300,25 @@ class _ReadIO(_IO):
     release = claim
 
     def fetch(self, slot, key):
+        reads, direct, _ = self._plan(key)
         base = memoryview(self.pool)[slot.index * self.slot_bytes :]
         try:
-            for path, offset, at, nbytes in self._plan(key):
-                self.reader.readinto(path, offset, base[at : at + nbytes])
+            for path, offset, at, nbytes, need in reads:
+                self.reader.readinto(path, offset, base[at : at + nbytes], need=need,
+                                     direct=direct)  # fmt: skip
         finally:
             base.release()
 
     def owners(self, slot, key):
         base, pool = slot.index * self.slot_bytes, self.pool
-        rel = self.relative.get(key)
-        if rel is None:  # the ranges back to back, in order (float8: scales after matrices)
-            sizes = [ref.nbytes for ref in self.experts[key].matrices]
-            rel = self.relative[key] = tuple(sum(sizes[:i]) for i in range(len(sizes)))
-        return [(pool, self.address, base + r) for r in rel]
+        return [(pool, self.address, base + r) for r in self._plan(key)[2]]
 
     def close(self, slots):
         self.reader.close()  # the pool lives on in the views that still use it
 
     def advise(self, key):
+        if self._plan(key)[1]:  # direct reads do not read the page cache: nothing to warm
+            return False
         done = [self.reader.advise(r.path, r.offset, r.nbytes) for r in self.experts[key].matrices]
         return all(done)
 

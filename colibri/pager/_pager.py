@@ -59,12 +59,12 @@ from colibri._validate import check_float, check_page_size_kb
 from colibri.formats import ExpertWeights, WeightSource, open_weights
 from colibri.pager._backends import (
     _IO,
-    DEFAULT_IO,
     IO_BACKENDS,
     _MapIO,
     _ReadIO,
     _spans,
     _ViewIO,
+    default_io,
 )
 from colibri.pager._cache import _EMPTY, _FAILED, _LOADING, _READY, PREFETCH, _Cache, _Slot
 from colibri.pager._policies import CachePolicy, make_policy
@@ -147,7 +147,8 @@ class Pager:
         Passed to the policy (``half_life`` for lrfu; ``counts``, ``hot_fraction`` for hot).
     io : str, optional
         ``"mmap"`` (default on Linux and macOS), ``"view"`` (default on Windows) or
-        ``"read"``; see the module docstring.
+        ``"read"`` (default where the memory this process may use cannot hold the files:
+        reads around the page cache there); see the module docstring.
     prefetch_queue : int
         Bound of the background prefetch queue (experts).
     record_trace : bool
@@ -216,9 +217,10 @@ class Pager:
             raise TypeError(f"Pager(): budget_bytes must be an int (got {budget_bytes!r})")
         if prefetch_queue < 1:
             raise ValueError(f"Pager(): prefetch_queue must be >= 1 (got {prefetch_queue!r})")
-        io = DEFAULT_IO if io is None else io
-        if io not in IO_BACKENDS:
+        if io is not None and io not in IO_BACKENDS:
             raise ValueError(f"Pager(): io must be one of {IO_BACKENDS} (got {io!r})")
+        self.source = open_weights(source)
+        io = default_io(self.source.files) if io is None else io
         if io == "mmap" and not HAS_MADVISE:
             raise ValueError(
                 "Pager(): io must be 'view' or 'read' here (got 'mmap'): this OS has no "
@@ -230,7 +232,6 @@ class Pager:
                 f"Pager(): page_size_kb must be at least the OS page, "
                 f"{mmap.PAGESIZE // 1024}, for io={io!r} (got {page_size_kb})"
             )
-        self.source = open_weights(source)
         self.budget_bytes = int(budget_bytes)
         index = {p: i for i, p in enumerate(self.source.files)}
         self._spans = {

@@ -26,11 +26,11 @@ def hook_io(monkeypatch, before):
     ``before`` may raise to inject a fault, or block."""
     real_pread, real_advise = FileReader._pread, FileMap._advise
 
-    def pread(self, path, view, offset):
+    def pread(self, path, view, offset, direct=False):
         limit = before("read", path, offset, len(view))
         if limit is not None:
             view = view[:limit]
-        return real_pread(self, path, view, offset)
+        return real_pread(self, path, view, offset, direct)
 
     def advise(self, option, start, length):
         before(_KINDS.get(option, str(option)), self.path, self.offset + start, length)

@@ -15,6 +15,7 @@ import pytest
 
 import colibri
 from _support.paging import held_pages, hook_io
+from colibri._files import DIRECT_ALIGN, HAS_DIRECT, FileReader
 from colibri._units import process_memory
 from colibri.formats import open_weights
 from colibri.formats.raw import write_experts
@@ -27,6 +28,7 @@ from colibri.pager import (
     HotSetPolicy,
     Pager,
     Trace,
+    _backends,
     belady,
     replay,
 )
@@ -36,8 +38,12 @@ SLOT = 4096
 BACKENDS = [b for b in IO_BACKENDS if b != "mmap" or DEFAULT_IO == "mmap"]  # mmap needs madvise
 
 
-@pytest.fixture(params=BACKENDS)
-def io(request):
+@pytest.fixture(params=[*BACKENDS, *(["direct"] if HAS_DIRECT else [])])
+def io(request, monkeypatch):
+    """A backend; ``direct``: ``"read"`` where memory cannot hold the files (O_DIRECT)."""
+    if request.param == "direct":
+        monkeypatch.setattr(_backends, "_cache_short", lambda nbytes: True)
+        return "read"
     return request.param
 
 
@@ -637,3 +643,64 @@ def test_a_budget_without_limit_is_capped_at_the_experts_in_the_files(weights, i
     capacity, slot, usable, budget = map(int, done.stdout.split())
     assert capacity == len(experts)
     assert usable == capacity * slot and budget == 2**62
+
+
+@pytest.fixture
+def large(tmp_path):
+    """Experts of 96768 bytes at offsets 4 KiB blocks do not divide
+    (raw files align each matrix to 64 bytes here)."""
+    rng = np.random.default_rng(3)
+    experts = {
+        (0, e): tuple(rng.standard_normal(s).astype(np.float16) for s in ((256, 63), (256, 63),
+                                                                          (63, 256)))
+        for e in range(6)
+    }  # fmt: skip
+    return write_experts(tmp_path / "large.colibri", experts, alignment=64), experts
+
+
+@pytest.mark.skipif(not HAS_DIRECT, reason="no O_DIRECT on this OS")
+def test_direct_reads_where_memory_cannot_hold_the_files(large, monkeypatch):
+    path, experts = large
+    reads = []
+    real = FileReader._pread
+
+    def pread(self, path, view, offset, direct=False):
+        reads.append((direct, offset, len(view), np.frombuffer(view, np.uint8).ctypes.data))
+        return real(self, path, view, offset, direct)
+
+    monkeypatch.setattr(FileReader, "_pread", pread)
+    assert _backends.default_io([path]) == DEFAULT_IO  # memory to spare: the default
+    monkeypatch.setattr(_backends, "_cache_short", lambda nbytes: True)
+    assert _backends.default_io([path]) == "read"
+    with Pager(path, budget_bytes=3 * 3 * 65536, page_size_kb=64) as pager:
+        assert pager.io == "read"
+        for ids in ([0, 5], [1, 2, 3], [4, 0], [5]):  # the last expert ends the file
+            with pager.load(0, ids) as batch:
+                check(batch, experts, 0)
+        assert pager.advise(0, range(6)) == 0  # the page cache is not what a load reads
+    assert reads and all(d for d, *_ in reads)
+    assert any(r.offset % DIRECT_ALIGN for m in open_weights(path).experts.values()
+               for r in m.matrices)  # fmt: skip
+    for _, offset, n, address in reads:
+        assert offset % DIRECT_ALIGN == n % DIRECT_ALIGN == address % DIRECT_ALIGN == 0
+
+
+@pytest.mark.skipif(not HAS_DIRECT, reason="no O_DIRECT on this OS")
+def test_a_file_system_refusing_direct_reads_is_read_as_usual(large, monkeypatch):
+    path, experts = large
+    calls = []
+    real = FileReader._pread
+
+    def pread(self, path, view, offset, direct=False):
+        calls.append(direct)
+        if direct:  # as tmpfs and some FUSE file systems answer
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real(self, path, view, offset, direct)
+
+    monkeypatch.setattr(FileReader, "_pread", pread)
+    monkeypatch.setattr(_backends, "_cache_short", lambda nbytes: True)
+    with Pager(path, budget_bytes=2 * 3 * 65536, page_size_kb=64) as pager:
+        for e in range(6):
+            with pager.load(0, [e]) as batch:
+                check(batch, experts, 0)
+    assert calls.count(True) == 1 and calls[1:] and not any(calls[1:])
