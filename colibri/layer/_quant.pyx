@@ -974,10 +974,7 @@ cdef class Held:
                             xs[i, c] = colibri_bf16_to_float(xbits[i, c])
                         else:
                             xs[i, c] = colibri_half_to_float(xbits[i, c])
-        if self.half:
-            self._run_half(active, counts, bounds, rows, scale, total, xs_arr, ys, num_threads)
-        else:
-            self._run(active, counts, bounds, rows, scale, total, xs_arr, ys, num_threads)
+        self._run(active, counts, bounds, rows, scale, total, xs_arr, ys, num_threads)
         cdef bint finite = True
         with nogil:
             for i in range(T * H):
@@ -1009,40 +1006,30 @@ cdef class Held:
     cdef int _run(self, list active, const int64_t[::1] counts, const int64_t[::1] bounds,
                   const int64_t[::1] rows, const float[::1] scale, int64_t total,
                   const float[:, ::1] xs, float[:, ::1] ys, int num_threads) except -1:
+        """The step's experts (copies of their held forms, with their row counts) through
+        the kernel of their kind: block-quantized (qffn.h) or half precision (ffn.h)."""
         cdef Py_ssize_t j, count = len(active)
+        cdef size_t size = sizeof(colibri_ffn_t) if self.half else sizeof(colibri_qffn_t)
+        cdef void *forms = malloc(max(count, 1) * size)
+        cdef colibri_qffn_t *q = <colibri_qffn_t *>forms
+        cdef colibri_ffn_t *h = <colibri_ffn_t *>forms
         cdef int64_t e
-        cdef colibri_qffn_t *f = <colibri_qffn_t *>malloc(max(count, 1) * sizeof(colibri_qffn_t))
-        if f == NULL:
+        if forms == NULL:
             raise MemoryError()
         try:
             for j in range(count):
                 e = active[j]
-                f[j] = self.forms[e]
-                f[j].n = <int32_t>counts[e]
-            if count:
-                _run(f, count, bounds, rows, scale, total, xs, ys, num_threads, False)
+                if self.half:
+                    h[j] = self.halves[e]
+                    h[j].n = <int32_t>counts[e]
+                else:
+                    q[j] = self.forms[e]
+                    q[j].n = <int32_t>counts[e]
+            if count and self.half:
+                ffn_run_sum(h, count, bounds, rows, scale, total, xs, ys,
+                            num_threads if num_threads > 0 else colibri_max_threads())
+            elif count:
+                _run(q, count, bounds, rows, scale, total, xs, ys, num_threads, False)
         finally:
-            free(f)
-        return 0
-
-    cdef int _run_half(self, list active, const int64_t[::1] counts,
-                       const int64_t[::1] bounds, const int64_t[::1] rows,
-                       const float[::1] scale, int64_t total, const float[:, ::1] xs,
-                       float[:, ::1] ys, int num_threads) except -1:
-        cdef Py_ssize_t j, count = len(active)
-        cdef int64_t e
-        cdef colibri_ffn_t *f = <colibri_ffn_t *>malloc(max(count, 1) * sizeof(colibri_ffn_t))
-        if f == NULL:
-            raise MemoryError()
-        if num_threads < 1:
-            num_threads = colibri_max_threads()
-        try:
-            for j in range(count):
-                e = active[j]
-                f[j] = self.halves[e]
-                f[j].n = <int32_t>counts[e]
-            if count:
-                ffn_run_sum(f, count, bounds, rows, scale, total, xs, ys, num_threads)
-        finally:
-            free(f)
+            free(forms)
         return 0
