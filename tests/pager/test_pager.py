@@ -645,6 +645,17 @@ def test_a_budget_without_limit_is_capped_at_the_experts_in_the_files(weights, i
     assert usable == capacity * slot and budget == 2**62
 
 
+def _before_reads(monkeypatch, before):
+    """Call ``before(direct, offset, view)`` ahead of every positional read (it may raise)."""
+    real = FileReader._pread
+
+    def pread(self, path, view, offset, direct=False):
+        before(direct, offset, view)
+        return real(self, path, view, offset, direct)
+
+    monkeypatch.setattr(FileReader, "_pread", pread)
+
+
 @pytest.fixture
 def large(tmp_path):
     """Experts of 96768 bytes at offsets 4 KiB blocks do not divide
@@ -662,13 +673,8 @@ def large(tmp_path):
 def test_direct_reads_where_memory_cannot_hold_the_files(large, monkeypatch):
     path, experts = large
     reads = []
-    real = FileReader._pread
-
-    def pread(self, path, view, offset, direct=False):
-        reads.append((direct, offset, len(view), np.frombuffer(view, np.uint8).ctypes.data))
-        return real(self, path, view, offset, direct)
-
-    monkeypatch.setattr(FileReader, "_pread", pread)
+    _before_reads(monkeypatch, lambda direct, offset, view: reads.append(
+        (direct, offset, len(view), np.frombuffer(view, np.uint8).ctypes.data)))  # fmt: skip
     assert _backends.default_io([path]) == DEFAULT_IO  # memory to spare: the default
     monkeypatch.setattr(_backends, "_cache_short", lambda nbytes: True)
     assert _backends.default_io([path]) == "read"
@@ -689,15 +695,13 @@ def test_direct_reads_where_memory_cannot_hold_the_files(large, monkeypatch):
 def test_a_file_system_refusing_direct_reads_is_read_as_usual(large, monkeypatch):
     path, experts = large
     calls = []
-    real = FileReader._pread
 
-    def pread(self, path, view, offset, direct=False):
+    def refuse(direct, offset, view):
         calls.append(direct)
         if direct:  # as tmpfs and some FUSE file systems answer
             raise OSError(errno.EINVAL, "Invalid argument")
-        return real(self, path, view, offset, direct)
 
-    monkeypatch.setattr(FileReader, "_pread", pread)
+    _before_reads(monkeypatch, refuse)
     monkeypatch.setattr(_backends, "_cache_short", lambda nbytes: True)
     with Pager(path, budget_bytes=2 * 3 * 65536, page_size_kb=64) as pager:
         for e in range(6):
