@@ -11,4 +11,5 @@ def attention(
     kind: int,
     mask: np.ndarray | None = None,
     path: str | None = None,
+    threads: int = 0,
 ) -> None: ...

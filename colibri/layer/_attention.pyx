@@ -8,6 +8,8 @@ a fixed order, the output rounded once to the storage type: the same bits on eve
 machine. A row whose every key is masked (``-inf``) gets zeros; NaN and inf scores give NaN.
 """
 
+from colibri._openmp cimport colibri_max_threads
+from colibri._pool cimport share_pool
 from colibri.layer._half cimport (
     check_kind,
     store_value,
@@ -17,13 +19,16 @@ from colibri.layer._kernels cimport colibri_attend, colibri_attend_t
 
 from colibri.layer._ffn import path_index
 
+share_pool()  # one worker pool a process (colibri/_pool.pyx)
+
 
 def attention(const value_t[:, :, ::1] q, const value_t[:, :, ::1] k,
               const value_t[:, :, ::1] v, float scale, value_t[:, :, ::1] out, int kind,
-              const float[:, ::1] mask=None, path=None):
+              const float[:, ::1] mask=None, path=None, int threads=0):
     """``q [Hq, T, D]`` over ``k, v [Hkv, L, D]`` into ``out [T, Hq, D]``; ``mask [T, L]``
     float32, added to the scaled scores. float32 (``kind`` 0), or uint16 bits of ``kind``;
-    ``path`` a SIMD path this CPU runs (None: the dispatched one; every path: the same bits)."""
+    ``path`` a SIMD path this CPU runs (None: the dispatched one; every path: the same bits);
+    ``threads`` the most threads the heads run on (< 1: colibri's default; the same bits)."""
     cdef Py_ssize_t Hq = q.shape[0], T = q.shape[1], D = q.shape[2]
     cdef Py_ssize_t Hkv = k.shape[0], L = k.shape[1]
     if (Hkv == 0 or Hq % Hkv or k.shape[2] != D or v.shape[0] != Hkv or v.shape[1] != L
@@ -50,6 +55,7 @@ def attention(const value_t[:, :, ::1] q, const value_t[:, :, ::1] k,
     a.q, a.k, a.v, a.out = &q[0, 0, 0], &k[0, 0, 0], &v[0, 0, 0], &out[0, 0, 0]
     a.mask = NULL if mask is None else &mask[0, 0]
     a.Hq, a.Hkv, a.T, a.L, a.D, a.scale, a.kind = Hq, Hkv, T, L, D, scale, kind
+    a.threads = threads if threads >= 1 else colibri_max_threads()
     cdef int failed
     with nogil:
         failed = colibri_attend(&a, p)

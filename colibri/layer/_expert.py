@@ -324,6 +324,7 @@ def attention(
     dtype: str = "float32",
     mask: np.ndarray | None = None,
     out: np.ndarray | None = None,
+    num_threads: int = 0,
 ) -> np.ndarray:
     """Attention of a few query rows over a key/value cache, as a decoding step needs it.
 
@@ -345,6 +346,9 @@ def attention(
         ``[T, L]`` float32 added to the scaled scores (``-inf``: not attended).
     out : numpy.ndarray, optional
         ``[T, Hq, D]`` C-contiguous, stored as ``q`` is: where the result goes.
+    num_threads : int
+        The most threads the key/value heads run on, once the cache is long enough to be
+        worth it (0: colibri's default); the result's bits do not depend on it.
 
     Returns
     -------
@@ -378,7 +382,9 @@ def attention(
             f"attention(): out must be C-contiguous {np.dtype(storage).name} {list(shape)} "
             f"(got {out.dtype} {list(out.shape)})"
         )
-    _attention.attention(q, k, v, scale, out, kind, mask)
+    if num_threads < 0:
+        raise ValueError(f"attention(): num_threads must be >= 0 (got {num_threads})")
+    _attention.attention(q, k, v, scale, out, kind, mask, None, int(num_threads))
     return out
 
 

@@ -50,4 +50,5 @@ cdef extern from "colibri/attention.h" nogil:
         int64_t Hq, Hkv, T, L, D
         float scale
         int kind
+        int threads
     int colibri_attend(const colibri_attend_t *a, int path)

@@ -260,6 +260,7 @@ def leave(const value_t[:, ::1] q, const value_t[:, :, ::1] keys,
         _input(&b, <int32_t>H)
         at.q, at.k, at.v, at.out, at.mask = &q[0, 0], &keys[0, 0, 0], &values[0, 0, 0], out, NULL
         at.Hq, at.Hkv, at.T, at.L, at.D, at.scale, at.kind = Hq, Hkv, 1, L, D, scale, kind
+        at.threads = o.threads  # the o projection's: the layer's threads
         with nogil:
             failed = colibri_attend(&at, path)
             if not failed:

@@ -163,3 +163,21 @@ def test_every_simd_path_gives_the_same_bits(name):
         assert all(np.array_equal(o, outs[0]) for o in outs[1:])
         want = _reference(_torch(q, dtype), _torch(k, dtype), _torch(v, dtype), 0.2, mask)
         _check(_torch(outs[0], dtype), want, dtype)
+
+
+@pytest.mark.parametrize("name", sorted(DTYPES))
+def test_heads_on_several_threads_give_the_same_bits(name):
+    """Long enough caches run their key/value heads on colibri's pool: every thread count
+    gives one thread's bits, the formula's values."""
+    dtype = DTYPES[name]
+    for hq, hkv, t, length, d in [(16, 4, 1, 300, 64), (8, 2, 3, 90, 80), (12, 3, 2, 700, 16)]:
+        q, k, v = (_numpy(a) for a in _case(9 + d, hq, hkv, t, length, d, dtype))
+        mask = np.where(np.arange(length) % 7 == 0, -np.inf, 0.5).astype(np.float32)
+        mask = np.tile(mask, (t, 1))
+        one = attention(q, k, v, 0.2, name, mask, num_threads=1)
+        for threads in (2, 3, 8):
+            assert np.array_equal(attention(q, k, v, 0.2, name, mask, num_threads=threads), one)
+        want = _reference(_torch(q, dtype), _torch(k, dtype), _torch(v, dtype), 0.2, mask)
+        _check(_torch(one, dtype), want, dtype)
+    with pytest.raises(ValueError, match="num_threads must be >= 0"):
+        attention(q, k, v, 0.2, name, num_threads=-1)
