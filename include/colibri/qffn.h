@@ -65,15 +65,13 @@ typedef struct {
 /* Output rows per gate/up chunk: whole blocks of h's q8 rows. */
 #define COLIBRI_QFFN_CHUNK 32
 
-/* Output rows per down chunk: about 64 KiB of down's blocks (at least 4 rows). Long runs of
- * rows keep each thread's stream of weights long (the prefetches ahead land in its own
- * chunk): 12 rows of the demo's experts (8.6 KiB of Q4_0) ran a layer's two held experts
- * 10-15% slower from memory on a 2-core Zen 3 than 64 rows. */
+/* Output rows per down chunk: about 64 KiB of down's blocks. Long runs of rows keep each
+ * thread's stream of weights long (the prefetches ahead land in its own chunk): 12 rows of the
+ * demo's experts (8.6 KiB of Q4_0) ran a layer's two held experts 10-15% slower from memory on
+ * a 2-core Zen 3 than 64 rows. */
 static inline int32_t colibri_qffn_down_rows(int32_t type, int32_t I)
 {
-    int64_t row = (int64_t)(I / colibri_q_block[type]) * colibri_q_bytes[type];
-    int64_t rows = 65536 / (row > 0 ? row : 1);
-    return rows < 4 ? 4 : (int32_t)rows;
+    return colibri_q_chunk_rows(type, I, 65536);
 }
 
 /* y[o * ldo + r * ldy] = w_o . x_r for o < rows (w_o = w + o * ldw bytes, its scales

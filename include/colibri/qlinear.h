@@ -36,9 +36,7 @@ typedef struct {
 /* Output rows per chunk: about 32 KiB of weights, whole multiples of 4 rows. */
 static inline int32_t colibri_qlinear_chunk_rows(int32_t type, int32_t in_dim)
 {
-    int64_t row = (int64_t)(in_dim / colibri_q_block[type]) * colibri_q_bytes[type];
-    int64_t rows = (32768 / (row > 0 ? row : 1)) & ~(int64_t)3;
-    return rows < 4 ? 4 : (int32_t)rows;
+    return colibri_q_chunk_rows(type, in_dim, 32768);
 }
 
 static void colibri_qlinear_chunk(void *arg, int32_t c)

@@ -257,6 +257,15 @@ static inline float colibri_q_lanes_sum(const float *a)
 /* Most q8 rows one weight row is multiplied with at once. */
 #define COLIBRI_Q_ROW_BLOCK 4
 
+/* Rows of K values of `type` whose blocks fill about `bytes` (a chunk of a pool's work: long
+ * enough that each thread streams its own weights), whole multiples of 4, at least 4. */
+static inline int32_t colibri_q_chunk_rows(int32_t type, int32_t K, int64_t bytes)
+{
+    int64_t row = (int64_t)(K / colibri_q_block[type]) * colibri_q_bytes[type];
+    int64_t rows = (bytes / (row > 0 ? row : 1)) & ~(int64_t)3;
+    return rows < 4 ? 4 : (int32_t)rows;
+}
+
 /* The bytes holding the scale of block i of a row: the block itself, or for
  * COLIBRI_MXFP4_OSS byte i of the row's scales e. */
 static inline const uint8_t *colibri_q_scale_at(int type, const uint8_t *w, const uint8_t *e,
