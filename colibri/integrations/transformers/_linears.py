@@ -8,7 +8,9 @@ the weights read once at memory speed, float32 accumulation) when its input has 
 native bf16 and pays torch's per-op overhead; on others torch may win, and its GEMM wins as
 rows grow, so ``linears="auto"`` times both once per distinct weight shape at load: colibri's
 kernel where it wins at one row, up to the most rows (of 2, 4, :data:`MAX_ROWS`) where it
-still wins (``model.colibri.linears`` records the choice and the timings).
+still wins (``model.colibri.linears`` records the choice and the timings). A router's
+kernel is timed alone, without the forward's conversions from and to torch's tensors: a
+decoding step computes its logits inside one native call (``colibri.layer._step``).
 
 The output equals torch's up to float32 summation order: both accumulate the exact products
 in float32, add the bias in float32 and round once to the input's dtype.
@@ -35,6 +37,7 @@ from torch.nn import functional as F
 from colibri._validate import check_choice
 from colibri.integrations.transformers._ops import HALF_NAMES, bits_of, compute, compute_quantized
 from colibri.integrations.transformers._threads import DECODE_ROWS, one_thread
+from colibri.layer import half_linear
 
 __all__ = ["LINEAR_MODES", "MAX_ROWS", "LinearChoice", "install", "linear"]
 
@@ -65,7 +68,8 @@ class LinearChoice:
     modules : list of str
         The model's linears of this shape.
     colibri_s, torch_s : float or None
-        With ``linears="auto"``: the best of a few timings of one input row, in seconds.
+        With ``linears="auto"``: the best of a few timings of one input row, in seconds (a
+        router's colibri_s: the kernel alone, as a decoding step calls it).
     by_rows : dict
         With ``linears="auto"``: ``{rows: (colibri_s, torch_s)}`` of every row count timed.
     """
@@ -260,30 +264,43 @@ def _best(fn, repeats: int) -> float:
     return best
 
 
-def _measure(module: nn.Linear, num_threads: int, rows: int) -> tuple[float, float]:
+def _measure(
+    module: nn.Linear, num_threads: int, rows: int, router: bool = False
+) -> tuple[float, float]:
     """The best of a few timings of ``rows`` input rows: colibri's kernel, then ``F.linear``
-    on one torch thread, as a decoding step runs it (:mod:`._threads`)."""
+    on one torch thread, as a decoding step runs it (:mod:`._threads`). colibri's through
+    its forward (:func:`compute`: torch's tensors converted in and out), or for a ``router``
+    the kernel alone: a decoding step computes a router's logits inside its native call
+    (:func:`direct`), where the conversions cost 7 times the kernel (25 µs against 3.5 µs for
+    a [26, 1024] router on a Zen 3 core) and would hand every router to torch."""
     weight, bias = module.weight, _bias(module)
     x = torch.randn(rows, weight.shape[1]).to(weight.dtype)
     bits = bits_of(weight)
     bias32 = None if bias is None else bias.detach().to(torch.float32).numpy()
+    dtype, x32 = HALF_NAMES[weight.dtype], x.to(torch.float32).numpy()
     with torch.no_grad():
-        ours = _best(lambda: compute(x, weight, bias, num_threads, bits, bias32), _REPEATS)
+        if router:
+            ours = _best(lambda: half_linear(x32, bits, dtype, bias32, num_threads), _REPEATS)
+        else:
+            ours = _best(lambda: compute(x, weight, bias, num_threads, bits, bias32), _REPEATS)
         with one_thread():
             theirs = _best(lambda: F.linear(x, weight, bias), _REPEATS)
     return ours, theirs
 
 
-def _choose(module: nn.Linear, num_threads: int, names: list[str]) -> LinearChoice:
+def _choose(
+    module: nn.Linear, num_threads: int, names: list[str], router: bool = False
+) -> LinearChoice:
     """``"auto"``: colibri's kernel if it beats ``F.linear`` at one row, up to the most rows
-    of :data:`_STEPS` at which it still does (tried from the most)."""
-    timed = {1: _measure(module, num_threads, 1)}
+    of :data:`_STEPS` at which it still does (tried from the most); ``router``: timed as a
+    decoding step calls it (:func:`_measure`)."""
+    timed = {1: _measure(module, num_threads, 1, router)}
     choice = LinearChoice("torch", 0, names, *timed[1], by_rows=timed)
     if timed[1][0] >= timed[1][1]:
         return choice
     choice.engine, choice.rows = "colibri", 1
     for rows in _STEPS:
-        timed[rows] = _measure(module, num_threads, rows)
+        timed[rows] = _measure(module, num_threads, rows, router)
         if timed[rows][0] < timed[rows][1]:
             choice.rows = rows
             break
@@ -340,7 +357,7 @@ def install(
         if mode == "colibri":
             choice = LinearChoice("colibri", MAX_ROWS, names)
         elif mode == "auto":
-            choice = _choose(members[0][1], num_threads, names)
+            choice = _choose(members[0][1], num_threads, names, routers.issuperset(names))
         choices[key] = choice
         if choice.engine == "colibri":
             for name, module in members:

@@ -229,8 +229,10 @@ def test_auto_follows_the_timings(untied, monkeypatch, kernel_calls):
     4 rows (the LM head), at one row (the routers) or nowhere (k/v); the forward follows each
     choice."""
     wins = {32: _linears.MAX_ROWS, 96: 4, 16: 0, 8: 1}  # out features -> most rows it wins at
+    as_router = {}
 
-    def made_up(module, num_threads, rows):
+    def made_up(module, num_threads, rows, router=False):
+        as_router.setdefault(module.weight.shape[0], set()).add(router)
         return (1.0, 2.0) if rows <= wins[module.weight.shape[0]] else (2.0, 1.0)
 
     monkeypatch.setattr(_linears, "_measure", made_up)
@@ -239,6 +241,8 @@ def test_auto_follows_the_timings(untied, monkeypatch, kernel_calls):
     got = {key[0]: (c.engine, c.rows, sorted(c.by_rows)) for key, c in choices.items()}
     assert got == {32: ("colibri", 8, [1, 8]), 96: ("colibri", 4, [1, 4, 8]),
                    16: ("torch", 0, [1]), 8: ("colibri", 1, [1, 2, 4, 8])}  # fmt: skip
+    # only the routers (8 experts) are timed as a decoding step calls them
+    assert as_router == {32: {False}, 96: {False}, 16: {False}, 8: {True}}
     _logits(model, token_ids(1, batch=1, length=4))
     assert len(kernel_calls) == 2 * 2 + 1  # q/o of two layers and the LM head
     kernel_calls.clear()
@@ -247,6 +251,21 @@ def test_auto_follows_the_timings(untied, monkeypatch, kernel_calls):
     kernel_calls.clear()
     _logits(model, token_ids(1, batch=1, length=1))
     assert len(kernel_calls) == 2 * 2 + 1 + 2  # one row: the routers of two layers too
+
+
+def test_auto_times_a_router_as_a_decoding_step_calls_it(untied, monkeypatch, kernel_calls):
+    """A router's kernel is timed alone (float32 rows in, no torch tensors converted): its
+    logits come from inside the decoding step's native call, not from its forward."""
+    model = _load(untied, "torch")
+
+    def converting(*args):
+        raise AssertionError("a router timed through its forward's conversions")
+
+    monkeypatch.setattr(_linears, "compute", converting)
+    ours, theirs = _linears._measure(model.model.layers[0].mlp.gate, 1, 2, router=True)
+    assert kernel_calls == [2] * (1 + _linears._REPEATS) and ours > 0 and theirs > 0
+    with pytest.raises(AssertionError, match="conversions"):
+        _linears._measure(model.model.layers[0].self_attn.q_proj, 1, 2)
 
 
 def test_compiles_in_one_graph(models):
