@@ -68,7 +68,9 @@ class Held:
     hidden: int
     missing: list[int]
     active: list[int]
-    def __init__(self, num_experts: int, hidden: int, act: str, max_rows: int) -> None: ...
+    def __init__(
+        self, num_experts: int, hidden: int, act: str, max_rows: int, path: str | None = None
+    ) -> None: ...
     def hold(
         self, e: int, mats: tuple[np.ndarray, np.ndarray, np.ndarray], qtype: str, down_type: str
     ) -> bool: ...

@@ -43,15 +43,16 @@ enum {
     COLIBRI_IQ4_XS = 5,
     COLIBRI_MXFP4 = 6,
     COLIBRI_MXFP4_OSS = 7, /* gpt-oss's MXFP4: values interleaved, scales apart (see above) */
-    COLIBRI_Q_COUNT = 8
+    COLIBRI_Q4_0X8 = 8,    /* Q4_0 rows interleaved by eight (colibri's layout, see below) */
+    COLIBRI_Q_COUNT = 9
 };
 
 /* Whether a type is MXFP4 (its levels e2m1, doubled), as GGUF or as gpt-oss stores it. */
 #define COLIBRI_Q_E2M1(type) ((type) == COLIBRI_MXFP4 || (type) == COLIBRI_MXFP4_OSS)
 
 /* Values per block, and bytes per block, of each format. */
-static const int32_t colibri_q_block[COLIBRI_Q_COUNT] = {32, 32, 256, 256, 256, 256, 32, 32};
-static const int32_t colibri_q_bytes[COLIBRI_Q_COUNT] = {34, 18, 144, 176, 210, 136, 17, 16};
+static const int32_t colibri_q_block[COLIBRI_Q_COUNT] = {32, 32, 256, 256, 256, 256, 32, 32, 32};
+static const int32_t colibri_q_bytes[COLIBRI_Q_COUNT] = {34, 18, 144, 176, 210, 136, 17, 16, 18};
 
 /* The q8 activations' block, and the lanes the blocks' terms are summed in. */
 #define COLIBRI_Q8_BLOCK 32
@@ -258,12 +259,51 @@ static inline float colibri_q_lanes_sum(const float *a)
 #define COLIBRI_Q_ROW_BLOCK 4
 
 /* Rows of K values of `type` whose blocks fill about `bytes` (a chunk of a pool's work: long
- * enough that each thread streams its own weights), whole multiples of 4, at least 4. */
+ * enough that each thread streams its own weights), whole multiples of 8 (COLIBRI_Q4_0X8's
+ * groups), at least 8. */
 static inline int32_t colibri_q_chunk_rows(int32_t type, int32_t K, int64_t bytes)
 {
     int64_t row = (int64_t)(K / colibri_q_block[type]) * colibri_q_bytes[type];
-    int64_t rows = (bytes / (row > 0 ? row : 1)) & ~(int64_t)3;
-    return rows < 4 ? 4 : (int32_t)rows;
+    int64_t rows = (bytes / (row > 0 ? row : 1)) & ~(int64_t)7;
+    return rows < 8 ? 8 : (int32_t)rows;
+}
+
+/* ---- COLIBRI_Q4_0X8: Q4_0 rows interleaved by eight ------------------------------------
+ *
+ * A matrix of Q4_0 rows (a multiple of 8 of them) repacked so that one vector holds eight
+ * rows' values: rows 8g..8g+7 form group g, ldw bytes a row as in Q4_0 (group g starts at
+ * w + 8 g ldw), and a group's block i (144 bytes at 144 i) is the eight rows' float16 scales
+ * (16 bytes, row r's at 2r), then 4 x 32 bytes: vector v's 4 bytes at 4r are bytes 4v..4v+3
+ * of row r's 16 bytes of nibbles. The x86 kernel multiplies a block of eight rows with one
+ * int32 lane a row, the q8 values broadcast: no shuffles, no reduction across lanes, each
+ * row's terms still summed in colibri_q_dot_scalar's order (the same bits as Q4_0). */
+
+/* Row r's Q4_0 block (18 bytes, b) from its group's block gb. */
+static inline void colibri_q4_0x8_block(const uint8_t *gb, int32_t r, uint8_t *b)
+{
+    int32_t v;
+    memcpy(b, gb + 2 * r, 2);
+    for (v = 0; v < 4; v++)
+        memcpy(b + 2 + 4 * v, gb + 16 + 32 * v + 4 * r, 4);
+}
+
+/* Repack `rows` (a multiple of 8) Q4_0 rows of K values (w, row stride ldw bytes) into out
+ * (rows x K / 32 x 18 bytes, rows contiguous). */
+static inline void colibri_q4_0x8_pack(const uint8_t *w, int64_t ldw, int32_t rows, int32_t K,
+                                       uint8_t *out)
+{
+    const int32_t G = K / 32;
+    int32_t g, i, r, v;
+    for (g = 0; g < rows / 8; g++)
+        for (i = 0; i < G; i++) {
+            uint8_t *o = out + ((size_t)g * G + i) * 144;
+            for (r = 0; r < 8; r++) {
+                const uint8_t *b = w + (size_t)(8 * g + r) * ldw + (size_t)i * 18;
+                memcpy(o + 2 * r, b, 2);
+                for (v = 0; v < 4; v++)
+                    memcpy(o + 16 + 32 * v + 4 * r, b + 2 + 4 * v, 4);
+            }
+        }
 }
 
 /* The bytes holding the scale of block i of a row: the block itself, or for
@@ -305,15 +345,44 @@ static inline void colibri_q_dot_scalar(int type, const uint8_t *w, const uint8_
         y[r * ldy] = colibri_q_lanes_sum(lanes[r]);
 }
 
+/* colibri_q_dot_scalar for row r of a COLIBRI_Q4_0X8 group g (its blocks unpacked). */
+static inline void colibri_q4_0x8_dot_scalar(const uint8_t *g, int32_t r, int32_t K, const float *d,
+                                             const int8_t *q, const int32_t *s, int32_t nb,
+                                             float *y, int64_t ldy)
+{
+    float lanes[COLIBRI_Q_ROW_BLOCK][COLIBRI_Q_LANES];
+    uint8_t b[18];
+    int8_t lv[32];
+    const int32_t G = K / 32;
+    int32_t i, j;
+    memset(lanes, 0, sizeof lanes);
+    for (i = 0; i < G; i++) {
+        colibri_q4_0x8_block(g + (size_t)i * 144, r, b);
+        colibri_q_unpack(COLIBRI_Q4_0, b, 0, lv);
+        for (j = 0; j < nb; j++)
+            lanes[j][i % COLIBRI_Q_LANES] +=
+                colibri_q_term(COLIBRI_Q4_0, b, 0,
+                               colibri_q_isum(COLIBRI_Q4_0, b, 0, lv, q + (size_t)j * K + 32 * i),
+                               d[j * G + i], s[j * G + i]);
+    }
+    for (j = 0; j < nb; j++)
+        y[j * ldy] = colibri_q_lanes_sum(lanes[j]);
+}
+
 #if (defined(__x86_64__) || defined(_M_X64)) && (defined(__GNUC__) || defined(__clang__))
 #include "colibri/quant/x86.h"
+/* Whether COLIBRI_Q4_0X8 has its x86 kernel here: callers repack Q4_0 where it does. */
+#define COLIBRI_Q4_0X8_FAST 1
+#else
+#define COLIBRI_Q4_0X8_FAST 0
 #endif
 #if defined(__aarch64__) && defined(__ARM_NEON)
 #include "colibri/quant/neon.h"
 #endif
 
 /* y[o * ldo + r * ldy] = w_o . x_r for `rows` weight rows w_o = w + o * ldw (bytes; for
- * COLIBRI_MXFP4_OSS their scales e + o * lde, else e unused) and nb <= 4 q8 rows, on SIMD path
+ * COLIBRI_MXFP4_OSS their scales e + o * lde, else e unused; COLIBRI_Q4_0X8: w a group's start,
+ * rows a multiple of 8) and nb <= 4 q8 rows, on SIMD path
  * `path` (a COLIBRI_PATH_* this CPU runs): colibri_q_dot_scalar's bits. One call per many
  * rows: the x86 paths loop inside their target code. */
 static inline void colibri_q_dot_rows(int path, int type, const uint8_t *w, int64_t ldw,
@@ -324,6 +393,10 @@ static inline void colibri_q_dot_rows(int path, int type, const uint8_t *w, int6
     int32_t o;
 #ifdef COLIBRI_QUANT_X86_H
     static int vnni = -1;
+    if (type == COLIBRI_Q4_0X8 && path >= COLIBRI_PATH_AVX2 && path <= COLIBRI_PATH_AVX512_BF16) {
+        colibri_q4_0x8_dot_avx2(w, ldw, rows, K, d, q, s, nb, y, ldo, ldy);
+        return;
+    }
     if (path == COLIBRI_PATH_AVX512 || path == COLIBRI_PATH_AVX512_BF16) {
         if (vnni < 0) /* racing first calls compute the same value */
             vnni = colibri_cpu_has_avx512vnni();
@@ -339,6 +412,10 @@ static inline void colibri_q_dot_rows(int path, int type, const uint8_t *w, int6
 #endif
     for (o = 0; o < rows; o++) {
         const uint8_t *eo = e == NULL ? NULL : e + o * lde;
+        if (type == COLIBRI_Q4_0X8) {
+            colibri_q4_0x8_dot_scalar(w + (o & ~7) * ldw, o & 7, K, d, q, s, nb, y + o * ldo, ldy);
+            continue;
+        }
 #ifdef COLIBRI_QUANT_NEON_H
         if (path == COLIBRI_PATH_NEON) {
             colibri_q_dot_neon(type, w + o * ldw, eo, K, d, q, s, nb, y + o * ldo, ldy);

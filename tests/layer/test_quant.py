@@ -244,6 +244,41 @@ def test_every_simd_path_gives_the_scalar_bits_at_extreme_levels(qtype, path):
     np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
 
 
+@pytest.mark.parametrize("path", PATHS)
+def test_held_q4_0_experts_give_ffn_sums_bits(path):
+    """Held Q4_0 experts (on x86 a copy with rows interleaved by eight) give ffn_sum's bits
+    on every path: random blocks, blocks of the largest levels against q8 values of +-127
+    (the int16 sums of eight products at their largest), rows not whole groups of 8 blocks
+    (H = 1120: 35 blocks; I = 160: 5), one and three rows."""
+    rng = np.random.default_rng(len(path))
+    E, H, I = 3, 1120, 160
+    experts = [(_blocks(rng, "q4_0", I, H // 32), _blocks(rng, "q4_0", I, H // 32),
+                _blocks(rng, "q4_0", H, I // 32)) for _ in range(E)]  # fmt: skip
+    for nibbles in (0xFF, 0x00):  # levels +7 and -8 in every row of expert 1's gate and down
+        for w, values in ((experts[1][0], H), (experts[1][2], I)):
+            blocks = w.reshape(w.shape[0], values // 32, 18)
+            blocks[nibbles // 0xFF :: 2, :, 2:] = nibbles
+    held = _quant.Held(E, H, "silu", 4, path=path)
+    for e, mats in enumerate(experts):
+        assert held.hold(e, mats, "q4_0", "q4_0")
+    for T, ids in ((1, [[2, 1]]), (3, [[0, 1], [1, 2], [2, 0]])):
+        ids = np.array(ids, np.int64)
+        x = rng.standard_normal((T, H)).astype(np.float32)
+        x[0, : H // 2] = 1.0  # q8 values of 127
+        x[T - 1, H // 2 :] = -1.0
+        weights = rng.uniform(0.1, 1.0, ids.shape).astype(np.float32)
+        got = np.empty((T, H), np.float32)
+        assert held.step(x, ids, weights, got, 0, 2) == 0
+        order = np.argsort(ids.ravel(), kind="stable")  # expert by expert, tokens in order
+        active = np.unique(ids)
+        bounds = np.searchsorted(ids.ravel()[order], [*active, E]).astype(np.int64)
+        want = np.zeros((T, H), np.float32)
+        _quant.ffn_sum(x, [experts[e] for e in active], "q4_0", "silu", bounds,
+                       (order // 2).astype(np.int64), weights.ravel()[order], want, 2,
+                       path)  # fmt: skip
+        np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+
+
 def test_paged_gguf_experts_run_in_the_engine(tmp_path):
     """Q4_K gate/up and Q6_K down (as Q4_K_M files mix them), paged from a GGUF file under a
     two-expert budget: decode-size experts are the fused kernel's, bit for bit, and a
