@@ -93,7 +93,15 @@ TYPES = {
 #: nibble and 2i + 1 in its high one, the e8m0 scales a separate uint8 array [rows, K / 32].
 #: Only :func:`matmul` (``scales=``) and :func:`ffn_sum` (gpt-oss experts) take it.
 MXFP4_OSS = "mxfp4_oss"
-TYPE_NAMES = {t: name for name, t in TYPES.items()} | {COLIBRI_MXFP4_OSS: MXFP4_OSS}
+#: Q4_0 rows interleaved by eight (quant.h's COLIBRI_Q4_0X8: the same values, eight rows'
+#: blocks together, one int32 lane a row in the x86 kernel), rows a multiple of 8:
+#: :func:`interleave` makes them; :func:`linear`, the decode step and :class:`Held` take them.
+Q4_0X8 = "q4_0x8"
+#: Whether Q4_0X8 has its own kernel in this build (x86, GCC or Clang): only then is
+#: interleaving worth its copy (1.7-1.9x a Q4_0 row at a time on a Zen 3 core).
+INTERLEAVE_FAST = bool(COLIBRI_Q4_0X8_FAST)
+TYPE_NAMES = {t: name for name, t in TYPES.items()} | {COLIBRI_MXFP4_OSS: MXFP4_OSS,
+                                                       COLIBRI_Q4_0X8: Q4_0X8}
 BLOCK = {name: colibri_q_block[t] for name, t in TYPES.items()}
 BLOCK_BYTES = {name: colibri_q_bytes[t] for name, t in TYPES.items()}
 
@@ -110,9 +118,33 @@ def _type(qtype, bint scales_apart=True):
     return TYPES[qtype]
 
 
+def linear_type(qtype, int64_t rows):
+    """:func:`linear`'s type number of ``qtype``: one of ``TYPES``, or :data:`Q4_0X8` with
+    ``rows`` a multiple of 8."""
+    if qtype != Q4_0X8:
+        return _type(qtype, False)
+    if rows % 8:
+        raise ValueError(f"{Q4_0X8} weights hold their rows in groups of 8 (got {rows} rows)")
+    return COLIBRI_Q4_0X8
+
+
+def interleave(const uint8_t[:, ::1] w):
+    """Q4_0 rows ``[rows, K / 32 * 18]`` uint8 (``rows`` a multiple of 8) as a new array of
+    :data:`Q4_0X8` rows of the same shape: the same values, eight rows' blocks together."""
+    cdef int32_t K = row_values("q4_0", w.shape[1])
+    cdef int32_t rows = <int32_t>w.shape[0]
+    linear_type(Q4_0X8, rows)
+    packed = np.empty((rows, w.shape[1]), np.uint8)
+    cdef uint8_t[:, ::1] out = packed
+    if rows:
+        with nogil:
+            colibri_q4_0x8_pack(&w[0, 0], w.shape[1], rows, K, &out[0, 0])
+    return packed
+
+
 def row_values(qtype, int row_bytes):
     """Values in a row of ``row_bytes`` bytes of ``qtype`` (whole blocks only)."""
-    t = _type(qtype)
+    t = COLIBRI_Q4_0X8 if qtype == Q4_0X8 else _type(qtype)
     if row_bytes <= 0 or row_bytes % colibri_q_bytes[t]:
         raise ValueError(
             f"a {qtype} row holds whole blocks of {colibri_q_bytes[t]} bytes (got {row_bytes} "
@@ -289,7 +321,7 @@ def linear(qtype, const uint8_t[:, ::1] w, x, y, int num_threads=0,
     Parameters
     ----------
     qtype : str
-        One of ``TYPES``.
+        One of ``TYPES``, or :data:`Q4_0X8`.
     w : ndarray of uint8, shape (out, row_bytes)
         Rows of whole ``qtype`` blocks, C-contiguous (as stored in a GGUF file).
     x : ndarray, shape (n, in)
@@ -308,7 +340,7 @@ def linear(qtype, const uint8_t[:, ::1] w, x, y, int num_threads=0,
     kind : int
         What ``x`` and ``y`` hold.
     """
-    cdef int t = _type(qtype, False)
+    cdef int t = linear_type(qtype, w.shape[0])
     cdef int32_t K = row_values(qtype, w.shape[1])
     cdef const float[:, ::1] xf
     cdef float[:, ::1] yf
@@ -444,33 +476,24 @@ cdef int64_t _fill(colibri_qffn_t *f, object mats, int t, int td, int64_t H,
     return I
 
 
-cdef const uint8_t *_pack(const uint8_t *w, int64_t ldw, int32_t rows, int32_t K, list keep):
-    """A copy of ``rows`` Q4_0 rows of K values (stride ``ldw`` bytes) interleaved by eight,
-    kept alive in ``keep``."""
-    packed = np.empty((rows, K // 32 * 18), np.uint8)
-    cdef uint8_t[:, ::1] out = packed
-    with nogil:
-        colibri_q4_0x8_pack(w, ldw, rows, K, &out[0, 0])
-    keep.append(packed)
-    return &out[0, 0]
-
-
-cdef list _interleave(colibri_qffn_t *f):
-    """Point ``f``'s Q4_0 matrices at copies interleaved by eight (rows a multiple of 8),
-    where the x86 kernel of that layout is built; returns the copies."""
-    cdef list keep = []
-    if not COLIBRI_Q4_0X8_FAST:
-        return keep
+cdef tuple _interleave(colibri_qffn_t *f, tuple mats):
+    """Point ``f``'s Q4_0 matrices (``mats``: gate, up, down) at copies interleaved by eight
+    (:func:`interleave`) where that layout has its kernel; returns the copies."""
+    cdef const uint8_t[:, ::1] g
+    cdef const uint8_t[:, ::1] u
+    cdef const uint8_t[:, ::1] d
+    if not INTERLEAVE_FAST:
+        return ()
+    g = u = d = None
     if f.type == COLIBRI_Q4_0:  # I rows: a multiple of 32
-        f.gate = _pack(f.gate, f.ldg, f.I, f.H, keep)
-        f.up = _pack(f.up, f.ldu, f.I, f.H, keep)
-        f.ldg = f.ldu = f.H // 32 * 18
+        g, u = interleave(mats[0]), interleave(mats[1])
+        f.gate, f.up, f.ldg, f.ldu = &g[0, 0], &u[0, 0], g.shape[1], u.shape[1]
         f.type = COLIBRI_Q4_0X8
     if f.down_type == COLIBRI_Q4_0 and f.H % 8 == 0:
-        f.down = _pack(f.down, f.ldd, f.H, f.I, keep)
-        f.ldd = f.I // 32 * 18
+        d = interleave(mats[2])
+        f.down, f.ldd = &d[0, 0], d.shape[1]
         f.down_type = COLIBRI_Q4_0X8
-    return keep
+    return g, u, d
 
 
 def ffn(qtype, gate, up, down, x, act="silu", int num_threads=0, path=None, down_type=None):
@@ -871,7 +894,7 @@ cdef class Held:
         f.I = <int32_t>_fill(f, mats, t, td, self.hidden, e)
         f.H, f.type, f.down_type, f.act, f.path = <int32_t>self.hidden, t, td, self.act, self.path
         self.t, self.td = t, td
-        self.keep[e] = (mats, _interleave(f))
+        self.keep[e] = (mats, _interleave(f, mats))
         self.held[e] = 1
         return True
 

@@ -10,7 +10,8 @@ calls a layer, each 2-5x its own cost while the weights stream through the cache
 
 A projection is ``(weight, code, bias, threads)``: ``code`` ``"bfloat16"`` / ``"float16"``
 for a half-precision weight's uint16 bits ``[out, in]`` (``include/colibri/linear.h``), or a
-quantized type for rows of blocks ``[out, row_bytes]`` (``include/colibri/qlinear.h``, the
+quantized type (or ``"q4_0x8"``, Q4_0 rows interleaved by eight) for rows of blocks
+``[out, row_bytes]`` (``include/colibri/qlinear.h``, the
 input quantized to q8 once and shared by the projections of one input); ``bias`` float32
 ``[out]`` or None; ``threads`` colibri's threads (< 1: its default).
 """
@@ -41,7 +42,7 @@ from colibri.layer._norm cimport norm_rows
 from colibri.layer._rope cimport rope_rows
 
 from colibri.layer._ffn import path_index
-from colibri.layer._quant import TYPES, row_values
+from colibri.layer._quant import Q4_0X8, TYPES, linear_type, row_values
 
 share_pool()  # one worker pool a process (colibri/_pool.pyx)
 
@@ -74,15 +75,16 @@ cdef int _proj(object spec, int32_t in_dim, int32_t out_dim, proj_t *p, str what
                              f"[{bits.shape[0]}, {bits.shape[1]}])")
         p.bits, p.ldw, p.qtype, p.wkind = &bits[0, 0], in_dim, -1, _HALF[code]
     else:
-        if code not in TYPES:
+        if code not in TYPES and code != Q4_0X8:
             raise ValueError(f"{what}: the weight type must be one of "
-                             f"{', '.join([*_HALF, *TYPES])} (got {code!r})")
+                             f"{', '.join([*_HALF, *TYPES, Q4_0X8])} (got {code!r})")
         blocks = weight
         values = row_values(code, blocks.shape[1])
         if blocks.shape[0] != out_dim or values != in_dim:
             raise ValueError(f"{what}: the weight must be {out_dim} rows of {in_dim} {code} "
                              f"values (got {blocks.shape[0]} rows of {values})")
-        p.blocks, p.ldw, p.qtype, p.wkind = &blocks[0, 0], blocks.shape[1], TYPES[code], 0
+        p.blocks, p.ldw, p.wkind = &blocks[0, 0], blocks.shape[1], 0
+        p.qtype = linear_type(code, out_dim)
     p.out_dim = out_dim
     p.threads = threads if threads >= 1 else colibri_max_threads()
     p.bias = NULL

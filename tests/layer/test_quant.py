@@ -375,6 +375,34 @@ def test_quant_linear_is_matmuls_bits_on_every_path_and_thread_count(qtype):
     assert quant_linear(x[:0], w, qtype).shape == (0, 300)
 
 
+def test_interleaved_q4_0_is_q4_0s_bits_on_every_path():
+    """Q4_0 rows interleaved by eight give matmul's Q4_0 bits: 304 rows (38 groups, several
+    chunks), 9 input rows, K = 1120 (35 blocks: not whole groups of 8 blocks), the largest
+    levels against q8 values of 127, every path and thread count; a row count that is not
+    whole groups, a truncated row and the other functions are refused."""
+    rng = np.random.default_rng(40)
+    w = _blocks(rng, "q4_0", 304, 35)
+    w.reshape(304, 35, 18)[:8, :, 2:] = 0xFF  # level +7 in every value of group 0
+    x = rng.standard_normal((9, 1120)).astype(np.float32)
+    x[0] = 1.0
+    want = _quant.matmul("q4_0", w, x, path="scalar")
+    packed = _quant.interleave(w)
+    assert packed.shape == w.shape and not np.array_equal(packed, w)
+    for path in PATHS:
+        for threads in (1, 2):
+            y = np.empty((9, 304), np.float32)
+            _quant.linear(_quant.Q4_0X8, packed, x, y, threads, path=path)
+            np.testing.assert_array_equal(y, want)
+    with pytest.raises(ValueError, match="q4_0x8 weights hold their rows in groups of 8"):
+        _quant.interleave(w[:12])
+    with pytest.raises(ValueError, match="q4_0x8 weights hold their rows in groups of 8"):
+        _quant.linear(_quant.Q4_0X8, packed[:12], x, np.empty((9, 12), np.float32))
+    with pytest.raises(ValueError, match="whole blocks of 18 bytes"):
+        _quant.interleave(w[:, :-1].copy())
+    with pytest.raises(ValueError, match="quantized type must be one of"):
+        _quant.matmul(_quant.Q4_0X8, packed, x)
+
+
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_quant_linear_in_half_precision_rounds_the_float32_result_once(dtype):
     """Half-precision bits in and out: the float32 product of the same values, rounded once

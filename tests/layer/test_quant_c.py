@@ -24,7 +24,8 @@ PROGRAM = r"""
 #include "colibri/quant.h"
 
 /* argv: in.bin out.bin path... in.bin: int32 count, then per case int32 type rows K n, the
- * weight rows' bytes (COLIBRI_MXFP4_OSS: then their scales, K / 32 bytes a row) and float32
+ * weight rows' bytes (COLIBRI_MXFP4_OSS: then their scales, K / 32 bytes a row;
+ * COLIBRI_Q4_0X8: rows interleaved by eight, a multiple of 8 of them) and float32
  * x [n, K]. out.bin: per case, per path, float32 y [n, rows]: the rows of x quantized to q8
  * (in colibri_q8_oss_order's order for COLIBRI_MXFP4_OSS) and multiplied. */
 int main(int argc, char **argv)
@@ -60,11 +61,12 @@ int main(int argc, char **argv)
             for (p = 3; p < argc; p++) {
                 for (r = 0; r < n; r += COLIBRI_Q_ROW_BLOCK) {
                     const int32_t nb = n - r < COLIBRI_Q_ROW_BLOCK ? n - r : COLIBRI_Q_ROW_BLOCK;
-                    for (o = 0; o < rows; o++)
-                        colibri_q_dot_rows(atoi(argv[p]), type, w + (size_t)o * rb, 0,
-                                           e ? e + (size_t)o * eb : NULL, 0, 1, K,
+                    const int32_t step = type == COLIBRI_Q4_0X8 ? 8 : 1; /* its groups */
+                    for (o = 0; o < rows; o += step)
+                        colibri_q_dot_rows(atoi(argv[p]), type, w + (size_t)o * rb, (int64_t)rb,
+                                           e ? e + (size_t)o * eb : NULL, 0, step, K,
                                            d + (size_t)r * G, q + (size_t)r * K,
-                                           s + (size_t)r * G, nb, y + (size_t)r * rows + o, 0,
+                                           s + (size_t)r * G, nb, y + (size_t)r * rows + o, 1,
                                            rows);
                 }
                 if (fwrite(y, 4, (size_t)n * rows, out) != (size_t)n * rows)
@@ -111,21 +113,23 @@ def test_every_platform_and_path_gives_the_scalar_bits(program, tmp_path):
     rng = np.random.default_rng(7)
     cases = []
     with open(tmp_path / "in.bin", "wb") as f:
-        types = {name: t for t, name in _quant.TYPE_NAMES.items()}  # mxfp4_oss too
+        types = {name: t for t, name in _quant.TYPE_NAMES.items()}  # mxfp4_oss, q4_0x8 too
         f.write(np.array([len(types)], "<i4").tobytes())
         for qtype, t in types.items():
-            oss = qtype == _quant.MXFP4_OSS
-            block, nbytes = (32, 16) if oss else (_quant.BLOCK[qtype], _quant.BLOCK_BYTES[qtype])
+            oss, x8 = qtype == _quant.MXFP4_OSS, qtype == _quant.Q4_0X8
+            stored = "q4_0" if x8 else qtype  # q4_0x8: q4_0's rows, interleaved
+            block, nbytes = (32, 16) if oss else (_quant.BLOCK[stored], _quant.BLOCK_BYTES[stored])
             K = 512 + (96 if block == 32 else 0)  # 32-value types: a lane tail
-            rows, n = 9, 6
+            rows, n = 16 if x8 else 9, 6
             w = rng.integers(0, 256, (rows, K // block * nbytes)).astype(np.uint8)
             # any bytes: NaN and inf scales too (mxfp4_oss: its scales apart, 0xFF is NaN)
             e = rng.integers(0, 256, (rows, K // 32)).astype(np.uint8) if oss else None
             x = rng.standard_normal((n, K)).astype(np.float32)
             x[2, :64] *= 1e-20
-            f.write(np.array([t, rows, K, n], "<i4").tobytes() + w.tobytes()
+            f.write(np.array([t, rows, K, n], "<i4").tobytes()
+                    + (_quant.interleave(w) if x8 else w).tobytes()
                     + (e.tobytes() if oss else b"") + x.tobytes())  # fmt: skip
-            cases.append((qtype, _quant.matmul(qtype, w, x, path="scalar", scales=e)))
+            cases.append((qtype, _quant.matmul(stored, w, x, path="scalar", scales=e)))
     run = [*command, "in.bin", "out.bin", *(str(PATH[p]) for p in paths)]
     done = subprocess.run(run, cwd=tmp_path, env={**os.environ, **wine}, capture_output=True,
                           timeout=300)  # fmt: skip

@@ -52,6 +52,10 @@ def _projection(rng, code: str, out: int, inp: int, bias: bool, dtype: str):
             return _store(half_linear(_load(rows, dtype), bits, code, b, 2), dtype)
 
         return (bits, code, b, 2), run
+    if code == _quant.Q4_0X8:  # Q4_0 interleaved by eight, against Q4_0 as stored
+        blocks = random_blocks(rng, "q4_0", out, inp // 32)
+        packed = (_quant.interleave(blocks), code, b, 2)
+        return packed, lambda rows: quant_linear(rows, blocks, "q4_0", b, 2, dtype)
     blocks = random_blocks(rng, code, out, inp // _quant.BLOCK[code])
     return (blocks, code, b, 2), lambda rows: quant_linear(rows, blocks, code, b, 2, dtype)
 
@@ -97,6 +101,7 @@ CODES = [
     ("q4_k", "q6_k", "q4_0", "q5_k", "q8_0"),
     ("bfloat16", "bfloat16", "bfloat16", "bfloat16", "bfloat16"),  # a bf16 checkpoint
     ("float16", "q8_0", "bfloat16", "iq4_xs", "float16"),
+    ("q4_0x8", "q4_0x8", "q4_0x8", "q4_0x8", "bfloat16"),  # Q4_0 on x86: interleaved
 ]
 
 

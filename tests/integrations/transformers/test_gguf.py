@@ -27,14 +27,14 @@ from colibri.integrations.transformers import (  # noqa: E402
     UnsupportedCheckpointError,
     from_pretrained,
 )
-from colibri.layer import dequantize  # noqa: E402
+from colibri.layer import _quant, dequantize  # noqa: E402
 
 H, I, E, K, LAYERS, HEADS, KV, HEAD_DIM = 256, 256, 4, 2, 2, 4, 2, 64
 # where each block type keeps its float16 scales, and its largest |level x sub-block scale|
 # (scales drawn so that weights are ~0.05, as in tests/layer/test_quant.py)
-_F16_FIELDS = {"q8_0": [0], "q4_k": [0, 2], "q6_k": [208], "q5_0": [0]}
-_LEVELS = {"q8_0": 127, "q4_k": 63 * 15, "q6_k": 128 * 32, "q5_0": 16}
-_TYPES = {"q8_0": G.Q8_0, "q4_k": G.Q4_K, "q6_k": G.Q6_K, "q5_0": G.Q5_0}
+_F16_FIELDS = {"q8_0": [0], "q4_0": [0], "q4_k": [0, 2], "q6_k": [208], "q5_0": [0]}
+_LEVELS = {"q8_0": 127, "q4_0": 8, "q4_k": 63 * 15, "q6_k": 128 * 32, "q5_0": 16}
+_TYPES = {"q8_0": G.Q8_0, "q4_0": G.Q4_0, "q4_k": G.Q4_K, "q6_k": G.Q6_K, "q5_0": G.Q5_0}
 
 
 def _blocks(rng, qtype: str, rows: int, cols: int) -> np.ndarray:
@@ -136,10 +136,11 @@ def _write(path, experts=("q4_k", "q6_k"), family="qwen3_moe", arch=None, seed=0
         parts = hf.split(".")
         name = _NAMES.get(hf) or f"blk.{parts[2]}.{_LAYER_NAMES['.'.join(parts[3:])]}"
         arr = tensor.detach().float().numpy()
-        if name == "blk.0.attn_q.weight":  # one quantized resident tensor
-            blocks = gguf.quants.quantize(arr, G.Q8_0)
-            w.add_tensor(name, blocks, raw_dtype=G.Q8_0)
-            values[hf] = gguf.quants.dequantize(blocks, G.Q8_0)
+        stored = {"blk.0.attn_q.weight": G.Q8_0, "blk.1.attn_output.weight": G.Q4_0}
+        if name in stored:  # quantized resident tensors (Q4_0: interleaved on x86)
+            blocks = gguf.quants.quantize(arr, stored[name])
+            w.add_tensor(name, blocks, raw_dtype=stored[name])
+            values[hf] = gguf.quants.dequantize(blocks, stored[name])
             continue
         if name == "output.weight":  # one float16 one
             arr = arr.astype(np.float16)
@@ -217,6 +218,8 @@ def test_default_bfloat16_runs_the_quantized_kernel(written):
     model = from_pretrained(path, budget=2 * _expert_bytes(), page_size_kb=4)
     try:
         assert model.dtype == torch.bfloat16
+        o_proj = model.get_submodule("model.layers.1.self_attn.o_proj").__dict__
+        assert o_proj["_colibri_linear"].qtype == ("q4_0x8" if _quant.INTERLEAVE_FAST else "q4_0")
         ids = token_ids(1, batch=1, length=6, high=256)  # <= 8 rows an expert: quantized kernel
         want, got = logits(ref, ids), logits(model, ids)
         span = (want.max() - want.min()).item()
@@ -227,11 +230,12 @@ def test_default_bfloat16_runs_the_quantized_kernel(written):
         model.colibri.close()
 
 
-def test_a_budget_for_every_expert_keeps_them_with_the_same_bits(written):
+@pytest.mark.parametrize("experts", [("q8_0", "q8_0"), ("q4_0", "q4_0")], ids=["q8_0", "q4_0"])
+def test_a_budget_for_every_expert_keeps_them_with_the_same_bits(written, experts):
     """A budget that holds every expert: each is loaded once and kept pinned, later steps
     load nothing, and a generation gives the paged model's logits bit for bit, its pager
-    counting the same demand accesses."""
-    experts = ("q8_0", "q8_0")
+    counting the same demand accesses (Q4_0: held interleaved by eight on x86, paged as
+    stored)."""
     path, _ = written(experts)
     paged = from_pretrained(path, budget=2 * _expert_bytes(experts), page_size_kb=4)
     kept = from_pretrained(path, budget=4 * LAYERS * E * _expert_bytes(experts), page_size_kb=4)
@@ -328,8 +332,8 @@ def test_quantized_linears_stay_as_stored(written, family):
 
 
 def test_quantized_linear_compiles_in_one_graph(written):
-    """Under torch.compile the Q8_0 projection is a ``colibri::quant_linear`` node of the one
-    graph (fullgraph: no break), with the eager logits."""
+    """Under torch.compile the Q8_0 and Q4_0 projections are ``colibri::quant_linear`` nodes
+    of the one graph (fullgraph: no break), with the eager logits."""
     path, _ = written()
     model = from_pretrained(path, budget=2 * _expert_bytes(), page_size_kb=4)
     try:
@@ -337,7 +341,7 @@ def test_quantized_linear_compiles_in_one_graph(written):
         want = logits(model, ids)
         got, graphs = compiled_logits(model, ids)
         assert torch.equal(got, want)
-        assert len(graphs) == 1 and graphs[0].code.count("torch.ops.colibri.quant_linear") == 1
+        assert len(graphs) == 1 and graphs[0].code.count("torch.ops.colibri.quant_linear") == 2
         blocks = model.get_submodule(_Q_PROJ).__dict__["_colibri_linear"].blocks
         args = (torch.randn(3, H), blocks, "q8_0", torch.randn(HEADS * HEAD_DIM), 1)
         torch.library.opcheck(torch.ops.colibri.quant_linear.default, args)
