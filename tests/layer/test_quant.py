@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from colibri.layer import _ffn, _quant
+from colibri.layer import _ffn, _quant, fast_layout, quant_linear
 
 gguf = pytest.importorskip("gguf")
 from _support.blocks import F16_FIELDS, GGUF_TYPES  # noqa: E402
@@ -356,8 +356,6 @@ def test_quant_linear_is_matmuls_bits_on_every_path_and_thread_count(qtype):
     """The pooled linear kernel gives matmul's bits (themselves bounded against a float64
     product above) plus the bias in float32: 300 output rows are several chunks, 9 input
     rows three passes of at most 4."""
-    from colibri.layer import quant_linear
-
     rng = np.random.default_rng(21 + len(qtype))
     w = _blocks(rng, qtype, 300, 1024 // _quant.BLOCK[qtype])
     x = rng.standard_normal((9, 1024)).astype(np.float32)
@@ -393,6 +391,11 @@ def test_interleaved_q4_0_is_q4_0s_bits_on_every_path():
             y = np.empty((9, 304), np.float32)
             _quant.linear(_quant.Q4_0X8, packed, x, y, threads, path=path)
             np.testing.assert_array_equal(y, want)
+    fast, qtype = fast_layout(w, "q4_0")  # the public way: interleaved where it is faster
+    assert qtype == (_quant.Q4_0X8 if _quant.INTERLEAVE_FAST else "q4_0")
+    np.testing.assert_array_equal(quant_linear(x, fast, qtype, num_threads=2), want)
+    assert fast_layout(w[:12], "q4_0")[1] == "q4_0"  # not whole groups: as stored
+    assert fast_layout(w, "q8_0")[0] is w
     with pytest.raises(ValueError, match="q4_0x8 weights hold their rows in groups of 8"):
         _quant.interleave(w[:12])
     with pytest.raises(ValueError, match="q4_0x8 weights hold their rows in groups of 8"):

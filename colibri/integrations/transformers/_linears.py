@@ -20,7 +20,7 @@ computes in half precision: they never exist in bfloat16 (the module's ``weight`
 the meta device) and every input runs colibri's quantized linear kernel
 (``include/colibri/qlinear.h``: the input quantized to int8 blocks, as llama.cpp does), half
 the bytes of bfloat16 for Q8_0, a quarter for Q4_0. Where colibri's x86 kernels are built,
-Q4_0 weights are copied with their rows interleaved by eight (``colibri.layer._quant.Q4_0X8``,
+Q4_0 weights are copied with their rows interleaved by eight (``colibri.layer.fast_layout``,
 the same bits at 1.7-1.9x the speed), the file's pages left unread.
 """
 
@@ -39,7 +39,7 @@ from torch.nn import functional as F
 from colibri._validate import check_choice
 from colibri.integrations.transformers._ops import HALF_NAMES, bits_of, compute, compute_quantized
 from colibri.integrations.transformers._threads import DECODE_ROWS, one_thread
-from colibri.layer import _quant, half_linear
+from colibri.layer import fast_layout, half_linear
 
 __all__ = ["LINEAR_MODES", "MAX_ROWS", "LinearChoice", "install", "linear"]
 
@@ -113,9 +113,7 @@ class _Quantized:
 
     def __init__(self, module: nn.Linear, qtype: str, blocks, num_threads: int) -> None:
         self.stored = qtype  # the file's type
-        if qtype == "q4_0" and _quant.INTERLEAVE_FAST and blocks.shape[0] % 8 == 0:
-            qtype, blocks = _quant.Q4_0X8, _quant.interleave(blocks)
-        self.qtype = qtype
+        blocks, self.qtype = fast_layout(blocks, qtype)
         self.blocks = torch.from_numpy(blocks)  # uint8 [out, row_bytes]
         self.array = blocks  # the same memory as numpy, for direct() callers
         self.num_threads = num_threads
