@@ -41,12 +41,12 @@ PROGRAM = r"""
 #include <string.h>
 #include "colibri/route.h"
 
-/* argv: case.bin out.bin [wide], wide: a comma list of avx2, avx512 (the kernels to allow).
- * case.bin: int32 T E k scoring normalize bias_on_logits G topk_groups group_score
- * groups_in_order has_bias has_expert_scale; float32 norm_p norm_eps scale; float32 logits
- * [T, E]; float32 bias [E] if any; float32 expert_scale [E] if any; int32 group_start [G + 1];
- * int32 group_members [E].  out.bin, once row by row, then once by blocks: int32 status [T],
- * int32 ids [T, k], float32 w [T, k]. */
+/* wide: a comma list of avx2, avx512 (the kernels to allow). case.bin: int32 T E k
+ * scoring normalize bias_on_logits G topk_groups group_score groups_in_order has_bias
+ * has_expert_scale; float32 norm_p norm_eps scale; float32 logits [T, E]; float32 bias [E]
+ * if any; float32 expert_scale [E] if any; int32 group_start [G + 1]; int32 group_members
+ * [E].  out.bin, once row by row, then once by blocks: int32 status [T], int32 ids [T, k],
+ * float32 w [T, k]. */
 static void *take(FILE *f, size_t size, size_t n)
 {
     void *p = malloc(size * (n ? n : 1));
@@ -74,19 +74,10 @@ static void route_blocks(const colibri_router_t *r, const float *x, int32_t T, v
                                       w + (size_t)t * k);
 }
 
-int main(int argc, char **argv)
+/* One case: case.bin in, out.bin out; 0, or the code of what failed (3 to 5). */
+static int route_case(const char *in, const char *out, int use_avx2, int use_avx512)
 {
-    const char *wide = argc > 3 ? argv[3] : "";
-#if defined(COLIBRI_NEON)
-    fputs(colibri_neon_on() ? "neon" : "plain C", stdout);
-#elif defined(COLIBRI_SSE2)
-    fputs("sse2", stdout);
-#else
-    fputs("plain C", stdout);
-#endif
-    if (argc != 3 && argc != 4)
-        return 2;
-    FILE *f = fopen(argv[1], "rb");
+    FILE *f = fopen(in, "rb");
     if (!f)
         return 4;
     int32_t *h = take(f, sizeof(int32_t), 12);
@@ -106,34 +97,25 @@ int main(int argc, char **argv)
     r.norm_p = fl[0];
     r.norm_eps = fl[1];
     r.scale = fl[2];
-    if (strstr(wide, "avx2") != NULL) {
-        if (!colibri_cpu_has_avx2())
-            return 6;
-        r.use_avx2 = 1;
-        fputs(" avx2", stdout);
-    }
-    if (strstr(wide, "avx512") != NULL) {
-        if (!colibri_cpu_has_avx512())
-            return 6;
-        r.use_avx512 = 1;
-        fputs(" avx512", stdout);
-    }
-    puts("");
+    r.use_avx2 = use_avx2;
+    r.use_avx512 = use_avx512;
     float *x = take(f, sizeof(float), (size_t)T * E);
-    if (h[10])
-        r.bias = take(f, sizeof(float), (size_t)E);
-    if (h[11])
-        r.expert_scale = take(f, sizeof(float), (size_t)E);
-    r.group_start = take(f, sizeof(int32_t), (size_t)G + 1);
-    r.group_members = take(f, sizeof(int32_t), (size_t)E);
+    float *bias = h[10] ? take(f, sizeof(float), (size_t)E) : NULL;
+    float *expert_scale = h[11] ? take(f, sizeof(float), (size_t)E) : NULL;
+    int32_t *start = take(f, sizeof(int32_t), (size_t)G + 1);
+    int32_t *members = take(f, sizeof(int32_t), (size_t)E);
     fclose(f);
+    r.bias = bias;
+    r.expert_scale = expert_scale;
+    r.group_start = start;
+    r.group_members = members;
     void *scratch = malloc(colibri_scratch_bytes(&r));
     int32_t *status = calloc((size_t)T, sizeof(int32_t));
     int32_t *ids = calloc((size_t)T * k, sizeof(int32_t));
     float *w = calloc((size_t)T * k, sizeof(float));
     if (!scratch || !status || !ids || !w)
         return 3;
-    f = fopen(argv[2], "wb");
+    f = fopen(out, "wb");
     if (!f)
         return 5;
     for (pass = 0; pass < 2; pass++) {
@@ -151,6 +133,43 @@ int main(int argc, char **argv)
         fwrite(w, sizeof(float), (size_t)T * k, f);
     }
     fclose(f);
+    free(h), free(fl), free(x), free(bias), free(expert_scale), free(start), free(members);
+    free(scratch), free(status), free(ids), free(w);
+    return 0;
+}
+
+/* argv: wide, then pairs of case.bin out.bin (one start for every case: a start under wine
+ * costs seconds). Prints the base path, then the wide kernels on. */
+int main(int argc, char **argv)
+{
+    int use_avx2 = 0, use_avx512 = 0, i, failed;
+#if defined(COLIBRI_NEON)
+    fputs(colibri_neon_on() ? "neon" : "plain C", stdout);
+#elif defined(COLIBRI_SSE2)
+    fputs("sse2", stdout);
+#else
+    fputs("plain C", stdout);
+#endif
+    if (argc < 4 || argc % 2)
+        return 2;
+    if (strstr(argv[1], "avx2") != NULL) {
+        if (!colibri_cpu_has_avx2())
+            return 6;
+        use_avx2 = 1;
+        fputs(" avx2", stdout);
+    }
+    if (strstr(argv[1], "avx512") != NULL) {
+        if (!colibri_cpu_has_avx512())
+            return 6;
+        use_avx512 = 1;
+        fputs(" avx512", stdout);
+    }
+    puts("");
+    for (i = 2; i < argc; i += 2)
+        if ((failed = route_case(argv[i], argv[i + 1], use_avx2, use_avx512)) != 0) {
+            fprintf(stderr, "%s: failed (%d)\n", argv[i], failed);
+            return failed;
+        }
     return 0;
 }
 """
@@ -294,30 +313,45 @@ def program(request, tmp_path_factory):
     return name, [*(runner or []), str(exe)], env, wide, prints
 
 
-@pytest.mark.parametrize("case", list(CASES))
-def test_route_h_matches_the_router_bit_for_bit(program, case, tmp_path):
+@pytest.fixture(scope="module")
+def routed(program, tmp_path_factory):
+    """Every case routed by one run of the program (a wine start costs seconds): the
+    folder of ``<case>.out`` files, and what the program printed."""
     name, command, program_env, wide, prints = program
-    options = dict(CASES[case])
-    E, k = options.pop("E"), options.pop("k")
-    config = colibri.Config(num_experts=E, top_k=k, **options)
-    rng = np.random.default_rng(E * 1000 + k)
-    x = _logits(rng, 200, E)
-    ids, weights = colibri.init(config=config).route(x)
-    _write_case(tmp_path / "case.bin", x, config)
+    folder = tmp_path_factory.mktemp(f"{name}-cases")
+    pairs = []
+    for case in CASES:
+        x, config = _case(case)
+        _write_case(folder / f"{case}.bin", x, config)
+        pairs += [f"{case}.bin", f"{case}.out"]
     env = {k: v for k, v in os.environ.items() if k != "COLIBRI_SIMD"}
     env.update(program_env)
-    run = [*command, "case.bin", "out.bin", wide]
-    done = subprocess.run(run, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    run = [*command, wide, *pairs]
+    done = subprocess.run(run, cwd=folder, env=env, capture_output=True, text=True, timeout=600)
     if name.endswith("wine") and (done.returncode, done.stdout, done.stderr) == (1, "", ""):
         # wine gave up before the program started (the program prints before anything else,
         # and its own failures exit 2 to 6): once more, after wineserver settles
         settle_wine(program_env)
-        done = subprocess.run(
-            run, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
-        )
+        done = subprocess.run(run, cwd=folder, env=env, capture_output=True, text=True, timeout=600)
+    return folder, done
+
+
+def _case(case):
+    options = dict(CASES[case])
+    E, k = options.pop("E"), options.pop("k")
+    rng = np.random.default_rng(E * 1000 + k)
+    return _logits(rng, 200, E), colibri.Config(num_experts=E, top_k=k, **options)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_route_h_matches_the_router_bit_for_bit(program, routed, case):
+    name, prints, k = program[0], program[4], CASES[case]["k"]
+    folder, done = routed
     assert done.returncode == 0, (name, done.returncode, done.stderr[-2000:])
     assert done.stdout.strip() == prints, done.stdout
-    out = np.fromfile(tmp_path / "out.bin", np.uint8)
+    x, config = _case(case)
+    ids, weights = colibri.init(config=config).route(x)
+    out = np.fromfile(folder / f"{case}.out", np.uint8)
     T = len(x)
     per_pass = T * 4 * (1 + 2 * k)
     assert out.size == 2 * per_pass
