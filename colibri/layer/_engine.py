@@ -323,6 +323,26 @@ class HeldExperts:
         out[...] = total if kind == 0 else round_to(total, dtype).view(np.uint16)
         return out
 
+    def hold(self, experts=None) -> None:
+        """Load and hold ``experts`` now (every expert of the layer when None), as a step
+        routing to them would (a pager counts their reads): a first step that routes to
+        them does no load, and no copy where the kernel takes a layout of its own (a
+        loader's work, done before decoding rather than during it).
+
+        Parameters
+        ----------
+        experts : sequence of int, optional
+            Ids in ``[0, E)``; experts already held are skipped.
+        """
+        wanted = range(self.num_experts) if experts is None else [int(e) for e in experts]
+        outside = [e for e in wanted if not 0 <= e < self.num_experts]
+        if outside:
+            raise ValueError(
+                f"HeldExperts.hold(): experts {outside[:8]} outside [0, {self.num_experts})"
+            )
+        with contextlib.ExitStack() as loads:  # the views taken keep the experts held
+            self._hold(list(dict.fromkeys(wanted)), loads)
+
     def _step(self, x, ids, weights, dtype, kind, out, loads) -> np.ndarray | None:
         fresh: set[int] = set()  # experts this step loads: counted by the load, not as hits
         native = self._native

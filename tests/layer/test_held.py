@@ -161,6 +161,38 @@ def test_bad_ids_and_corrupt_blocks_are_named(tmp_path):
             held(x, np.array([[0, 1], [1, 2]]), weights, dtype="bfloat16")
 
 
+@pytest.mark.parametrize("kinds", [("q4_0", "q4_0"), ("q8_0", "q8_0")])
+def test_held_before_the_first_step_reads_nothing_after(tmp_path, kinds):
+    """hold(): the experts read once now (the pager counts the reads), pinned; the steps then
+    load nothing, count hits only and give run_experts' bits; ids outside [0, E) are named,
+    and a corrupt expert held is still named by the step that computes with it."""
+    rng = np.random.default_rng(11)
+    path = _file(tmp_path, rng, *kinds)
+    with Pager(path, budget_bytes=1 << 24, page_size_kb=4) as ours, \
+            Pager(path, budget_bytes=1 << 24, page_size_kb=4) as loads:  # fmt: skip
+        held = HeldExperts(ours, 0, num_experts=E)
+        held.hold([4, 1, 4])
+        assert sorted(ours.pinned()) == [(0, 1), (0, 4)] and ours.stats.misses == 2
+        held.hold()
+        assert len(ours.pinned()) == E and ours.stats.misses == E
+        ours.reset_stats()
+        for x, ids, weights in _steps(rng, 1):
+            want = run_experts(loads, 0, x, ids, weights, num_experts=E)
+            np.testing.assert_array_equal(held(x, ids, weights), want)
+        assert (ours.stats.hits, ours.stats.misses) == (6 * 2, 0)
+        for bad in ([E], [0, -1]):
+            with pytest.raises(ValueError, match=r"hold\(\): experts \[-?\d\] outside \[0, 6\)"):
+                held.hold(bad)
+    path = _file(tmp_path, rng, "q4_k", "q8_0", corrupt=True)
+    with Pager(path, budget_bytes=1 << 24, page_size_kb=4) as pager:
+        held = HeldExperts(pager, 0, num_experts=E)
+        held.hold()
+        x, weights = rng.standard_normal((1, H)).astype(np.float32), np.full((1, 2), 0.5)
+        assert np.isfinite(held(x, np.array([[0, 1]]), weights.astype(np.float32))).all()
+        with pytest.raises(FormatError, match=r"expert 2: its down weights hold a non-finite"):
+            held(x, np.array([[2, 1]]), weights.astype(np.float32))
+
+
 def test_reuse_checks_what_load_checks(tmp_path):
     """Pager.reuse: only experts held by live views, only while the pager is open, and a
     file changed since it was opened is an error, as load() says it."""

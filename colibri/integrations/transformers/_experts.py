@@ -395,6 +395,39 @@ def expert_rows(act_fn: Callable, w: ExpertWeights, x_e: torch.Tensor) -> torch.
     return h
 
 
+def _holder(state: _Layer) -> HeldExperts | None:
+    """``state.held``, made when the budget holds every expert (and the kernel computes the
+    layer's experts); None otherwise."""
+    paging = state.paging
+    if (
+        state.held is None
+        and state.activation is not None
+        and (paging.remote is None and paging.holds_all)
+    ):
+        state.held = HeldExperts(
+            paging.open_pager(),
+            state.layer,
+            num_experts=state.num_experts,
+            activation=state.activation,
+            num_threads=paging.num_threads,
+        )
+    return state.held
+
+
+def hold_all(paging: Paging) -> int:
+    """Load and hold every expert of each layer when the budget holds them all, as a loader
+    would (llama.cpp reads and repacks its weights at load): no token waits on a first
+    read, or on the copy of a layout the kernel takes (Q4_0 rows interleaved by eight).
+    Returns the experts held."""
+    held = 0
+    for state in paged_layers(paging).values():
+        holder = _holder(state)
+        if holder is not None:
+            holder.hold()
+            held += state.num_experts
+    return held
+
+
 def _held_forward(
     state: _Layer,
     hidden_states: torch.Tensor,
@@ -403,19 +436,9 @@ def _held_forward(
 ) -> torch.Tensor | None:
     """The experts of a budget that holds them all, kept between steps (no load a step:
     :class:`colibri.layer.HeldExperts`); None when this step needs :func:`run_experts`."""
-    paging = state.paging
-    if state.held is None:
-        if paging.remote is not None or not paging.holds_all:
-            return None
-        state.held = HeldExperts(
-            paging.open_pager(),
-            state.layer,
-            num_experts=state.num_experts,
-            activation=state.activation,
-            num_threads=paging.num_threads,
-        )
-    else:
-        paging.open_pager()  # a clear error once closed
+    if state.held is None and _holder(state) is None:
+        return None
+    state.paging.open_pager()  # a clear error once closed
     x = hidden_states.detach()
     if not x.is_contiguous():
         x = x.contiguous()

@@ -42,6 +42,7 @@ from colibri.integrations.transformers._experts import (
     UnsupportedCheckpointError,
     computation,
     find_experts,
+    hold_all,
     page,
     paged_layers,
 )
@@ -276,7 +277,9 @@ def from_pretrained(
         Most bytes of expert weights held in memory at once (``805306368``, ``"768MiB"``,
         ``"3GiB"``); everything else of the model is resident on top of it. ``"auto"``: what
         the memory this process may use leaves (the cgroup limit or MemAvailable, less the
-        process, the resident weights and a margin: ``model.colibri.auto_budget`` says).
+        process, the resident weights and a margin: ``model.colibri.auto_budget`` says). A
+        budget that holds every expert has them read and held here, as a loader would (and
+        repacked where the kernel takes a layout of its own): no token waits on a first read.
     policy : str
         The pager's cache policy (``"adaptive"``, the pager's default, ``"lru"``, ``"fifo"``,
         ``"lrfu"``, ...).
@@ -432,6 +435,7 @@ def from_pretrained(
         layers = paged_layers(paging)
         for here, nxt in link_layers(model, layers).items():
             layers[here].next = nxt
+        hold_all(paging)
     except BaseException:
         paging.close()
         raise

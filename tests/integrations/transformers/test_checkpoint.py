@@ -186,23 +186,20 @@ def test_stats_add_up_to_the_routing(saved):
     assert stats.bytes_read == stats.misses * expert
     assert stats.prefetched == 0 and stats.advised == 0
 
-    # a budget holding every expert: each is read once, later uses are hits
+    # a budget holding every expert: the load reads each once, every use after is a hit
     everything = model.colibri.expert_bytes + 64 * 4096 * 2
     model = from_pretrained(folder, budget=everything, page_size_kb=4, read_ahead="off")
+    loaded = model.colibri.stats
+    assert loaded.misses == sum(model.colibri.layers.values()) and loaded.evictions == 0
+    assert loaded.bytes_read == loaded.misses * expert
     model.colibri.pager.reset_stats()
-    seen: set = set()
-
-    def distinct_in(layer):
-        def distinct(module, args):
-            seen.update((layer, int(e)) for e in torch.unique(args[1]))
-
-        return distinct
-
+    routed.clear()
     for layer, m in model.colibri.modules.items():
-        m.register_forward_pre_hook(distinct_in(layer))
+        m.register_forward_pre_hook(counter(layer))
     model.generate(token_ids(5), do_sample=False, max_new_tokens=4, pad_token_id=0)
-    assert model.colibri.stats.misses == len(seen)
-    assert model.colibri.stats.evictions == 0
+    stats = model.colibri.stats
+    assert (stats.misses, stats.bytes_read, stats.evictions) == (0, 0, 0)
+    assert stats.hits == sum(routed.values())
 
 
 def test_prediction_recall_is_measured(saved):
@@ -296,10 +293,23 @@ def _expert_weight_pointers(monkeypatch) -> list[int]:
     return pointers
 
 
-def _gate_addresses(paging) -> set[int]:
-    """Where each resident expert's gate matrix lives in the pager's memory."""
+def _routed(paging) -> set[tuple[int, int]]:
+    """``(layer, expert)`` of every expert the model's calls route to from now on."""
+    seen: set[tuple[int, int]] = set()
+    for layer, module in paging.modules.items():
+
+        def record(module, args, layer=layer):
+            seen.update((layer, int(e)) for e in torch.unique(args[1]))
+
+        module.register_forward_pre_hook(record)
+    return seen
+
+
+def _gate_addresses(paging, experts) -> set[int]:
+    """Where each of ``experts``' (``(layer, expert)``) gate matrix lives in the pager's
+    memory."""
     found = set()
-    for layer, expert in paging.pager.resident():
+    for layer, expert in experts:
         with paging.pager.load(layer, [expert]) as batch:
             found.add(batch[expert].gate.ctypes.data)
     return found
@@ -310,9 +320,9 @@ def test_experts_run_on_the_pagers_memory(saved, monkeypatch):
     reached ``linear`` as a view of the pager's memory, not a copy."""
     folder, _, _ = saved("qwen3_moe")
     model = from_pretrained(folder, budget="1GiB", page_size_kb=4, read_ahead="off")
-    pointers = _expert_weight_pointers(monkeypatch)
+    pointers, routed = _expert_weight_pointers(monkeypatch), _routed(model.colibri)
     logits(model, token_ids(8))
-    gates = _gate_addresses(model.colibri)
+    gates = _gate_addresses(model.colibri, routed)
     assert gates and gates <= set(pointers)
     model.colibri.close()
 
@@ -353,12 +363,12 @@ def test_expert_kernel_switch(tmp_path, monkeypatch):
     ref.save_pretrained(tmp_path, max_shard_size="20KB")
     model = from_pretrained(tmp_path, budget="1GiB", page_size_kb=4, read_ahead="off")
     one = token_ids(1, batch=1, length=1)  # decoding: one row per expert
-    outputs = {}
+    outputs, routed = {}, _routed(model.colibri)
     for value in ("1", "0"):
         monkeypatch.setenv("COLIBRI_EXPERT_KERNEL", value)
         pointers = _expert_weight_pointers(monkeypatch)
         outputs[value] = logits(model, one).float()
-        gates = _gate_addresses(model.colibri)
+        gates = _gate_addresses(model.colibri, routed)
         assert gates and (gates.isdisjoint(pointers) if value == "1" else gates <= set(pointers))
         monkeypatch.undo()
     torch.testing.assert_close(outputs["1"], outputs["0"], rtol=2**-6, atol=2**-6)
