@@ -402,7 +402,8 @@ def _holder(state: _Layer) -> HeldExperts | None:
     if (
         state.held is None
         and state.activation is not None
-        and (paging.remote is None and paging.holds_all)
+        and paging.remote is None
+        and paging.holds_all
     ):
         state.held = HeldExperts(
             paging.open_pager(),
@@ -414,18 +415,14 @@ def _holder(state: _Layer) -> HeldExperts | None:
     return state.held
 
 
-def hold_all(paging: Paging) -> int:
+def hold_all(paging: Paging) -> None:
     """Load and hold every expert of each layer when the budget holds them all, as a loader
     would (llama.cpp reads and repacks its weights at load): no token waits on a first
-    read, or on the copy of a layout the kernel takes (Q4_0 rows interleaved by eight).
-    Returns the experts held."""
-    held = 0
+    read, or on the copy of a layout the kernel takes (Q4_0 rows interleaved by eight)."""
     for state in paged_layers(paging).values():
         holder = _holder(state)
         if holder is not None:
             holder.hold()
-            held += state.num_experts
-    return held
 
 
 def _held_forward(
