@@ -436,10 +436,13 @@ COLIBRI_Q_AVX2 static COLIBRI_Q_INLINE void colibri_q_scales8(int type, const ui
 }
 
 /* Bytes ahead of the weights in use that the loops prefetch (the rows' streams run on past
- * a row's end into the next row of the same matrix). */
+ * a row's end into the next row of the same matrix). Weights read once are fetched
+ * non-temporal: on Zen such lines skip L2 and so the L3 behind it, which then keeps the
+ * caller's own working set (the interpreter, the activations) between the kernels. */
 #ifndef COLIBRI_Q_PREFETCH
 #define COLIBRI_Q_PREFETCH 2048
 #endif
+#define COLIBRI_Q_STREAM(p) _mm_prefetch((const char *)(p), _MM_HINT_NTA)
 
 /* The typed body over `rows` weight rows, the type, and for one q8 row the row count, as
  * constants. */
@@ -477,7 +480,7 @@ COLIBRI_Q_AVX2 static COLIBRI_Q_INLINE void colibri_q_scales8(int type, const ui
             const uint8_t *b0 = w + (size_t)(g / subs) * (size_t)colibri_q_bytes[type];            \
             int32_t at;                                                                            \
             for (at = 0; at < 8 / subs * colibri_q_bytes[type]; at += 64)                          \
-                _mm_prefetch((const char *)(b0 + COLIBRI_Q_PREFETCH + at), _MM_HINT_T0);           \
+                COLIBRI_Q_STREAM(b0 + COLIBRI_Q_PREFETCH + at);                                    \
             TOTALS8(type, b0, q + 32 * g, K, s + g, G, nb, totals);                                \
             colibri_q_scales8(type, w, e, g, GATHER, &vs, &vm);                                    \
             for (r = 0; r < nb; r++) {                                                             \
@@ -569,7 +572,10 @@ COLIBRI_Q_AVX2 static void colibri_q4_0x8_dot_avx2(const uint8_t *w, int64_t ldw
             for (i = 0; i < G; i++) {
                 const uint8_t *b = g + (size_t)i * 144;
                 __m256i t = _mm256_setzero_si256();
-                if (r == 0)
+                if (r == 0 && nb == 1) /* read once */
+                    for (j = 0; j < 144; j += 64)
+                        COLIBRI_Q_STREAM(b + COLIBRI_Q_PREFETCH + j);
+                else if (r == 0) /* read again for the rows after */
                     for (j = 0; j < 144; j += 64)
                         _mm_prefetch((const char *)(b + COLIBRI_Q_PREFETCH + j), _MM_HINT_T0);
                 for (v = 0; v < 4; v++) {
