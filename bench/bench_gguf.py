@@ -25,10 +25,11 @@ tokens timed:
   a few tens of MiB: limits below about twice that fail for colibri (``BudgetError``: the
   limit cannot hold the model), whatever the file.
 
-Printed per row: decode tokens/s (median of ``--repeat`` runs, min-max), what the process
-read from storage per decoded token (``/proc/self/io`` ``read_bytes``), the group's peak
-memory (``memory.peak`` / ``memory.max_usage_in_bytes``: page cache included) and the
-process's peak RSS; then the issue's targets as ratios of this run's rows.
+Printed per row: decode tokens/s (median of ``--repeat`` runs, min-max), prompt tokens/s
+(the prompt handed over to its first token: ``--prompt-tokens 256`` for a prompt's speed),
+what the process read from storage per decoded token (``/proc/self/io`` ``read_bytes``), the
+group's peak memory (``memory.peak`` / ``memory.max_usage_in_bytes``: page cache included)
+and the process's peak RSS; then the issue's targets as ratios of this run's rows.
 
     sudo python bench/bench_gguf.py --work /var/tmp/colibri-gguf --repeat 3
     sudo python bench/bench_gguf.py --layers 2 --types q8_0 --tables resident --tokens 8
@@ -166,6 +167,7 @@ def worker(spec: dict) -> dict:
     decode_tokens = len(times) - 2  # times[0]: prompt handed over; times[1]: first new token
     return dict(spec, **extra, **_status(),
                 decode_tok_s=decode_tokens / (times[-1] - times[1]),
+                prompt_tok_s=len(ids) / (times[1] - times[0]),  # the prompt to its first token
                 storage_per_token=(storage_at[-1] - storage_at[1]) / decode_tokens)  # fmt: skip
 
 
@@ -240,8 +242,9 @@ def repeat(spec: dict, args, kind, device) -> dict:
     return _medians(spec, [run(spec, args, kind, device) for _ in range(args.repeat)])
 
 
-HEADER = ("| engine | type | limit | read cap | decode tok/s | read/token MiB | group peak GiB "
-          "| peak RSS GiB | colibri budget GiB | load avg |\n" + "| --- " * 10 + "|")  # fmt: skip
+HEADER = ("| engine | type | limit | read cap | decode tok/s | prompt tok/s | read/token MiB "
+          "| group peak GiB | peak RSS GiB | colibri budget GiB | load avg |\n"
+          + "| --- " * 11 + "|")  # fmt: skip
 
 
 def _size(n) -> str:
@@ -254,12 +257,13 @@ def show(r: dict) -> dict:
     head = f"| {r['engine']} | {FTYPES[r['type']][0]} | {limit} | {cap} "
     if "error" in r:
         why = r["error"] if len(r["error"]) <= 200 else f"{r['error'][:90]} ... {r['error'][-100:]}"
-        print(f"{head}| failed: {why} | | {_size(r.get('group_peak'))} | | | |")
+        print(f"{head}| failed: {why} | | | {_size(r.get('group_peak'))} | | | |")
         return r
     speed = f"{r['decode_tok_s']:.2f}"
     if r.get("runs", 1) > 1:
         speed += f" ({r['tok_s_min']:.2f}-{r['tok_s_max']:.2f})"
-    print(f"{head}| {speed} | {r['storage_per_token'] / 2**20:.1f} | {_size(r['group_peak'])} "
+    print(f"{head}| {speed} | {r['prompt_tok_s']:.1f} | {r['storage_per_token'] / 2**20:.1f} "
+          f"| {_size(r['group_peak'])} "
           f"| {_size(r['VmHWM'])} | {_size(r.get('budget_bytes'))} | {r['load_avg']:.2f} |",
           flush=True)  # fmt: skip
     return r

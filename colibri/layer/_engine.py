@@ -55,6 +55,7 @@ from colibri.layer._expert import (
     half_bits,
     kernel_enabled,
     round_to,
+    runs,
 )
 
 __all__ = ["KERNEL_MAX_ROWS", "ExpertStore", "Fallback", "HeldExperts", "run_experts"]
@@ -409,7 +410,9 @@ class HeldExperts:
             if len(self._forms) > 1 or (quantized and hidden % 32):
                 self._mixed = True
                 return
-            self._native = _quant.Held(self.num_experts, hidden, self._act, form[2])
+            self._native = _quant.Held(
+                self.num_experts, hidden, self._act, min(form[2], _ffn.MAX_ROWS)
+            )
         if quantized:
             held = self._native.hold(e, form[0], kind[0], kind[1])
         else:
@@ -550,7 +553,8 @@ def _fuse(x, flat_weights, k, group, act, out, num_threads, layer) -> None:
         same = [f for f in group if f[1] == kind]
         assignments = np.concatenate([f[2] for f in same])
         bounds = np.fromiter(accumulate((len(f[2]) for f in same), initial=0), np.int64)
-        mats, rows = [f[0] for f in same], assignments // k
+        bounds, owner = runs(bounds)
+        mats, rows = [same[j][0] for j in owner], assignments // k
         scale = flat_weights[assignments]
         if kind == FP8_BLOCKED:
             _fp8.ffn_sum(x, mats, act, bounds, rows, scale, out, num_threads)

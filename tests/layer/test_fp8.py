@@ -17,7 +17,7 @@ from colibri import Pager
 from colibri.formats import FP8_BLOCKED, ExpertWeights, FormatError, open_weights
 from colibri.layer import _ffn, _fp8
 from colibri.layer._engine import run_experts
-from colibri.layer._expert import dequantized, gated_ffn
+from colibri.layer._expert import FP8_KERNEL_MAX_ROWS, dequantized, gated_ffn
 
 ml_dtypes = pytest.importorskip("ml_dtypes")
 torch = pytest.importorskip("torch")
@@ -95,7 +95,7 @@ def test_ffn_against_float64_every_path_and_thread_count(H, I):
             np.testing.assert_array_equal(y.view(np.uint32), y0.view(np.uint32))
     # the numpy entry point: the kernel for few rows, dequantized float32 GEMMs for many
     np.testing.assert_array_equal(gated_ffn(x, e, "silu"), y0)
-    many = rng.standard_normal((20, H)).astype(np.float32)
+    many = rng.standard_normal((FP8_KERNEL_MAX_ROWS + 1, H)).astype(np.float32)
     ref_many = _ffn_reference(many, e)
     np.testing.assert_allclose(gated_ffn(many, e, "silu"), ref_many, rtol=0,
                                atol=1e-4 * np.abs(ref_many).max())  # fmt: skip
@@ -166,12 +166,13 @@ def test_paged_from_safetensors_through_the_engine(tmp_path):
     layout = source.layout(0, 1)
     assert layout.dtype == FP8_BLOCKED and len(layout.matrices) == 6
     assert layout.nbytes == 3 * H * I + 3 * (2 * 2) * 4  # bytes + three float32 [2, 2]
-    x = rng.standard_normal((12, H)).astype(np.float32)
-    ids = np.array([[t % E, (t * 3 + 1) % E] for t in range(12)], np.int64)
-    ids[ids[:, 0] != 2, 1] = 2  # expert 2: 12 rows (dequantized path); the others 3 (kernel)
+    T = FP8_KERNEL_MAX_ROWS + 4  # expert 2: T rows (dequantized path); the others few (kernel)
+    x = rng.standard_normal((T, H)).astype(np.float32)
+    ids = np.array([[t % E, (t * 3 + 1) % E] for t in range(T)], np.int64)
+    ids[ids[:, 0] != 2, 1] = 2
     weights = rng.uniform(0.2, 1, ids.shape).astype(np.float32)
-    ref = np.zeros((12, H))
-    for t in range(12):
+    ref = np.zeros((T, H))
+    for t in range(T):
         for j in range(2):
             ref[t] += weights[t, j] * _ffn_reference(x[t : t + 1], experts[ids[t, j]])[0]
     for io in ("read", "mmap"):

@@ -15,7 +15,7 @@ import pytest
 
 from colibri.formats import FormatError
 from colibri.formats.gpt_oss import dequantize_mxfp4
-from colibri.layer import _ffn, _quant
+from colibri.layer import _ffn, _quant, gpt_oss_experts
 
 PATHS = _ffn.runnable_paths()
 ALPHA, LIMIT = 1.702, 7.0
@@ -166,6 +166,27 @@ def test_experts_within_their_stated_bound_of_transformers_in_float64():
     # the clamps bite: some gate values above the limit, some up values beyond +-limit
     h = x.astype(np.float64) @ _values(*experts[0][:2]).T + experts[0][2]
     assert (h[:, ::2] > LIMIT).any() and (np.abs(h[:, 1::2]) > LIMIT).any()
+
+
+def test_an_expert_past_one_calls_rows_runs_in_runs():
+    """gpt_oss_experts takes more rows an expert than one kernel call does (a prefill's):
+    each row's bits as when it runs alone."""
+    rng = np.random.default_rng(11)
+    expert = _experts(rng, 1, 96, 64)[0]
+    T = 2 * _ffn.MAX_ROWS + 5
+    x = rng.standard_normal((T, 96)).astype(np.float32)
+    scale = rng.random(T).astype(np.float32)
+    rows = rng.permutation(T).astype(np.int64)
+    y = np.zeros_like(x)
+    assert gpt_oss_experts(x, [expert], np.array([0, T], np.int64), rows, scale, y,
+                           alpha=ALPHA, limit=LIMIT)  # fmt: skip
+    want = np.zeros_like(x)
+    for i in range(T):
+        one = rows[i : i + 1], scale[i : i + 1]
+        _quant.ffn_sum(x, [expert], "mxfp4_oss", "gpt_oss", np.array([0, 1], np.int64), *one,
+                       want, alpha=ALPHA, limit=LIMIT)  # fmt: skip
+    np.testing.assert_array_equal(y, want)
+    assert np.abs(want).max() > 0
 
 
 @pytest.mark.parametrize("path", PATHS)

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from colibri import FileChangedError, FormatError, Pager
-from colibri.layer import HeldExperts, InMemoryExperts, run_experts
+from colibri.layer import QUANT_KERNEL_MAX_ROWS, HeldExperts, InMemoryExperts, _ffn, run_experts
 
 pytest.importorskip("gguf")
 from _support.blocks import random_blocks, write_gguf  # noqa: E402
@@ -126,20 +126,26 @@ def test_half_precision_experts_are_run_experts_bits(dtype, monkeypatch):
 
 
 def test_what_the_kernel_does_not_take_is_left_to_run_experts(tmp_path):
-    """More rows for one expert than the quantized kernel takes: None, ``out`` untouched."""
+    """More rows for one expert than the quantized kernel takes: None, ``out`` untouched.
+    Up to that count, past the kernel's rows a call, the rows run in runs: each row's bits
+    as when it runs alone."""
     rng = np.random.default_rng(7)
     path = _file(tmp_path, rng, "q8_0", "q8_0")
-    x = rng.standard_normal((12, H)).astype(np.float32)
-    ids = np.stack([np.full(12, 3), np.arange(12) % 3]).T.astype(np.int64)
-    weights = np.full((12, 2), 0.5, np.float32)
+    T = QUANT_KERNEL_MAX_ROWS + 1
+    x = rng.standard_normal((T, H)).astype(np.float32)
+    ids = np.stack([np.full(T, 3), np.arange(T) % 3]).T.astype(np.int64)
+    weights = np.full((T, 2), 0.5, np.float32)
     with Pager(path, budget_bytes=1 << 24, page_size_kb=4) as pager:
         held = HeldExperts(pager, 0, num_experts=E)
         out = np.full(x.shape, 9.0, np.float32)
         assert held(x, ids, weights, out=out) is None
         assert (out == 9.0).all()
-        y = held(x[:2], ids[:2], weights[:2])  # two rows: taken
-        np.testing.assert_array_equal(y, run_experts(pager, 0, x[:2], ids[:2], weights[:2],
-                                                     num_experts=E))  # fmt: skip
+        n = QUANT_KERNEL_MAX_ROWS - 3  # expert 3: runs of 64, 64 and the rest
+        assert n > 2 * _ffn.MAX_ROWS
+        y = held(x[:n], ids[:n], weights[:n])
+        alone = [run_experts(pager, 0, x[t : t + 1], ids[t : t + 1], weights[t : t + 1],
+                             num_experts=E) for t in range(n)]  # fmt: skip
+        np.testing.assert_array_equal(y, np.concatenate(alone))
 
 
 def test_bad_ids_and_corrupt_blocks_are_named(tmp_path):

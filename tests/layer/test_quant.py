@@ -281,13 +281,15 @@ def test_held_q4_0_experts_give_ffn_sums_bits(path):
 
 def test_paged_gguf_experts_run_in_the_engine(tmp_path):
     """Q4_K gate/up and Q6_K down (as Q4_K_M files mix them), paged from a GGUF file under a
-    two-expert budget: decode-size experts are the fused kernel's, bit for bit, and a
-    prefill-size one dequantizes into the numpy path, within float32 rounding."""
+    two-expert budget: experts with up to QUANT_KERNEL_MAX_ROWS rows are the fused kernel's,
+    bit for bit (in runs of 64 rows), and a long prefill's dequantizes into the numpy path,
+    within float32 rounding."""
     from colibri import Pager
-    from colibri.layer import run_experts
+    from colibri.layer import QUANT_KERNEL_MAX_ROWS, run_experts
 
     rng = np.random.default_rng(12)
-    E, H, I, T = 6, 512, 256, 12
+    big = QUANT_KERNEL_MAX_ROWS + 1
+    E, H, I, T = 6, 512, 256, big + 2
 
     def stack(qtype, rows, values):
         return np.stack([_blocks(rng, qtype, rows, values // 256) for _ in range(E)])
@@ -296,7 +298,7 @@ def test_paged_gguf_experts_run_in_the_engine(tmp_path):
     _write_gguf(tmp_path / "m.gguf", [(("q4_k", gate), ("q4_k", up), ("q6_k", down))])
     x = rng.standard_normal((T, H)).astype(np.float32)
     ids = rng.integers(0, E, (T, 2))
-    ids[:, 0] = np.where(np.arange(T) < 10, 5, ids[:, 0])  # expert 5: 10 rows, the rest few
+    ids[:, 0] = np.where(np.arange(T) < big, 5, ids[:, 0])  # expert 5: big rows, the rest few
     ids[:, 1] = np.where(ids[:, 1] == ids[:, 0], (ids[:, 0] + 1) % E, ids[:, 1])
     weights = rng.uniform(0.1, 1.0, (T, 2)).astype(np.float32)
     expert_bytes = gate[0].nbytes + up[0].nbytes + down[0].nbytes
@@ -309,8 +311,11 @@ def test_paged_gguf_experts_run_in_the_engine(tmp_path):
         tokens, slots = np.nonzero(ids == e)
         if not len(tokens):
             continue
-        if len(tokens) <= 8:  # the fused kernel: its own sums, added in expert order
-            out = _quant.ffn("q4_k", gate[e], up[e], down[e], x[tokens], down_type="q6_k")
+        if len(tokens) <= QUANT_KERNEL_MAX_ROWS:  # the fused kernel, added in expert order
+            out = np.concatenate([
+                _quant.ffn("q4_k", gate[e], up[e], down[e], x[tokens[i : i + 1]],
+                           down_type="q6_k") for i in range(len(tokens))
+            ])  # fmt: skip
             fused[tokens] += weights[tokens, slots][:, None] * out
         else:
             Wg, Wu = _quant.dequantize("q4_k", gate[e]), _quant.dequantize("q4_k", up[e])
@@ -321,8 +326,8 @@ def test_paged_gguf_experts_run_in_the_engine(tmp_path):
     assert np.abs(plain).max() > 0 and np.abs(fused).max() > 0
     np.testing.assert_allclose(y, fused + plain, rtol=1e-4, atol=1e-4 * np.abs(plain).max())
     with Pager(tmp_path / "m.gguf", budget_bytes=2 * expert_bytes, page_size_kb=4) as pager:
-        alone = run_experts(pager, 0, x[10:], ids[10:], weights[10:], num_experts=E)
-    np.testing.assert_array_equal(alone, fused[10:])  # rows 10, 11: fused experts only
+        alone = run_experts(pager, 0, x[big:], ids[big:], weights[big:], num_experts=E)
+    np.testing.assert_array_equal(alone, fused[big:])  # the last 2 rows: fused experts only
 
 
 def test_a_corrupt_block_scale_is_an_error_naming_the_expert(tmp_path):
