@@ -22,10 +22,11 @@ from colibri.layer._ffn import path_index
 share_pool()  # one worker pool a process (colibri/_pool.pyx)
 
 
-def attention(const value_t[:, :, ::1] q, const value_t[:, :, ::1] k,
-              const value_t[:, :, ::1] v, float scale, value_t[:, :, ::1] out, int kind,
+def attention(const value_t[:, :, ::1] q, const value_t[:, :, :] k,
+              const value_t[:, :, :] v, float scale, value_t[:, :, ::1] out, int kind,
               const float[:, ::1] mask=None, path=None, int threads=0):
-    """``q [Hq, T, D]`` over ``k, v [Hkv, L, D]`` into ``out [T, Hq, D]``; ``mask [T, L]``
+    """``q [Hq, T, D]`` over ``k, v [Hkv, L, D]`` (each head's rows packed, the heads any
+    distance apart: a cache's first L rows) into ``out [T, Hq, D]``; ``mask [T, L]``
     float32, added to the scaled scores. float32 (``kind`` 0), or uint16 bits of ``kind``;
     ``path`` a SIMD path this CPU runs (None: the dispatched one; every path: the same bits);
     ``threads`` the most threads the heads run on (< 1: colibri's default; the same bits)."""
@@ -52,6 +53,7 @@ def attention(const value_t[:, :, ::1] q, const value_t[:, :, ::1] k,
             store_value(&out[0, 0, 0], i, 0, kind)
         return
     cdef colibri_attend_t a
+    a.ldk, a.ldv = head_stride(k, "k", "attention()"), head_stride(v, "v", "attention()")
     a.q, a.k, a.v, a.out = &q[0, 0, 0], &k[0, 0, 0], &v[0, 0, 0], &out[0, 0, 0]
     a.mask = NULL if mask is None else &mask[0, 0]
     a.Hq, a.Hkv, a.T, a.L, a.D, a.scale, a.kind = Hq, Hkv, T, L, D, scale, kind

@@ -365,7 +365,7 @@ def attention(
     if kind is None:
         raise ValueError(f"attention(): dtype must be one of {sorted(VALUE_KINDS)} (got {dtype!r})")
     storage = np.float32 if kind == _norm.KIND_PLAIN else np.uint16
-    q, k, v = (np.ascontiguousarray(a) for a in (q, k, v))
+    q, k, v = np.ascontiguousarray(q), _heads(k), _heads(v)
     if any(a.ndim != 3 or a.dtype != storage for a in (q, k, v)):
         raise ValueError(
             f"attention(): q, k and v must be 3-d {np.dtype(storage).name} arrays for "
@@ -399,12 +399,24 @@ def _storage(dtype: str, where: str) -> tuple[int, type]:
     return kind, np.float32 if kind == _norm.KIND_PLAIN else np.uint16
 
 
-def _values(a: Any, storage: type, what: str, where: str) -> np.ndarray:
+def _checked(a: Any, storage: type, what: str, where: str) -> np.ndarray:
     a = np.asarray(a)
     if a.dtype != storage:
         raise ValueError(f"{where}: {what} must be {np.dtype(storage).name} for this dtype "
                          f"(got {a.dtype})")  # fmt: skip
-    return np.ascontiguousarray(a)
+    return a
+
+
+def _values(a: Any, storage: type, what: str, where: str) -> np.ndarray:
+    return np.ascontiguousarray(_checked(a, storage, what, where))
+
+
+def _heads(a: Any) -> np.ndarray:
+    """Keys or values ``[Hkv, L, D]`` as the attention kernel reads them, without a copy when
+    each head's rows are packed (the first ``L`` rows of a cache ``[Hkv, capacity, D]``)."""
+    a = np.asarray(a)
+    packed = a.ndim == 3 and a.strides[2] == a.itemsize and a.strides[1] == a.shape[2] * a.itemsize
+    return a if packed and a.strides[0] >= a.strides[1] * a.shape[1] else np.ascontiguousarray(a)
 
 
 def pre_attention(
@@ -493,7 +505,9 @@ def post_attention(
     q : numpy.ndarray
         ``[Hq, D]`` (:func:`pre_attention`'s): float32, or the ``uint16`` bits of ``dtype``.
     keys, values : numpy.ndarray
-        ``[Hkv, L, D]``, ``L > 0``: the cache, this token's row included.
+        ``[Hkv, L, D]``, ``L > 0``: the cache, this token's row included (each head's rows
+        packed, the heads any distance apart: a view of a cache with room to grow is not
+        copied).
     scale : float
         The scores' scale (``D ** -0.5`` for most models).
     o_proj : tuple
@@ -515,8 +529,9 @@ def post_attention(
     """
     where = "post_attention()"
     kind, storage = _storage(dtype, where)
-    q, keys, values, x = (_values(a, storage, n, where) for a, n in (
-        (q, "q"), (keys, "keys"), (values, "values"), (x, "x")))  # fmt: skip
+    q, x = _values(q, storage, "q", where), _values(x, storage, "x", where)
+    keys, values = (_heads(_checked(a, storage, n, where)) for a, n in (
+        (keys, "keys"), (values, "values")))  # fmt: skip
     if q.ndim != 2 or keys.ndim != 3 or values.ndim != 3:
         raise ValueError(f"{where}: q must be [Hq, D], keys and values [Hkv, L, D] (got "
                          f"{list(q.shape)}, {list(keys.shape)}, {list(values.shape)})")  # fmt: skip

@@ -47,7 +47,7 @@ cdef extern from "colibri/attention.h" nogil:
         const void *v
         const float *mask
         void *out
-        int64_t Hq, Hkv, T, L, D
+        int64_t Hq, Hkv, T, L, D, ldk, ldv
         float scale
         int kind
         int threads

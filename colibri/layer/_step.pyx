@@ -21,6 +21,7 @@ from libc.stdlib cimport free, malloc
 
 from colibri._openmp cimport colibri_max_threads
 from colibri._pool cimport share_pool
+from colibri.layer._attention cimport head_stride
 from colibri.layer._half cimport (
     COLIBRI_W_BF16,
     COLIBRI_W_F16,
@@ -214,17 +215,17 @@ def enter(const value_t[::1] x, const value_t[::1] norm, float eps, tuple projec
         rope_rows(&k[0, 0], &cos[0], &sin[0], Hkv, D, kind)
 
 
-def leave(const value_t[:, ::1] q, const value_t[:, :, ::1] keys,
-          const value_t[:, :, ::1] values, float scale, tuple o_proj,
+def leave(const value_t[:, ::1] q, const value_t[:, :, :] keys,
+          const value_t[:, :, :] values, float scale, tuple o_proj,
           const value_t[::1] x, const value_t[::1] norm, float eps, object router,
           value_t[::1] x_out, value_t[::1] h, value_t[::1] logits, int kind):
     """``a = attention(q, keys, values)``; ``x_out = x + a @ Wo.T``; ``h = rms_norm(x_out)``;
     ``logits = h @ Wr.T`` (``router`` None: not computed), each rounded to the storage type.
 
     ``q`` ``[Hq, D]``; ``keys``, ``values`` ``[Hkv, L, D]`` (the cache, this token's row
-    last); ``o_proj``, ``router`` projections (module docstring); ``x``, ``norm``, ``x_out``,
-    ``h`` ``[H]``; ``logits`` ``[E]``. float32 (``kind`` 0), or the uint16 bits of ``kind``'s
-    half type.
+    last; each head's rows packed, the heads any distance apart); ``o_proj``, ``router``
+    projections (module docstring); ``x``, ``norm``, ``x_out``, ``h`` ``[H]``; ``logits``
+    ``[E]``. float32 (``kind`` 0), or the uint16 bits of ``kind``'s half type.
     """
     cdef Py_ssize_t Hq = q.shape[0], D = q.shape[1], H = x.shape[0]
     cdef Py_ssize_t Hkv = keys.shape[0], L = keys.shape[1], E = logits.shape[0]
@@ -260,6 +261,8 @@ def leave(const value_t[:, ::1] q, const value_t[:, :, ::1] keys,
     try:
         _input(&a, <int32_t>(Hq * D))
         _input(&b, <int32_t>H)
+        at.ldk = head_stride(keys, "keys", "post_attention()")
+        at.ldv = head_stride(values, "values", "post_attention()")
         at.q, at.k, at.v, at.out, at.mask = &q[0, 0], &keys[0, 0, 0], &values[0, 0, 0], out, NULL
         at.Hq, at.Hkv, at.T, at.L, at.D, at.scale, at.kind = Hq, Hkv, 1, L, D, scale, kind
         at.threads = o.threads  # the o projection's: the layer's threads

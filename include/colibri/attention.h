@@ -35,14 +35,15 @@
 #define COLIBRI_ATTEND_INLINE inline
 #endif
 
-/* One call: q [Hq, T, D], k and v [Hkv, L, D], out [T, Hq, D], all stored as kind says
- * (0: float32; COLIBRI_W_F16 / COLIBRI_W_BF16: uint16 bits); mask [T, L] float32 or NULL;
- * threads: the most threads (the caller and pool helpers) its heads run on. */
+/* One call: q [Hq, T, D], k and v [Hkv, L, D] (head g's rows from g * ldk, g * ldv values
+ * on: L * D when packed, more for a cache with room to grow), out [T, Hq, D], all stored as
+ * kind says (0: float32; COLIBRI_W_F16 / COLIBRI_W_BF16: uint16 bits); mask [T, L] float32
+ * or NULL; threads: the most threads (the caller and pool helpers) its heads run on. */
 typedef struct {
     const void *q, *k, *v;
     const float *mask;
     void *out;
-    int64_t Hq, Hkv, T, L, D;
+    int64_t Hq, Hkv, T, L, D, ldk, ldv;
     float scale;
     int kind;
     int threads;
@@ -117,7 +118,7 @@ static COLIBRI_ATTEND_INLINE void colibri_attend_body(const colibri_attend_t *a,
     for (r = 0; r < R; r++) /* row r: head g G + r / T, query r % T */
         colibri_attend_load(a->q, ((g * G + r / T) * T + r % T) * D, D, a->kind, &qf[r * D]);
     for (j = 0; j < L; j++) {
-        colibri_attend_load(a->k, (g * L + j) * D, D, a->kind, row);
+        colibri_attend_load(a->k, g * a->ldk + j * D, D, a->kind, row);
         for (r = 0; r < R; r++) {
             float x = colibri_attend_dot(&qf[r * D], row, D) * a->scale;
             if (a->mask != NULL)
@@ -140,7 +141,7 @@ static COLIBRI_ATTEND_INLINE void colibri_attend_body(const colibri_attend_t *a,
     }
     memset(acc, 0, (size_t)(R * D) * sizeof(float));
     for (j = 0; j < L; j++) {
-        colibri_attend_load(a->v, (g * L + j) * D, D, a->kind, row);
+        colibri_attend_load(a->v, g * a->ldv + j * D, D, a->kind, row);
         for (r = 0; r < R; r++) {
             const float p = s[r * L + j];
             float *ar = &acc[r * D];

@@ -181,3 +181,29 @@ def test_heads_on_several_threads_give_the_same_bits(name):
         _check(_torch(one, dtype), want, dtype)
     with pytest.raises(ValueError, match="num_threads must be >= 0"):
         attention(q, k, v, 0.2, name, num_threads=-1)
+
+
+@pytest.mark.parametrize("name", sorted(DTYPES))
+def test_a_cache_with_room_to_grow_is_read_in_place(name):
+    """Keys and values as the first L rows of buffers [Hkv, capacity, D] (each head's rows
+    packed, the heads apart): the bits of the same rows packed, on every path and thread
+    count; the kernel refuses rows that are not packed, and ``attention`` copies them."""
+    from colibri.layer import _attention, _ffn, _norm
+
+    dtype, kind = DTYPES[name], {"float32": 0, "bfloat16": _norm.KIND_BFLOAT16,
+                                 "float16": _norm.KIND_FLOAT16}[name]  # fmt: skip
+    q, kb, vb = (_numpy(a) for a in _case(11, 16, 4, 1, 300, 64, dtype))
+    length = 260  # of 300 rows: long enough for the pool's heads
+    k, v = kb[:, :length], vb[:, :length]
+    assert not k.flags.c_contiguous
+    want = attention(q, k.copy(), v.copy(), 0.125, name)
+    for path in _ffn.runnable_paths():
+        for threads in (1, 2):
+            out = np.empty_like(want)
+            _attention.attention(q, k, v, 0.125, out, kind, None, path, threads)
+            np.testing.assert_array_equal(out, want)
+    np.testing.assert_array_equal(attention(q, k, v, 0.125, name), want)
+    odd = np.swapaxes(np.ascontiguousarray(np.swapaxes(k, 1, 2)), 1, 2)  # rows not packed
+    with pytest.raises(ValueError, match="k must hold each head's"):
+        _attention.attention(q, odd, v, 0.125, np.empty_like(want), kind)
+    np.testing.assert_array_equal(attention(q, odd, v, 0.125, name), want)

@@ -47,6 +47,7 @@ from colibri.layer import (
 __all__ = ["install"]
 
 _STATE = "_colibri_decode"
+_ROOM = "_colibri_room"  # a DynamicLayer's _Room
 
 # The code a step reproduces, by fingerprint (_families._fingerprint): transformers 5.x's
 # Qwen3-MoE layer (its attention and layer forward are Qwen3's too).
@@ -163,13 +164,10 @@ class _Layer:
         x = values_of(hidden).reshape(self.hidden)
         cos, sin = (values_of(t).reshape(D) for t in position_embeddings)
         queries, key, value = pre_attention(x, norm_in, (q, k, v), cos, sin, q_norm, k_norm, name)
-        keys, values = cache.update(_tensor(key, dtype).view(1, self.kv_heads, 1, D),
-                                    _tensor(value, dtype).view(1, self.kv_heads, 1, D),
-                                    attn.layer_idx)  # fmt: skip
+        keys, values = self.append(cache, key, value, dtype)
         scale = D**-0.5 if attn.scaling is None else float(attn.scaling)
-        out, h, logits = post_attention(queries, values_of(keys[0].contiguous()),
-                                        values_of(values[0].contiguous()), scale, o, x,
-                                        norm_post, router, name)  # fmt: skip
+        out, h, logits = post_attention(queries, keys, values, scale, o, x, norm_post, router,
+                                        name)  # fmt: skip
         bits, h = h, _tensor(h, dtype).view(1, self.hidden)
         if logits is None:
             _, weights, ids = self.gate.forward(h)
@@ -186,6 +184,27 @@ class _Layer:
                 return _tensor(y, dtype).view(1, 1, self.hidden)
         y = self.experts.forward(h, ids, weights)
         return (_tensor(out, dtype).view(1, self.hidden) + y).view(1, 1, self.hidden)
+
+    def append(self, cache, key: np.ndarray, value: np.ndarray, dtype: torch.dtype) -> tuple:
+        """``cache.update`` of this layer with one token's ``key``, ``value`` ``[Hkv, D]``:
+        the keys and values after it, ``[Hkv, L, D]`` numpy views. A ``DynamicCache``
+        layer's rows go to buffers with room to grow (:class:`_Room`, kept on the cache's
+        layer), which the layer then shows: no copy of the cache a token, where ``update``
+        concatenates."""
+        index, D = self.attn.layer_idx, self.head_dim
+        layers = getattr(cache, "layers", ())
+        layer = layers[index] if index < len(layers) else None
+        room = None if layer is None else layer.__dict__.get(_ROOM)
+        if room is None or not room.shown_by(layer):  # a new cache, or changed by others
+            room = None
+            if _growable(cache, layer, dtype, (self.kv_heads, D)):
+                room = layer.__dict__[_ROOM] = _Room(layer, dtype)
+        if room is None:
+            keys, values = cache.update(_tensor(key, dtype).view(1, self.kv_heads, 1, D),
+                                        _tensor(value, dtype).view(1, self.kv_heads, 1, D),
+                                        index)  # fmt: skip
+            return values_of(keys[0].contiguous()), values_of(values[0].contiguous())
+        return room.append(layer, key, value)
 
     def calls(self, hidden, mask, cache, position_embeddings, kwargs, interface) -> torch.Tensor:
         """The step as the modules' calls one by one: colibri's kernels called directly where
@@ -220,6 +239,69 @@ class _Layer:
         _, weights, ids = self.gate.forward(h)
         x = x + self.experts.forward(h, ids, weights)
         return x.view(1, 1, self.hidden)
+
+
+class _Room:
+    """One layer's keys and values in buffers ``[Hkv, capacity, D]`` with room to grow (twice
+    the rows when full), the rows so far shown by its ``DynamicLayer`` as views
+    ``[1, Hkv, L, D]``: what ``torch.cat`` would have made, without copying the cache."""
+
+    __slots__ = ("buffers", "rows", "shown", "tensors")
+
+    def __reduce__(self):  # a copied cache's layer (copy, deepcopy, pickle) adopts anew
+        return type(None), ()
+
+    def __init__(self, layer, dtype: torch.dtype) -> None:
+        """Adopt what ``layer`` holds (a copy once)."""
+        held = (layer.keys[0], layer.values[0])
+        self.rows = held[0].shape[1]
+        self.shown: tuple = ()
+        self._grow(held, max(64, 2 * self.rows), dtype)
+
+    def _grow(self, held: tuple, capacity: int, dtype: torch.dtype) -> None:
+        """New buffers of ``capacity`` rows holding the ``held`` keys and values."""
+        buffers = []
+        for t in held:
+            rows = values_of(t) if isinstance(t, torch.Tensor) else t
+            b = np.empty((rows.shape[0], capacity, rows.shape[2]), rows.dtype)
+            b[:, : self.rows] = rows[:, : self.rows]
+            buffers.append(b)
+        self.buffers = tuple(buffers)
+        self.tensors = tuple(_tensor(b, dtype).unsqueeze(0) for b in buffers)
+
+    def shown_by(self, layer) -> bool:
+        """Whether ``layer`` shows this room's rows still (no one else changed them)."""
+        return bool(self.shown) and layer.keys is self.shown[0] and layer.values is self.shown[1]
+
+    def append(self, layer, key: np.ndarray, value: np.ndarray) -> tuple:
+        keys, values = self.buffers
+        n = self.rows
+        if n == keys.shape[1]:
+            self._grow(self.buffers, 2 * n, self.tensors[0].dtype)
+            keys, values = self.buffers
+        keys[:, n] = key.reshape(keys.shape[0], keys.shape[2])
+        values[:, n] = value.reshape(values.shape[0], values.shape[2])
+        self.rows = n = n + 1
+        layer.keys, layer.values = (t[:, :, :n] for t in self.tensors)
+        self.shown = (layer.keys, layer.values)
+        return keys[:, :n], values[:, :n]
+
+
+def _growable(cache, layer, dtype: torch.dtype, heads: tuple[int, int]) -> bool:
+    """Whether ``layer`` of ``cache`` is a plain ``DynamicLayer`` of one sequence on the CPU
+    holding ``dtype`` keys and values ``[1, Hkv, L, D]`` (``heads``: ``(Hkv, D)``), what a
+    :class:`_Room` stands in for; its own ``update`` otherwise."""
+    from transformers.cache_utils import DynamicCache, DynamicLayer
+
+    if type(cache) is not DynamicCache or cache.offloading or type(layer) is not DynamicLayer:
+        return False
+    if not layer.is_initialized:
+        return False
+    keys, values = layer.keys, layer.values
+    if keys.dim() != 4 or keys.shape != (1, heads[0], keys.shape[2], heads[1]):
+        return False
+    return (values.shape == keys.shape and keys.dtype == values.dtype == dtype
+            and keys.is_cpu and values.is_cpu)  # fmt: skip
 
 
 def _source(module: nn.Module) -> tuple:

@@ -217,3 +217,53 @@ def test_unknown_code_gets_no_step(folder, monkeypatch):
     assert model.colibri.decode == []
     torch_only = from_pretrained(folder, budget="64MiB", linears="torch")
     assert torch_only.colibri.decode == []
+
+
+def _greedy(model, cache, ids, n):
+    """``n`` greedy tokens after ``ids`` (a prompt, or the last token) on ``cache``: their
+    logits, and the last token."""
+    logits = []
+    with torch.no_grad():
+        for _ in range(n):
+            logits.append(model(ids, past_key_values=cache, use_cache=True).logits[:, -1])
+            ids = logits[-1].argmax(-1, keepdim=True)
+    return logits, ids
+
+
+def test_the_cache_grows_in_place_and_others_changes_are_taken(folder):
+    """A step appends to buffers with room to grow that the cache's layers show (their
+    keys' memory stays put from step to step, past a doubling), and takes the layers as
+    others leave them: cropped, deep-copied. Logits and cache bit for bit the layers' own
+    forward's."""
+    import copy
+
+    from transformers import DynamicCache
+
+    ids = token_ids(seed=6, batch=1, length=7)
+    runs = []
+    for own in (False, True):
+        model = from_pretrained(folder, budget="64MiB", linears="colibri")
+        if own:
+            _own_forward(model)
+        cache = DynamicCache(config=model.config)
+        logits, last = _greedy(model, cache, ids, 3)  # the prompt, then 2 steps
+        where = cache.layers[0].keys.untyped_storage().data_ptr()
+        more, last = _greedy(model, cache, last, 50)  # 59 rows: one buffer of 64 holds them
+        assert (cache.layers[0].keys.untyped_storage().data_ptr() == where) != own
+        logits += more
+        copied = copy.deepcopy(cache)
+        more, last = _greedy(model, cache, last, 10)  # past 64 rows: the buffers double
+        logits += more
+        cache.crop(-4)
+        more, _ = _greedy(model, cache, last, 3)
+        logits += more
+        more, _ = _greedy(model, copied, last, 3)  # the copy, where the cache was
+        logits += more
+        runs.append((logits, cache, copied))
+    (ours, cache, copied), (theirs, own_cache, own_copied) = runs
+    assert all(torch.equal(a, b) for a, b in zip(ours, theirs, strict=True))
+    assert _decode._ROOM in cache.layers[0].__dict__  # the steps ran on their own buffers
+    for a, b in ((cache, own_cache), (copied, own_copied)):
+        assert a.get_seq_length() == b.get_seq_length()
+        for x, y in zip(a.layers, b.layers, strict=True):
+            assert torch.equal(x.keys, y.keys) and torch.equal(x.values, y.values)
