@@ -162,7 +162,7 @@ class _Layer:
         (norm_in, q_norm, k_norm, norm_post), (q, k, v, o) = given
         D, name = self.head_dim, _DTYPES[dtype]
         x = values_of(hidden).reshape(self.hidden)
-        cos, sin = (values_of(t).reshape(D) for t in position_embeddings)
+        cos, sin = _rotation(position_embeddings, D)
         queries, key, value = pre_attention(x, norm_in, (q, k, v), cos, sin, q_norm, k_norm, name)
         keys, values = self.append(cache, key, value, dtype)
         scale = D**-0.5 if attn.scaling is None else float(attn.scaling)
@@ -282,8 +282,10 @@ class _Room:
         keys[:, n] = key.reshape(keys.shape[0], keys.shape[2])
         values[:, n] = value.reshape(values.shape[0], values.shape[2])
         self.rows = n = n + 1
-        layer.keys, layer.values = (t[:, :, :n] for t in self.tensors)
-        self.shown = (layer.keys, layer.values)
+        self.shown = layer.keys, layer.values = (
+            self.tensors[0].narrow(2, 0, n),
+            self.tensors[1].narrow(2, 0, n),
+        )
         return keys[:, :n], values[:, :n]
 
 
@@ -308,14 +310,32 @@ def _source(module: nn.Module) -> tuple:
     """What :meth:`_Layer.arguments` reads of ``module``, as numbers: its own forward and
     colibri's states of it (ids), its weight's memory, dtype and strides, its bias's memory
     and version, its epsilon."""
-    state, params = module.__dict__, module._parameters
+    get, params = module.__dict__.get, module._parameters
     weight, bias = params.get("weight"), params.get("bias")
+    forward, linear, norm, patch = _SOURCES
     return (
-        *(id(state.get(name)) for name in _SOURCES),
+        id(get(forward)),
+        id(get(linear)),
+        id(get(norm)),
+        id(get(patch)),  # one step's cost
         None if weight is None else (weight.data_ptr(), weight.dtype, weight.stride()),
         None if bias is None else (bias.data_ptr(), bias._version),
-        state.get("variance_epsilon", state.get("eps")),
+        get("variance_epsilon", get("eps")),
     )
+
+
+_ROTATION: tuple = (None, None, None)  # the last position embeddings, and their values
+
+
+def _rotation(position_embeddings: tuple, D: int) -> tuple[np.ndarray, np.ndarray]:
+    """``cos``, ``sin`` ``[D]`` as values, read once for the layers of a step (the model
+    hands each the same tuple)."""
+    global _ROTATION
+    given, cos, sin = _ROTATION
+    if given is not position_embeddings:
+        cos, sin = (values_of(t).reshape(D) for t in position_embeddings)
+        _ROTATION = (position_embeddings, cos, sin)  # holds them: the identity stays theirs
+    return cos, sin
 
 
 def _tensor(values: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
