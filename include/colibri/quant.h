@@ -393,20 +393,21 @@ static inline void colibri_q_dot_rows(int path, int type, const uint8_t *w, int6
     int32_t o;
 #ifdef COLIBRI_QUANT_X86_H
     static int vnni = -1;
+    const int stream = path == COLIBRI_PATH_AVX2; /* the prefetch hint (quant/x86.h) */
     if (type == COLIBRI_Q4_0X8 && path >= COLIBRI_PATH_AVX2 && path <= COLIBRI_PATH_AVX512_BF16) {
-        colibri_q4_0x8_dot_avx2(w, ldw, rows, K, d, q, s, nb, y, ldo, ldy);
+        colibri_q4_0x8_dot_avx2(w, ldw, rows, K, d, q, s, nb, y, ldo, ldy, stream);
         return;
     }
     if (path == COLIBRI_PATH_AVX512 || path == COLIBRI_PATH_AVX512_BF16) {
         if (vnni < 0) /* racing first calls compute the same value */
             vnni = colibri_cpu_has_avx512vnni();
         if (vnni) {
-            colibri_q_dot_vnni(type, w, ldw, e, lde, rows, K, d, q, s, nb, y, ldo, ldy);
+            colibri_q_dot_vnni(type, w, ldw, e, lde, rows, K, d, q, s, nb, y, ldo, ldy, stream);
             return;
         }
     }
     if (path >= COLIBRI_PATH_AVX2 && path <= COLIBRI_PATH_AVX512_BF16) {
-        colibri_q_dot_avx2(type, w, ldw, e, lde, rows, K, d, q, s, nb, y, ldo, ldy);
+        colibri_q_dot_avx2(type, w, ldw, e, lde, rows, K, d, q, s, nb, y, ldo, ldy, stream);
         return;
     }
 #endif

@@ -436,27 +436,35 @@ COLIBRI_Q_AVX2 static COLIBRI_Q_INLINE void colibri_q_scales8(int type, const ui
 }
 
 /* Bytes ahead of the weights in use that the loops prefetch (the rows' streams run on past
- * a row's end into the next row of the same matrix). Weights read once are fetched
- * non-temporal: on Zen such lines skip L2 and so the L3 behind it, which then keeps the
- * caller's own working set (the interpreter, the activations) between the kernels. */
+ * a row's end into the next row of the same matrix). With `stream` (colibri_q_dot_rows: on
+ * CPUs whose path is AVX2), weights read once are fetched non-temporal: on a Zen 3 such
+ * lines skip L2 and so the L3 behind it, which then keeps the caller's own working set (the
+ * interpreter, the activations) between the kernels, 7-15% a decoded token; on a Zen 4
+ * (AVX-512) the same hint slowed the kernels by half. */
 #ifndef COLIBRI_Q_PREFETCH
 #define COLIBRI_Q_PREFETCH 2048
 #endif
-#define COLIBRI_Q_STREAM(p) _mm_prefetch((const char *)(p), _MM_HINT_NTA)
+#define COLIBRI_Q_FETCH(p, stream)                         \
+    do {                                                   \
+        if (stream)                                        \
+            _mm_prefetch((const char *)(p), _MM_HINT_NTA); \
+        else                                               \
+            _mm_prefetch((const char *)(p), _MM_HINT_T0);  \
+    } while (0)
 
 /* The typed body over `rows` weight rows, the type, and for one q8 row the row count, as
  * constants. */
-#define COLIBRI_Q_TYPED(name, T)                                           \
-    do {                                                                   \
-        int32_t o;                                                         \
-        for (o = 0; o < rows; o++) {                                       \
-            const uint8_t *wo = w + o * ldw, *eo = e ? e + o * lde : NULL; \
-            if (nb == 1)                                                   \
-                name##_typed(T, wo, eo, K, d, q, s, 1, y + o * ldo, ldy);  \
-            else                                                           \
-                name##_typed(T, wo, eo, K, d, q, s, nb, y + o * ldo, ldy); \
-        }                                                                  \
-        return;                                                            \
+#define COLIBRI_Q_TYPED(name, T)                                                   \
+    do {                                                                           \
+        int32_t o;                                                                 \
+        for (o = 0; o < rows; o++) {                                               \
+            const uint8_t *wo = w + o * ldw, *eo = e ? e + o * lde : NULL;         \
+            if (nb == 1)                                                           \
+                name##_typed(T, wo, eo, K, d, q, s, 1, y + o * ldo, ldy, stream);  \
+            else                                                                   \
+                name##_typed(T, wo, eo, K, d, q, s, nb, y + o * ldo, ldy, stream); \
+        }                                                                          \
+        return;                                                                    \
     } while (0)
 
 /* The body of both x86 paths: TOTALS8 gives eight sub-blocks' integer dots; GATHER how the
@@ -464,7 +472,7 @@ COLIBRI_Q_AVX2 static COLIBRI_Q_INLINE void colibri_q_scales8(int type, const ui
 #define COLIBRI_Q_DOT_X86(name, target, TOTALS8, GATHER)                                           \
     target static COLIBRI_Q_INLINE void name##_typed(                                              \
         int type, const uint8_t *w, const uint8_t *e, int32_t K, const float *d, const int8_t *q,  \
-        const int32_t *s, int32_t nb, float *y, int64_t ldy)                                       \
+        const int32_t *s, int32_t nb, float *y, int64_t ldy, int stream)                           \
     {                                                                                              \
         const int32_t subs = colibri_q_block[type] / 32, G = K / 32, G8 = G & ~7;                  \
         __m256 acc[COLIBRI_Q_ROW_BLOCK];                                                           \
@@ -480,7 +488,7 @@ COLIBRI_Q_AVX2 static COLIBRI_Q_INLINE void colibri_q_scales8(int type, const ui
             const uint8_t *b0 = w + (size_t)(g / subs) * (size_t)colibri_q_bytes[type];            \
             int32_t at;                                                                            \
             for (at = 0; at < 8 / subs * colibri_q_bytes[type]; at += 64)                          \
-                COLIBRI_Q_STREAM(b0 + COLIBRI_Q_PREFETCH + at);                                    \
+                COLIBRI_Q_FETCH(b0 + COLIBRI_Q_PREFETCH + at, stream);                             \
             TOTALS8(type, b0, q + 32 * g, K, s + g, G, nb, totals);                                \
             colibri_q_scales8(type, w, e, g, GATHER, &vs, &vm);                                    \
             for (r = 0; r < nb; r++) {                                                             \
@@ -525,7 +533,8 @@ COLIBRI_Q_AVX2 static COLIBRI_Q_INLINE void colibri_q_scales8(int type, const ui
     /* one copy of the body per type, the type a constant in each, looped over the rows */         \
     target static void name(int type, const uint8_t *w, int64_t ldw, const uint8_t *e,             \
                             int64_t lde, int32_t rows, int32_t K, const float *d, const int8_t *q, \
-                            const int32_t *s, int32_t nb, float *y, int64_t ldo, int64_t ldy)      \
+                            const int32_t *s, int32_t nb, float *y, int64_t ldo, int64_t ldy,      \
+                            int stream)                                                            \
     {                                                                                              \
         switch (type) {                                                                            \
         case COLIBRI_Q8_0:                                                                         \
@@ -556,7 +565,7 @@ COLIBRI_Q_AVX2 static COLIBRI_Q_INLINE void colibri_q_scales8(int type, const ui
 COLIBRI_Q_AVX2 static void colibri_q4_0x8_dot_avx2(const uint8_t *w, int64_t ldw, int32_t rows,
                                                    int32_t K, const float *d, const int8_t *q,
                                                    const int32_t *s, int32_t nb, float *y,
-                                                   int64_t ldo, int64_t ldy)
+                                                   int64_t ldo, int64_t ldy, int stream)
 {
     const int32_t G = K / 32;
     const __m256i m = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
@@ -572,12 +581,9 @@ COLIBRI_Q_AVX2 static void colibri_q4_0x8_dot_avx2(const uint8_t *w, int64_t ldw
             for (i = 0; i < G; i++) {
                 const uint8_t *b = g + (size_t)i * 144;
                 __m256i t = _mm256_setzero_si256();
-                if (r == 0 && nb == 1) /* read once */
+                if (r == 0) /* streamed when read once, not for more q8 rows */
                     for (j = 0; j < 144; j += 64)
-                        COLIBRI_Q_STREAM(b + COLIBRI_Q_PREFETCH + j);
-                else if (r == 0) /* read again for the rows after */
-                    for (j = 0; j < 144; j += 64)
-                        _mm_prefetch((const char *)(b + COLIBRI_Q_PREFETCH + j), _MM_HINT_T0);
+                        COLIBRI_Q_FETCH(b + COLIBRI_Q_PREFETCH + j, stream && nb == 1);
                 for (v = 0; v < 4; v++) {
                     const __m256i wv = _mm256_loadu_si256((const __m256i *)(b + 16 + 32 * v));
                     const __m256i lo = _mm256_and_si256(wv, m);
