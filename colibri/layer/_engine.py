@@ -60,9 +60,14 @@ from colibri.layer._expert import (
 
 __all__ = ["KERNEL_MAX_ROWS", "ExpertStore", "Fallback", "HeldExperts", "run_experts"]
 
-#: Rows of one expert up to which the fused kernel computes it; more rows go to the fallback
-#: GEMMs, which reuse each weight across rows (bench/bench_kernels.py measures the crossover).
-KERNEL_MAX_ROWS = 2
+#: Rows of one float16/bfloat16 expert up to which the fused kernel computes it; more rows go
+#: to the fallback GEMMs, which reuse each weight across rows. Where the CPU computes
+#: bfloat16 natively (AVX512_BF16, AMX: oneDNN's torch GEMMs) they win from 4 rows on, so 2;
+#: elsewhere torch's half-precision GEMMs read ~1 GB/s and the kernel wins at every count
+#: measured (an expert of 1024 x 1280 on a 2-core Zen 3: 6.1 ms at 64 rows, torch 24.8;
+#: block conversion + BLAS at parity), so the kernel's rows a call, 64
+#: (bench/bench_kernels.py measures the crossover).
+KERNEL_MAX_ROWS = 2 if _ffn.detected_path() == "avx512_bf16" else _ffn.MAX_ROWS
 
 
 class ExpertStore(Protocol):

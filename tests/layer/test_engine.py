@@ -79,8 +79,9 @@ def test_decode_size_experts_take_the_kernel_and_the_rest_the_fallback():
     """An expert with at most KERNEL_MAX_ROWS rows and half-precision weights is computed by
     the fused kernel (the fallback never sees it); every other expert reaches the fallback
     with exactly its rows; float32 weights always go to the fallback."""
-    x, _, weights = _routing(40)
-    t = np.arange(40)
+    T = 3 * KERNEL_MAX_ROWS + 4  # experts 0-4: more than KERNEL_MAX_ROWS rows each
+    x, _, weights = _routing(T)
+    t = np.arange(T)
     ids = np.stack([t % 5, np.where(t < KERNEL_MAX_ROWS, 5, (t + 1) % 5)], 1)  # 5 is small
     counts = np.bincount(ids.ravel(), minlength=E)
     assert 0 < counts[5] <= KERNEL_MAX_ROWS and (counts[:5] > KERNEL_MAX_ROWS).any()
