@@ -45,6 +45,7 @@ from colibri.layer._expert import (
     FP8_KERNEL_MAX_ROWS,
     KERNEL_ACTIVATIONS,
     KERNEL_KINDS,
+    NATIVE_HALF,
     QUANT_KERNEL_MAX_ROWS,
     VALUE_KINDS,
     compute_rows,
@@ -67,7 +68,7 @@ __all__ = ["KERNEL_MAX_ROWS", "ExpertStore", "Fallback", "HeldExperts", "run_exp
 #: measured (an expert of 1024 x 1280 on a 2-core Zen 3: 6.1 ms at 64 rows, torch 24.8;
 #: block conversion + BLAS at parity), so the kernel's rows a call, 64
 #: (bench/bench_kernels.py measures the crossover).
-KERNEL_MAX_ROWS = 2 if _ffn.detected_path() == "avx512_bf16" else _ffn.MAX_ROWS
+KERNEL_MAX_ROWS = 2 if NATIVE_HALF else _ffn.MAX_ROWS
 
 
 class ExpertStore(Protocol):

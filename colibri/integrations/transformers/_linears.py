@@ -4,13 +4,15 @@ Every ``nn.Linear`` that is not inside a routed experts module (attention projec
 shared experts, dense MLPs, the LM head, ...) with bfloat16 or float16 weights on the CPU
 runs colibri's linear kernel (``include/colibri/linear.h``: the expert kernel's dot products,
 the weights read once at memory speed, float32 accumulation) when its input has few rows
-(decoding), else torch's ``F.linear``. torch's half-precision GEMV is slow on CPUs without
-native bf16 and pays torch's per-op overhead; on others torch may win, and its GEMM wins as
-rows grow, so ``linears="auto"`` times both once per distinct weight shape at load: colibri's
-kernel where it wins at one row, up to the most rows (of 2, 4, :data:`MAX_ROWS`) where it
-still wins (``model.colibri.linears`` records the choice and the timings). A router's
-kernel is timed alone, without the forward's conversions from and to torch's tensors: a
-decoding step computes its logits inside one native call (``colibri.layer._step``).
+(decoding), else torch's ``F.linear`` (in float32 on a CPU without native bfloat16, where
+torch's half-precision GEMM is several times slower than converting the weight). torch's
+half-precision GEMV is slow on CPUs without native bf16 and pays torch's per-op overhead; on
+others torch may win, and its GEMM wins as rows grow, so ``linears="auto"`` times both once
+per distinct weight shape at load: colibri's kernel where it wins at one row, up to the most
+rows (of 2, 4, :data:`MAX_ROWS`) where it still wins (``model.colibri.linears`` records the
+choice and the timings). A router's kernel is timed alone, without the forward's
+conversions from and to torch's tensors: a decoding step computes its logits inside one
+native call (``colibri.layer._step``).
 
 The output equals torch's up to float32 summation order: both accumulate the exact products
 in float32, add the bias in float32 and round once to the input's dtype.
@@ -40,6 +42,7 @@ from colibri._validate import check_choice
 from colibri.integrations.transformers._ops import HALF_NAMES, bits_of, compute, compute_quantized
 from colibri.integrations.transformers._threads import DECODE_ROWS, one_thread
 from colibri.layer import fast_layout, half_linear
+from colibri.layer._expert import NATIVE_HALF
 
 __all__ = ["LINEAR_MODES", "MAX_ROWS", "LinearChoice", "install", "linear"]
 
@@ -201,12 +204,25 @@ def _run(state: _Linear, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
         if few and weight.dtype in _HALVES and not _needs_grad(x, weight):
             return torch.ops.colibri.linear(x, weight, bias, state.num_threads)
         return F.linear(x, weight, bias)
-    if not few or x.device.type != "cpu" or _needs_grad(x, weight):
+    if x.device.type != "cpu" or _needs_grad(x, weight):
         return F.linear(x, weight, bias)
+    if not few:
+        return _many(x, weight, bias)
     bits = state.current(weight, bias)
     if bits is None:
         return F.linear(x, weight, bias)
     return compute(x, weight, bias, state.num_threads, bits, state.bias32)
+
+
+def _many(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``F.linear`` for more rows than the kernel takes (a prompt's): in float32, rounded
+    once to ``x``'s dtype, on a CPU without native bfloat16 (``NATIVE_HALF``), where torch's
+    half-precision GEMM is several times slower than converting the weight and running its
+    float32 GEMM; the same sums (float32 accumulation, the bias added, one rounding) up to
+    their order. torch's own ``F.linear`` otherwise."""
+    if NATIVE_HALF or x.dtype not in _HALVES or weight.dtype != x.dtype:
+        return F.linear(x, weight, bias)
+    return F.linear(x.float(), weight.float(), None if bias is None else bias.float()).to(x.dtype)
 
 
 def _forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
