@@ -10,8 +10,9 @@ are), a step of one token of one sequence computes what ``layer(...)`` would, in
 calls. When every kernel of the attention half is colibri's (norms, projections quantized or
 on colibri's linear kernel, the attention over the cache), two native calls around the cache
 update, :func:`colibri.layer.pre_attention` and :func:`colibri.layer.post_attention` (which
-also computes the router's logits when its linear is colibri's), then the routing and, once
-a budget that holds every expert holds the layer's, one call of its
+also computes the router's logits when its linear is colibri's), then the routing (for
+colibri's softmax routers, their context called directly into numpy arrays) and, once a
+budget that holds every expert holds the layer's, one call of its
 :class:`colibri.layer.HeldExperts` that adds the residual too (else the experts' forward).
 What these calls take of the modules (weights' bits, epsilons, the routing) is read once and
 read again only when a module changes. Otherwise colibri's kernels are called directly
@@ -43,6 +44,7 @@ from colibri.layer import (
     rms_norm,
     rope,
 )
+from colibri.layer._expert import round_to
 
 __all__ = ["install"]
 
@@ -134,16 +136,18 @@ class _Layer:
 
     def arguments(self, dtype: torch.dtype) -> tuple | None:
         """:meth:`kernels` and the router's (``(kernels, rest of the routing, router's
-        linear)``), read again only when a module they come from changed: its forward, the
-        memory, dtype or strides of its weight, its bias, its epsilon, its routing."""
+        linear, its routing for a caller that routes itself)``), read again only when a
+        module they come from changed: its forward, the memory, dtype or strides of its
+        weight, its bias, its epsilon, its routing."""
         key = (dtype, *map(_source, self.sources))
         if self.given[0] != key:
             given = self.kernels(dtype)
             rest = _patch.routed(self.gate)
             router = None if rest is None else _linears.direct(self.gate, router=True)
+            plain = None if router is None else _patch.plain(self.gate)
             # the key holds ids: the objects they name stay alive while it is compared
             named = [m.__dict__.get(name) for m in self.sources for name in _SOURCES]
-            self.given = key, (given, rest, router), named
+            self.given = key, (given, rest, router, plain), named
         return self.given[1]
 
     def step(self, hidden, mask, cache, position_embeddings, kwargs) -> torch.Tensor:
@@ -154,9 +158,9 @@ class _Layer:
 
         attn, dtype = self.attn, hidden.dtype
         interface = ALL_ATTENTION_FUNCTIONS.get_interface(attn.config._attn_implementation, _eager)
-        given = rest = router = None
+        given = rest = router = plain = None
         if interface is _attention.forward and mask is None and _attention.plain(kwargs):
-            given, rest, router = self.arguments(dtype)
+            given, rest, router, plain = self.arguments(dtype)
         if given is None:
             return self.calls(hidden, mask, cache, position_embeddings, kwargs, interface)
         (norm_in, q_norm, k_norm, norm_post), (q, k, v, o) = given
@@ -169,11 +173,25 @@ class _Layer:
         out, h, logits = post_attention(queries, keys, values, scale, o, x, norm_post, router,
                                         name)  # fmt: skip
         bits, h = h, _tensor(h, dtype).view(1, self.hidden)
+        held = _experts.held(self.experts, dtype)
+        if held is not None and logits is not None and plain is not None:
+            # the routing the gate's forward runs, into numpy (no torch tensors), rounded as
+            # its weights.to(logits' dtype) rounds them
+            context, kept = plain
+            ids = np.empty((1, context.top_k), np.int64)
+            weights = np.empty((1, context.top_k), np.float32)
+            context.route(_tensor(logits, dtype).view(1, -1), out=(ids, weights))
+            if kept == "logits" and name != "float32":
+                weights = round_to(weights, name).view(np.uint16)
+            y = held(bits.reshape(1, self.hidden), ids, weights, dtype=name,
+                     out=np.empty((1, self.hidden), bits.dtype),
+                     residual=out.reshape(1, self.hidden))  # fmt: skip
+            if y is not None:
+                return _tensor(y, dtype).view(1, 1, self.hidden)
         if logits is None:
             _, weights, ids = self.gate.forward(h)
         else:
             _, weights, ids = rest(_tensor(logits, dtype).view(1, -1))
-        held = _experts.held(self.experts, dtype)
         if held is not None and weights.dtype == dtype and ids.dtype == torch.int64:
             # the call the experts' forward would make, without its wrappers, and the residual
             rows = bits.reshape(1, self.hidden)

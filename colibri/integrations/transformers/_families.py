@@ -165,6 +165,7 @@ def _fw_linear_softmax(out_dtype: str) -> Callable:
         return routed(self, routing, linear(self, hidden_states))
 
     forward.routed = routed  # the rest once the logits are known (_patch.routed)
+    routed.weights = out_dtype  # its weights' dtype, for a caller that routes itself (_patch.plain)
     return forward
 
 

@@ -166,6 +166,25 @@ def routed(module: Any) -> Callable | None:
     return functools.partial(rest, module, state.routing)
 
 
+def plain(module: Any) -> tuple | None:
+    """``(context, weights)`` for a caller that routes ``module``'s logits ``[T, E]`` itself,
+    as its patched forward would: ``context.route(logits)`` gives ids and float32 weights,
+    then rounded to the logits' dtype when ``weights`` is ``"logits"`` (else kept float32).
+    None unless the forward is colibri's softmax routing with no tensor options."""
+    state = module.__dict__.get(_STATE)
+    if state is None:
+        return None
+    forward = module.__dict__.get(state.kind.method)
+    weights = getattr(getattr(state.kind.forward, "routed", None), "weights", None)
+    if (
+        weights is None
+        or state.routing.tensors
+        or (getattr(forward, "__func__", None) is not _patched_call)
+    ):
+        return None
+    return state.routing.context({}), weights
+
+
 def supported_routers() -> dict[str, str]:
     """The routing implementations colibri maps, by kind, with the transformers router
     classes (importable in this environment) that use each.

@@ -32,9 +32,25 @@ def model(folder, request):
 @pytest.fixture
 def native(monkeypatch):
     """The native steps run: ``pre_attention`` calls, ``post_attention`` calls that
-    computed the router's logits, steps that called the held experts themselves."""
-    ran = {"enter": 0, "routed": 0, "held": 0}
+    computed the router's logits, steps that called the held experts themselves, routes
+    the steps ran themselves (``plain``)."""
+    ran = {"enter": 0, "routed": 0, "held": 0, "plain": 0}
     enter, leave, held = _decode.pre_attention, _decode.post_attention, _decode._experts.held
+    plain = _decode._patch.plain
+
+    def planning(module):
+        given = plain(module)
+        if given is None:
+            return None
+
+        class Counting:
+            top_k = given[0].top_k
+
+            def route(self, *args, **kwargs):
+                ran["plain"] += 1
+                return given[0].route(*args, **kwargs)
+
+        return Counting(), given[1]
 
     def entering(*args):
         ran["enter"] += 1
@@ -53,6 +69,7 @@ def native(monkeypatch):
     monkeypatch.setattr(_decode, "pre_attention", entering)
     monkeypatch.setattr(_decode, "post_attention", leaving)
     monkeypatch.setattr(_decode._experts, "held", holding)
+    monkeypatch.setattr(_decode._patch, "plain", planning)
     return ran
 
 
@@ -92,7 +109,7 @@ def test_steps_equal_the_layers_own_forward(model, steps, native):
     assert steps == [(i, 8 + s) for s in range(5) for i in range(layers)]
     on_colibri = model.config._attn_implementation != "sdpa"
     # every step's experts held after the prompt's (a budget that holds them all)
-    assert native == dict.fromkeys(("enter", "routed", "held"), 5 * layers * on_colibri)
+    assert native == dict.fromkeys(("enter", "routed", "held", "plain"), 5 * layers * on_colibri)
     _own_forward(model)
     theirs = _generate(model, ids)
     assert torch.equal(ours.sequences, theirs.sequences)
