@@ -26,6 +26,7 @@ from colibri.formats import ExpertWeights
 from colibri.layer._dispatch import DispatchPlan, combine, dispatch, gather
 from colibri.layer._engine import KERNEL_MAX_ROWS, ExpertStore, HeldExperts, run_experts
 from colibri.layer._expert import (
+    NATIVE_HALF,
     QUANT_KERNEL_MAX_ROWS,
     activation_function,
     attention,
@@ -45,6 +46,7 @@ from colibri.layer._quant import check_row_values, dequantize, nonfinite_block, 
 
 __all__ = [
     "KERNEL_MAX_ROWS",
+    "NATIVE_HALF",
     "QUANT_KERNEL_MAX_ROWS",
     "DispatchPlan",
     "ExpertStore",

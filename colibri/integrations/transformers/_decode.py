@@ -33,6 +33,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from colibri._dlpack import float32_to_bf16
 from colibri.integrations.transformers import _attention, _experts, _linears, _norms, _patch
 from colibri.integrations.transformers._families import _fingerprint
 from colibri.integrations.transformers._ops import HALF_NAMES, values_of
@@ -44,7 +45,6 @@ from colibri.layer import (
     rms_norm,
     rope,
 )
-from colibri.layer._expert import round_to
 
 __all__ = ["install"]
 
@@ -181,8 +181,10 @@ class _Layer:
             ids = np.empty((1, context.top_k), np.int64)
             weights = np.empty((1, context.top_k), np.float32)
             context.route(_tensor(logits, dtype).view(1, -1), out=(ids, weights))
-            if kept == "logits" and name != "float32":
-                weights = round_to(weights, name).view(np.uint16)
+            if kept == "logits" and name == "bfloat16":
+                weights = float32_to_bf16(weights)
+            elif kept == "logits" and name == "float16":
+                weights = weights.astype(np.float16).view(np.uint16)
             y = held(bits.reshape(1, self.hidden), ids, weights, dtype=name,
                      out=np.empty((1, self.hidden), bits.dtype),
                      residual=out.reshape(1, self.hidden))  # fmt: skip

@@ -41,8 +41,7 @@ from torch.nn import functional as F
 from colibri._validate import check_choice
 from colibri.integrations.transformers._ops import HALF_NAMES, bits_of, compute, compute_quantized
 from colibri.integrations.transformers._threads import DECODE_ROWS, one_thread
-from colibri.layer import fast_layout, half_linear
-from colibri.layer._expert import NATIVE_HALF
+from colibri.layer import NATIVE_HALF, fast_layout, half_linear
 
 __all__ = ["LINEAR_MODES", "MAX_ROWS", "LinearChoice", "install", "linear"]
 
