@@ -423,7 +423,8 @@ def _gib(n: float) -> str:
 
 def _converter(cache_dir: str) -> str:
     """llama.cpp's ``convert_hf_to_gguf.py`` from the sdist of the installed llama-cpp-python
-    (``pip download`` once, then cached)."""
+    (``pip download`` once, then cached; only the sdist from source: its build requirements,
+    cmake among them, as wheels, or pip compiles them to read its metadata)."""
     import tarfile
 
     import llama_cpp
@@ -434,8 +435,9 @@ def _converter(cache_dir: str) -> str:
         return script
     with tempfile.TemporaryDirectory() as tmp:
         subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps",
-                        "--no-binary", ":all:", f"llama-cpp-python=={llama_cpp.__version__}",
-                        "-d", tmp], check=True)  # fmt: skip
+                        "--no-binary", "llama-cpp-python",
+                        f"llama-cpp-python=={llama_cpp.__version__}", "-d", tmp],
+                       check=True)  # fmt: skip
         (sdist,) = os.listdir(tmp)
         with tarfile.open(os.path.join(tmp, sdist)) as tar:
             prefix = tar.getnames()[0].split("/")[0] + "/vendor/llama.cpp/"
