@@ -33,10 +33,9 @@ import numpy as np
 import torch
 from torch import nn
 
-from colibri._dlpack import float32_to_bf16
 from colibri.integrations.transformers import _attention, _experts, _linears, _norms, _patch
 from colibri.integrations.transformers._families import _fingerprint
-from colibri.integrations.transformers._ops import HALF_NAMES, values_of
+from colibri.integrations.transformers._ops import HALF_NAMES, bits_of, values_of
 from colibri.layer import (
     attention,
     post_attention,
@@ -175,16 +174,14 @@ class _Layer:
         bits, h = h, _tensor(h, dtype).view(1, self.hidden)
         held = _experts.held(self.experts, dtype)
         if held is not None and logits is not None and plain is not None:
-            # the routing the gate's forward runs, into numpy (no torch tensors), rounded as
-            # its weights.to(logits' dtype) rounds them
+            # the routing the gate's forward runs, into numpy, its weights rounded by the
+            # .to(logits' dtype) it makes
             context, kept = plain
             ids = np.empty((1, context.top_k), np.int64)
             weights = np.empty((1, context.top_k), np.float32)
             context.route(_tensor(logits, dtype).view(1, -1), out=(ids, weights))
-            if kept == "logits" and name == "bfloat16":
-                weights = float32_to_bf16(weights)
-            elif kept == "logits" and name == "float16":
-                weights = weights.astype(np.float16).view(np.uint16)
+            if kept == "logits" and dtype != torch.float32:
+                weights = bits_of(torch.from_numpy(weights).to(dtype))
             y = held(bits.reshape(1, self.hidden), ids, weights, dtype=name,
                      out=np.empty((1, self.hidden), bits.dtype),
                      residual=out.reshape(1, self.hidden))  # fmt: skip
