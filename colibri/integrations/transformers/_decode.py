@@ -156,7 +156,8 @@ class _Layer:
         from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
         attn, dtype = self.attn, hidden.dtype
-        interface = ALL_ATTENTION_FUNCTIONS.get_interface(attn.config._attn_implementation, _eager)
+        implementation = _experts.implementation(attn.config, "attn")
+        interface = ALL_ATTENTION_FUNCTIONS.get_interface(implementation, _eager)
         given = rest = router = plain = None
         if interface is _attention.forward and mask is None and _attention.plain(kwargs):
             given, rest, router, plain = self.arguments(dtype)

@@ -304,11 +304,24 @@ def held(module: nn.Module, dtype: torch.dtype) -> HeldExperts | None:
         or dtype not in _KERNEL_DTYPES
         or "forward" in module.__dict__
         or type(module).forward is not state.dispatch
-        or ALL_EXPERTS_FUNCTIONS.get(module.config._experts_implementation) is not experts_forward
+        or ALL_EXPERTS_FUNCTIONS.get(implementation(module.config, "experts"))
+        is not experts_forward
     ):
         return None
     state.paging.open_pager()  # a clear error once closed
     return state.held
+
+
+def implementation(config: Any, kind: str) -> Any:
+    """``config._{kind}_implementation`` (``kind`` ``"attn"`` or ``"experts"``), read where
+    transformers keeps it (``_{kind}_implementation_internal`` in the config's ``__dict__``,
+    behind a property and two ``__getattribute__`` overrides: microseconds a read, and a
+    decoding step reads it every layer); through the property where it is kept elsewhere."""
+    found = config.__dict__.get(_INTERNAL[kind], _INTERNAL)
+    return getattr(config, f"_{kind}_implementation") if found is _INTERNAL else found
+
+
+_INTERNAL = {kind: f"_{kind}_implementation_internal" for kind in ("attn", "experts")}
 
 
 def paged_layers(paging: Paging) -> dict[int, _Layer]:

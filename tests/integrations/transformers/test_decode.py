@@ -284,3 +284,24 @@ def test_the_cache_grows_in_place_and_others_changes_are_taken(folder):
         assert a.get_seq_length() == b.get_seq_length()
         for x, y in zip(a.layers, b.layers, strict=True):
             assert torch.equal(x.keys, y.keys) and torch.equal(x.values, y.values)
+
+
+def test_implementation_settings_are_the_configs_own():
+    """The step reads ``config._attn_implementation`` / ``_experts_implementation`` from
+    where transformers keeps them: the value the property gives after each change, and the
+    property itself on a config that keeps them elsewhere."""
+    from transformers import Qwen3MoeConfig
+
+    from colibri.integrations.transformers import _experts
+
+    config = Qwen3MoeConfig(num_hidden_layers=1, hidden_size=64, num_attention_heads=2)
+    for value in ("sdpa", "eager"):
+        config._attn_implementation = value
+        assert _experts.implementation(config, "attn") == config._attn_implementation == value
+    config._experts_implementation = "eager"
+    assert _experts.implementation(config, "experts") == "eager"
+
+    class Elsewhere:
+        _attn_implementation = "kept apart"
+
+    assert _experts.implementation(Elsewhere(), "attn") == "kept apart"
