@@ -397,22 +397,31 @@ def attention(
     return out
 
 
-def _storage(dtype: str, where: str) -> tuple[int, type]:
+# How each kind's values are stored: float32, or the uint16 bits of a half type.
+_STORAGE = {kind: np.dtype(np.float32 if kind == _norm.KIND_PLAIN else np.uint16)
+            for kind in VALUE_KINDS.values()}  # fmt: skip
+
+
+def _storage(dtype: str, where: str) -> tuple[int, np.dtype]:
     kind = VALUE_KINDS.get(dtype)
     if kind is None:
         raise ValueError(f"{where}: dtype must be one of {sorted(VALUE_KINDS)} (got {dtype!r})")
-    return kind, np.float32 if kind == _norm.KIND_PLAIN else np.uint16
+    return kind, _STORAGE[kind]
 
 
-def _checked(a: Any, storage: type, what: str, where: str) -> np.ndarray:
+def _checked(a: Any, storage: np.dtype, what: str, where: str) -> np.ndarray:
+    if type(a) is np.ndarray and a.dtype is storage:  # a decoding step's every call
+        return a
     a = np.asarray(a)
     if a.dtype != storage:
-        raise ValueError(f"{where}: {what} must be {np.dtype(storage).name} for this dtype "
+        raise ValueError(f"{where}: {what} must be {storage.name} for this dtype "
                          f"(got {a.dtype})")  # fmt: skip
     return a
 
 
-def _values(a: Any, storage: type, what: str, where: str) -> np.ndarray:
+def _values(a: Any, storage: np.dtype, what: str, where: str) -> np.ndarray:
+    if type(a) is np.ndarray and a.dtype is storage and a.flags.c_contiguous:
+        return a
     return np.ascontiguousarray(_checked(a, storage, what, where))
 
 
@@ -467,23 +476,31 @@ def pre_attention(
     """
     where = "pre_attention()"
     kind, storage = _storage(dtype, where)
-    x, cos, sin = (_values(a, storage, n, where) for a, n in ((x, "x"), (cos, "cos"), (sin, "sin")))
+    x = _values(x, storage, "x", where)
+    cos, sin = _values(cos, storage, "cos", where), _values(sin, storage, "sin", where)
     D = cos.size
     if len(projections) != 3:
         raise ValueError(f"{where}: projections must be (q, k, v) (got {len(projections)})")
-    outs = [projection[0].shape[0] for projection in projections]
-    if D == 0 or outs[0] % D or outs[1] % D or outs[1] != outs[2]:
-        raise ValueError(f"{where}: the q, k, v projections give {outs} values: whole heads "
-                         f"of cos's {D} values, as many for k as for v")  # fmt: skip
-    q, k, v = (np.empty((n // D, D), storage) for n in outs)
+    nq, nk, nv = projections[0][0].shape[0], projections[1][0].shape[0], projections[2][0].shape[0]
+    if D == 0 or nq % D or nk % D or nk != nv:
+        raise ValueError(f"{where}: the q, k, v projections give {[nq, nk, nv]} values: whole "
+                         f"heads of cos's {D} values, as many for k as for v")  # fmt: skip
+    q = np.empty((nq // D, D), storage)
+    k, v = np.empty((nk // D, D), storage), np.empty((nk // D, D), storage)
     if norm is None:
         raise ValueError(f"{where}: norm must be (weight, eps)")
-    norms = [(None, 0.0) if n is None else (_values(n[0], storage, "a norm weight", where),
-                                            float(n[1]))
-             for n in (norm, q_norm, k_norm)]  # fmt: skip
-    _step.enter(x.reshape(-1), *norms[0], tuple(projections), *norms[1], *norms[2],
+    _step.enter(x.reshape(-1), *_norm_of(norm, storage, where), tuple(projections),
+                *_norm_of(q_norm, storage, where), *_norm_of(k_norm, storage, where),
                 cos.reshape(-1), sin.reshape(-1), q, k, v, kind)  # fmt: skip
     return q, k, v
+
+
+def _norm_of(norm: tuple | None, storage: np.dtype, where: str) -> tuple:
+    """An optional norm ``(weight, eps)`` as the step's kernels take it (none: ``(None,
+    0.0)``)."""
+    if norm is None:
+        return None, 0.0
+    return _values(norm[0], storage, "a norm weight", where), float(norm[1])
 
 
 def post_attention(
@@ -535,8 +552,8 @@ def post_attention(
     where = "post_attention()"
     kind, storage = _storage(dtype, where)
     q, x = _values(q, storage, "q", where), _values(x, storage, "x", where)
-    keys, values = (_heads(_checked(a, storage, n, where)) for a, n in (
-        (keys, "keys"), (values, "values")))  # fmt: skip
+    keys = _heads(_checked(keys, storage, "keys", where))
+    values = _heads(_checked(values, storage, "values", where))
     if q.ndim != 2 or keys.ndim != 3 or values.ndim != 3:
         raise ValueError(f"{where}: q must be [Hq, D], keys and values [Hkv, L, D] (got "
                          f"{list(q.shape)}, {list(keys.shape)}, {list(values.shape)})")  # fmt: skip
