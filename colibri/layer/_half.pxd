@@ -10,7 +10,6 @@ cdef extern from "colibri/half.h" nogil:
         COLIBRI_W_BF16
     float colibri_bf16_to_float(uint16_t h) noexcept
     float colibri_half_to_float(uint16_t h) noexcept
-    float colibri_half_to_float_fast(uint16_t h) noexcept
     uint16_t colibri_float_to_bf16(float f) noexcept
     uint16_t colibri_float_to_half(float f) noexcept
 

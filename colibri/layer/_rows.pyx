@@ -24,7 +24,7 @@ from colibri.layer._half cimport (
     colibri_bf16_to_float,
     colibri_float_to_bf16,
     colibri_float_to_half,
-    colibri_half_to_float_fast,
+    colibri_half_to_float,
 )
 
 share_pool()  # one worker pool a process (colibri/_pool.pyx)
@@ -430,7 +430,7 @@ cdef inline float _load(src_t v, int kind) noexcept nogil:
     if src_t is uint16_t:
         if kind == COLIBRI_W_BF16:
             return colibri_bf16_to_float(v)
-        return colibri_half_to_float_fast(v)
+        return colibri_half_to_float(v)
     else:
         return <float>v
 

@@ -67,7 +67,7 @@ static COLIBRI_ATTEND_INLINE void colibri_attend_load(const void *src, int64_t a
     } else if (kind == COLIBRI_W_F16) {
         const uint16_t *s = (const uint16_t *)src + at;
         for (i = 0; i < n; i++)
-            dst[i] = colibri_half_to_float_fast(s[i]);
+            dst[i] = colibri_half_to_float(s[i]);
     } else {
         memcpy(dst, (const float *)src + at, (size_t)n * sizeof(float));
     }

@@ -24,27 +24,10 @@ static inline float colibri_bf16_to_float(uint16_t h)
     return colibri_bits_to_float((uint32_t)h << 16);
 }
 
+/* IEEE half -> float32 (exact; NaN payloads kept), branch-light so that loops over it
+ * vectorize: rebias the exponent; inf/NaN get the rest of the bias; zero/subnormals are
+ * renormalised by an (exact) float subtraction. */
 static inline float colibri_half_to_float(uint16_t h)
-{
-    uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
-    uint32_t exponent = (h >> 10) & 0x1fu;
-    uint32_t mantissa = h & 0x3ffu;
-    if (exponent == 0x1fu) /* inf / NaN */
-        return colibri_bits_to_float(sign | 0x7f800000u | (mantissa << 13));
-    if (exponent == 0) {
-        if (mantissa == 0)
-            return colibri_bits_to_float(sign);
-        /* subnormal: value = mantissa * 2^-24, exact in float32 */
-        float magnitude = (float)mantissa * 5.9604644775390625e-08f;
-        return sign ? -magnitude : magnitude;
-    }
-    return colibri_bits_to_float(sign | ((exponent + 112u) << 23) | (mantissa << 13));
-}
-
-/* IEEE half -> float32 as colibri_half_to_float (the same float for every input), branch-light
- * so that loops over it vectorize: rebias the exponent; inf/NaN get the rest of the bias;
- * zero/subnormals are renormalised by an (exact) float subtraction. */
-static inline float colibri_half_to_float_fast(uint16_t h)
 {
     const uint32_t exp_mask = 0x7c00u << 13;
     uint32_t o = ((uint32_t)h & 0x7fffu) << 13;
