@@ -420,9 +420,8 @@ def _checked(a: Any, storage: np.dtype, what: str, where: str) -> np.ndarray:
 
 
 def _values(a: Any, storage: np.dtype, what: str, where: str) -> np.ndarray:
-    if type(a) is np.ndarray and a.dtype is storage and a.flags.c_contiguous:
-        return a
-    return np.ascontiguousarray(_checked(a, storage, what, where))
+    a = _checked(a, storage, what, where)
+    return a if a.flags.c_contiguous else np.ascontiguousarray(a)
 
 
 def _heads(a: Any) -> np.ndarray:
