@@ -1,5 +1,6 @@
-"""A ``from_pretrained`` model's one-token decoder-layer steps (``_decode``) against the
-layer's own forward bit for bit, and the calls that run the layer's own forward."""
+"""A ``from_pretrained`` model's one-token decoder-layer and model steps (``_decode``)
+against the layers' and the model's own forwards bit for bit, and the calls that run their
+own forwards."""
 
 from __future__ import annotations
 
@@ -89,6 +90,22 @@ def steps(monkeypatch):
     return ran
 
 
+@pytest.fixture
+def tokens(monkeypatch):
+    """The model's steps run, as the number of layers each ran."""
+    ran = []
+    step = _decode._Model.step
+
+    def counting(self, *args):
+        out = step(self, *args)
+        if out is not None:
+            ran.append(len(self.layers))
+        return out
+
+    monkeypatch.setattr(_decode._Model, "step", counting)
+    return ran
+
+
 def _generate(model, ids, **kwargs):
     with torch.no_grad():
         return model.generate(ids, max_new_tokens=6, do_sample=False, output_scores=True,
@@ -100,13 +117,14 @@ def _own_forward(model):
         model.get_submodule(name).__dict__.pop("forward")
 
 
-def test_steps_equal_the_layers_own_forward(model, steps, native):
+def test_steps_equal_the_layers_own_forward(model, steps, native, tokens):
     layers = model.config.num_hidden_layers
-    assert model.colibri.decode == [f"model.layers.{i}" for i in range(layers)]
+    assert model.colibri.decode == [*(f"model.layers.{i}" for i in range(layers)), "model"]
     ids = token_ids(seed=5, batch=1, length=7)
     ours = _generate(model, ids)
     # five steps after the prompt, each through every layer, the cache one key longer each
     assert steps == [(i, 8 + s) for s in range(5) for i in range(layers)]
+    assert tokens == [layers] * 5  # each the model's step
     on_colibri = model.config._attn_implementation != "sdpa"
     # every step's experts held after the prompt's (a budget that holds them all)
     assert native == dict.fromkeys(("enter", "routed", "held", "plain"), 5 * layers * on_colibri)
@@ -171,10 +189,10 @@ def test_modules_changed_between_steps_are_read_again(model, steps, change):
     assert all(torch.equal(a, b) for a, b in zip(ours.scores, theirs.scores, strict=True))
 
 
-def test_other_calls_run_the_layers_forward(model, steps):
+def test_other_calls_run_the_layers_forward(model, steps, tokens):
     ids = token_ids(seed=5, batch=2, length=7)
     _generate(model, ids, attention_mask=torch.ones_like(ids))  # a batch
-    assert steps == []
+    assert steps == [] and tokens == []
     with torch.enable_grad():  # gradients: torch's graph, the layers' own code
         out = model(ids[:1, :3], use_cache=True)
         model(ids[:1, 3:4], past_key_values=out.past_key_values)
@@ -189,6 +207,48 @@ def test_other_calls_run_the_layers_forward(model, steps):
     model.model.layers[1].self_attn.train()  # its dropout: the layer's own forward
     _generate(model, ids[:1])
     assert steps == []  # layer 0 hooked, layer 1 training
+
+
+def test_other_model_calls_run_the_models_forward(model, steps, tokens):
+    """What the model's step leaves to the model's forward: a hook on a module it calls
+    itself, a layer replaced, a tuple asked for, outputs recorded by its decorators. The
+    results stay the same."""
+    layers = model.config.num_hidden_layers
+    ids = token_ids(seed=7, batch=1, length=6)
+    plain = _generate(model, ids)
+    assert tokens == [layers] * 5
+    tokens.clear()
+    fired = []
+    handle = model.model.norm.register_forward_hook(lambda *a: fired.append(1))
+    hooked = _generate(model, ids)
+    handle.remove()
+    assert tokens == [] and len(fired) == 6  # the prompt's and each step's
+    assert all(torch.equal(a, b) for a, b in zip(plain.scores, hooked.scores, strict=True))
+    layer = model.model.layers[1]
+
+    class Wrapped(torch.nn.Module):  # another module in the layer's place
+        def forward(self, *args, **kwargs):
+            return layer(*args, **kwargs)
+
+    model.model.layers[1] = Wrapped()
+    wrapped = _generate(model, ids)
+    model.model.layers[1] = layer
+    assert tokens == []
+    assert all(torch.equal(a, b) for a, b in zip(plain.scores, wrapped.scores, strict=True))
+    with torch.no_grad():
+        out = model.model(ids, use_cache=True)
+        step = model.model(ids[:, :1], past_key_values=out.past_key_values, return_dict=False)
+    assert isinstance(step, tuple) and tokens == []
+    steps.clear()
+    # hidden states recorded: transformers hooks the layers (from then on: they run their
+    # own forward, called by the model's step)
+    recorded = _generate(model, ids, output_hidden_states=True)
+    assert tokens == [] and steps == []
+    assert all(len(h) == layers + 1 for h in recorded.hidden_states)
+    assert all(torch.equal(a, b) for a, b in zip(plain.scores, recorded.scores, strict=True))
+    again = _generate(model, ids)
+    assert tokens == [layers] * 5 and steps == []
+    assert all(torch.equal(a, b) for a, b in zip(plain.scores, again.scores, strict=True))
 
 
 def test_forwards_replaced_after_loading_run(model, steps, monkeypatch):
@@ -232,6 +292,7 @@ def test_unknown_code_gets_no_step(folder, monkeypatch):
     monkeypatch.setattr(m.Qwen3MoeAttention, "forward", changed)
     model = from_pretrained(folder, budget="64MiB")
     assert model.colibri.decode == []
+    assert "forward" not in model.model.__dict__  # no model step without its layers'
     torch_only = from_pretrained(folder, budget="64MiB", linears="torch")
     assert torch_only.colibri.decode == []
 

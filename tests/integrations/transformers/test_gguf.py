@@ -278,7 +278,7 @@ def test_decoding_steps_equal_the_layers_own_forward(written):
     path, _ = written()
     model = from_pretrained(path, budget=2 * _expert_bytes(), page_size_kb=4)
     try:
-        assert model.colibri.decode == [f"model.layers.{i}" for i in range(LAYERS)]
+        assert model.colibri.decode == [*(f"model.layers.{i}" for i in range(LAYERS)), "model"]
         ids = token_ids(4, batch=1, length=5, high=256)
         runs = []
         for _ in range(2):
