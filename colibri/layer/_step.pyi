@@ -1,4 +1,4 @@
-"""Type stub of colibri.layer._step: a decoder layer's one-token step in two calls."""
+"""Type stub of colibri.layer._step: a decoder layer's one-token step around its attention."""
 
 import numpy as np
 
@@ -33,3 +33,36 @@ def leave(
     logits: np.ndarray,
     kind: int,
 ) -> None: ...
+
+class AttentionStep:
+    H: int
+    Hq: int
+    Hkv: int
+    D: int
+    E: int
+    kind: int
+    def __init__(
+        self,
+        norm: tuple[np.ndarray, float],
+        projections: tuple[tuple, tuple, tuple],
+        q_norm: tuple[np.ndarray, float] | None,
+        k_norm: tuple[np.ndarray, float] | None,
+        o_proj: tuple,
+        norm_post: tuple[np.ndarray, float],
+        router: tuple | None,
+        heads: tuple[int, int, int],
+        dtype: str = "float32",
+    ) -> None: ...
+    def __call__(
+        self,
+        x: np.ndarray,
+        cos: np.ndarray,
+        sin: np.ndarray,
+        keys: np.ndarray,
+        values: np.ndarray,
+        row: int,
+        scale: float,
+        x_out: np.ndarray,
+        h: np.ndarray,
+        logits: np.ndarray | None = None,
+    ) -> None: ...

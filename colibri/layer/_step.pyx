@@ -144,6 +144,64 @@ cdef void _project(proj_t *p, input_t *a, int path, float *y) noexcept nogil:
     colibri_qlinear_run(&f, p.threads)
 
 
+cdef void _enter_rows(const value_t *x, const value_t *norm, Py_ssize_t H, float eps,
+                      proj_t *p, input_t *a, int path, float *y, value_t *h, value_t **outs,
+                      const value_t *q_norm, Py_ssize_t nq, float q_eps,
+                      const value_t *k_norm, Py_ssize_t nk, float k_eps,
+                      const value_t *cos, const value_t *sin, Py_ssize_t Hq, Py_ssize_t Hkv,
+                      Py_ssize_t D, int kind) noexcept nogil:
+    """:func:`enter`'s work: ``outs`` ``(q [Hq, D], k [Hkv, D], v [Hkv, D])`` from ``x [H]``
+    (``h``: ``[H]`` scratch, ``y``: ``Hq * D`` floats, ``a``: an input of ``H``); a NULL
+    norm weight: not normed (``nq``, ``nk``: the norms' sizes)."""
+    cdef Py_ssize_t i, sizes[3]
+    cdef int j
+    sizes[0], sizes[1], sizes[2] = Hq * D, Hkv * D, Hkv * D
+    norm_rows(x, norm, 1, H, eps, h, kind)
+    for i in range(H):
+        a.x[i] = load_value(h, i, kind)
+    for j in range(3):
+        _project(&p[j], a, path, y)
+        for i in range(sizes[j]):
+            store_value(outs[j], i, y[i], kind)
+    if q_norm != NULL:
+        norm_rows(outs[0], q_norm, Hq * D // nq, nq, q_eps, outs[0], kind)
+    if k_norm != NULL:
+        norm_rows(outs[1], k_norm, Hkv * D // nk, nk, k_eps, outs[1], kind)
+    rope_rows(outs[0], cos, sin, Hq, D, kind)
+    rope_rows(outs[1], cos, sin, Hkv, D, kind)
+
+
+cdef int _leave_rows(colibri_attend_t *at, proj_t *o, proj_t *r, input_t *a, input_t *b,
+                     int path, value_t *out, float *y, const value_t *x, const value_t *norm,
+                     float eps, value_t *x_out, value_t *h, value_t *logits, Py_ssize_t H,
+                     Py_ssize_t E) noexcept nogil:
+    """:func:`leave`'s work after its checks: the attention ``at`` into ``out`` (``Hq * D``
+    scratch; ``at.out`` is set here), then ``x_out``, ``h`` and (``r`` not NULL) ``logits``;
+    ``y``: ``H + E`` floats, ``a``: an input of ``Hq * D``, ``b`` of ``H``. Nonzero when the
+    attention could not allocate its scratch."""
+    cdef Py_ssize_t i
+    cdef float f
+    cdef value_t t
+    cdef int kind = at.kind
+    at.out = out
+    if colibri_attend(at, path):
+        return 1
+    for i in range(at.Hq * at.D):
+        a.x[i] = load_value(out, i, kind)
+    _project(o, a, path, y)
+    for i in range(H):
+        f = store_value(&t, 0, y[i], kind)  # the projection, rounded
+        store_value(x_out, i, load_value(x, i, kind) + f, kind)
+    norm_rows(x_out, norm, 1, H, eps, h, kind)
+    if r != NULL:
+        for i in range(H):
+            b.x[i] = load_value(h, i, kind)
+        _project(r, b, path, y + H)
+        for i in range(E):
+            store_value(logits, i, y[H + i], kind)
+    return 0
+
+
 def enter(const value_t[::1] x, const value_t[::1] norm, float eps, tuple projections,
           const value_t[::1] q_norm, float q_eps, const value_t[::1] k_norm, float k_eps,
           const value_t[::1] cos, const value_t[::1] sin, value_t[:, ::1] q,
@@ -176,15 +234,14 @@ def enter(const value_t[::1] x, const value_t[::1] norm, float eps, tuple projec
         raise ValueError("pre_attention(): projections must be (q, k, v)")
     cdef proj_t p[3]
     cdef value_t *outs[3]
-    cdef Py_ssize_t sizes[3]
-    sizes[0], sizes[1], sizes[2] = Hq * D, Hkv * D, Hkv * D
     outs[0], outs[1], outs[2] = &q[0, 0], &k[0, 0], &v[0, 0]
     cdef int j
+    cdef Py_ssize_t sizes[3]
+    sizes[0], sizes[1], sizes[2] = Hq * D, Hkv * D, Hkv * D
     for j, what in enumerate(("q", "k", "v")):
         _proj(projections[j], <int32_t>H, <int32_t>sizes[j], &p[j], f"pre_attention(): {what}")
     cdef int path = path_index(None)
     cdef input_t a
-    cdef Py_ssize_t i
     cdef float *y = <float *>malloc(<size_t>Hq * D * sizeof(float))
     cdef value_t *h = <value_t *>malloc(<size_t>H * sizeof(value_t))
     a.x = NULL
@@ -193,26 +250,16 @@ def enter(const value_t[::1] x, const value_t[::1] norm, float eps, tuple projec
             raise MemoryError()
         _input(&a, <int32_t>H)
         with nogil:
-            norm_rows(&x[0], &norm[0], 1, H, eps, h, kind)
-            for i in range(H):
-                a.x[i] = load_value(h, i, kind)
-            for j in range(3):
-                _project(&p[j], &a, path, y)
-                for i in range(sizes[j]):
-                    store_value(outs[j], i, y[i], kind)
+            _enter_rows(&x[0], &norm[0], H, eps, p, &a, path, y, h, outs,
+                        NULL if q_norm is None else &q_norm[0],
+                        0 if q_norm is None else q_norm.shape[0], q_eps,
+                        NULL if k_norm is None else &k_norm[0],
+                        0 if k_norm is None else k_norm.shape[0], k_eps,
+                        &cos[0], &sin[0], Hq, Hkv, D, kind)  # fmt: skip
     finally:
         free(y)
         free(h)
         free(a.x)
-    with nogil:
-        if q_norm is not None:
-            norm_rows(&q[0, 0], &q_norm[0], Hq * D // q_norm.shape[0], q_norm.shape[0], q_eps,
-                      &q[0, 0], kind)
-        if k_norm is not None:
-            norm_rows(&k[0, 0], &k_norm[0], Hkv * D // k_norm.shape[0], k_norm.shape[0], k_eps,
-                      &k[0, 0], kind)
-        rope_rows(&q[0, 0], &cos[0], &sin[0], Hq, D, kind)
-        rope_rows(&k[0, 0], &cos[0], &sin[0], Hkv, D, kind)
 
 
 def leave(const value_t[:, ::1] q, const value_t[:, :, :] keys,
@@ -247,10 +294,7 @@ def leave(const value_t[:, ::1] q, const value_t[:, :, :] keys,
     cdef int path = path_index(None)
     cdef colibri_attend_t at
     cdef input_t a, b
-    cdef Py_ssize_t i
-    cdef float f
     cdef int failed
-    cdef value_t t
     cdef value_t *out = <value_t *>malloc(<size_t>Hq * D * sizeof(value_t))
     cdef float *y = <float *>malloc(<size_t>(H + E) * sizeof(float))
     if out == NULL or y == NULL:
@@ -263,25 +307,13 @@ def leave(const value_t[:, ::1] q, const value_t[:, :, :] keys,
         _input(&b, <int32_t>H)
         at.ldk = head_stride(keys, "keys", "post_attention()")
         at.ldv = head_stride(values, "values", "post_attention()")
-        at.q, at.k, at.v, at.out, at.mask = &q[0, 0], &keys[0, 0, 0], &values[0, 0, 0], out, NULL
+        at.q, at.k, at.v, at.mask = &q[0, 0], &keys[0, 0, 0], &values[0, 0, 0], NULL
         at.Hq, at.Hkv, at.T, at.L, at.D, at.scale, at.kind = Hq, Hkv, 1, L, D, scale, kind
         at.threads = o.threads  # the o projection's: the layer's threads
         with nogil:
-            failed = colibri_attend(&at, path)
-            if not failed:
-                for i in range(Hq * D):
-                    a.x[i] = load_value(out, i, kind)
-                _project(&o, &a, path, y)
-                for i in range(H):
-                    f = store_value(&t, 0, y[i], kind)  # the projection, rounded
-                    store_value(&x_out[0], i, load_value(&x[0], i, kind) + f, kind)
-                norm_rows(&x_out[0], &norm[0], 1, H, eps, &h[0], kind)
-                if routed:
-                    for i in range(H):
-                        b.x[i] = load_value(&h[0], i, kind)
-                    _project(&r, &b, path, y + H)
-                    for i in range(E):
-                        store_value(&logits[0], i, y[H + i], kind)
+            failed = _leave_rows(&at, &o, &r if routed else NULL, &a, &b, path, out, y, &x[0],
+                                 &norm[0], eps, &x_out[0], &h[0], &logits[0] if routed else NULL,
+                                 H, E)  # fmt: skip
         if failed:
             raise MemoryError()
     finally:
@@ -289,3 +321,180 @@ def leave(const value_t[:, ::1] q, const value_t[:, :, :] keys,
         free(y)
         free(a.x)
         free(b.x)
+
+
+cdef class AttentionStep:
+    """A decoder layer's attention half for one token, its arguments read once: :func:`enter`,
+    the token's key and value appended to the caller's cache buffers, then :func:`leave`, in
+    one call with no array made (the same kernels in the same order: the same bits).
+
+    Parameters
+    ----------
+    norm, norm_post : tuple
+        ``(weight [H], eps)``: the norms before the attention and after its residual add.
+    projections : tuple
+        ``(q, k, v)`` projections (module docstring; :func:`colibri.layer.pre_attention`'s).
+    q_norm, k_norm : tuple or None
+        ``(weight, eps)``: an RMSNorm of every ``len(weight)`` values of ``q`` / ``k``.
+    o_proj : tuple
+        The output projection ``[H, Hq * D]``.
+    router : tuple or None
+        The router's projection ``[E, H]``: its logits computed too; None: not.
+    heads : tuple of int
+        ``(Hq, Hkv, D)``.
+    dtype : str
+        ``"float32"``, ``"bfloat16"`` or ``"float16"``: how every value is stored (the
+        ``uint16`` bits of a half type). The weights are kept referenced, read in place.
+    """
+
+    cdef proj_t p[5]  # q, k, v, o, router
+    cdef const char *norms[4]  # norm, q_norm, k_norm, norm_post (NULL: none)
+    cdef Py_ssize_t sizes[4]
+    cdef float eps[4]
+    cdef readonly Py_ssize_t H, Hq, Hkv, D, E
+    cdef readonly int kind
+    cdef bint routed
+    cdef object keep
+
+    def __init__(self, tuple norm, tuple projections, q_norm, k_norm, tuple o_proj,
+                 tuple norm_post, router, tuple heads, str dtype="float32"):
+        where = "AttentionStep()"
+        if dtype != "float32" and dtype not in _HALF:
+            raise ValueError(f"{where}: dtype must be float32, bfloat16 or float16 ({dtype!r})")
+        self.Hq, self.Hkv, self.D = heads
+        self.kind = _HALF.get(dtype, 0)
+        if self.kind == 0:
+            self._norms[float](norm, q_norm, k_norm, norm_post, where)
+        else:
+            self._norms[uint16_t](norm, q_norm, k_norm, norm_post, where)
+        cdef Py_ssize_t H = self.H, Hq = self.Hq, Hkv = self.Hkv, D = self.D
+        if H == 0 or D == 0 or D % 2 or Hq == 0 or Hkv == 0 or Hq % Hkv:
+            raise ValueError(f"{where}: heads (Hq={Hq}, Hkv={Hkv}, D={D}) and H={H} must be "
+                             "positive, D even, Hkv dividing Hq")
+        if len(projections) != 3:
+            raise ValueError(f"{where}: projections must be (q, k, v)")
+        cdef Py_ssize_t sizes[3]
+        sizes[0], sizes[1], sizes[2] = Hq * D, Hkv * D, Hkv * D
+        for j, what in enumerate(("q", "k", "v")):
+            _proj(projections[j], <int32_t>H, <int32_t>sizes[j], &self.p[j], f"{where}: {what}")
+        _proj(o_proj, <int32_t>(Hq * D), <int32_t>H, &self.p[3], f"{where}: o_proj")
+        self.routed = router is not None
+        self.E = 0
+        if self.routed:
+            self.E = len(router[0])
+            _proj(router, <int32_t>H, <int32_t>self.E, &self.p[4], f"{where}: router")
+        for j, n in ((1, Hq * D), (2, Hkv * D)):
+            if self.norms[j] != NULL and (self.sizes[j] == 0 or n % self.sizes[j]):
+                raise ValueError(f"{where}: {('q', 'k')[j - 1]}_norm [{self.sizes[j]}] must "
+                                 f"divide its {n} values")
+        self.keep = (norm, projections, q_norm, k_norm, o_proj, norm_post, router)
+
+    cdef int _norms(self, tuple norm, q_norm, k_norm, tuple norm_post, str where,
+                    value_t kind_of=0) except -1:
+        """Read the four norms' ``(weight, eps)`` (values stored as ``value_t``)."""
+        cdef const value_t[::1] w
+        for j, given in enumerate((norm, q_norm, k_norm, norm_post)):
+            self.norms[j], self.sizes[j], self.eps[j] = NULL, 0, 0.0
+            if given is None:
+                if j in (0, 3):
+                    raise ValueError(f"{where}: norm and norm_post must be (weight, eps)")
+                continue
+            w = given[0]
+            self.norms[j], self.sizes[j], self.eps[j] = <const char *>&w[0], w.shape[0], given[1]
+        self.H = self.sizes[0]
+        if self.sizes[3] != self.H:
+            raise ValueError(f"{where}: norm_post [{self.sizes[3]}] must be [H] like norm "
+                             f"[{self.H}]")
+        return 0
+
+    def __call__(self, x, cos, sin, keys, values, Py_ssize_t row, float scale, x_out, h,
+                 logits=None):
+        """One token's step.
+
+        Parameters
+        ----------
+        x : numpy.ndarray
+            ``[H]``, the layer's input.
+        cos, sin : numpy.ndarray
+            ``[D]``: the token's rotation.
+        keys, values : numpy.ndarray
+            ``[Hkv, capacity, D]``, C-contiguous: a cache holding ``row`` rows; the token's
+            key and value are written at ``row``, the attention reads rows ``0 .. row``.
+        row : int
+            In ``[0, capacity)``.
+        scale : float
+            The attention's scale.
+        x_out, h, logits : numpy.ndarray
+            Written: ``x_out [H]`` the input plus the attention's output projected, ``h [H]``
+            its norm, ``logits [E]`` the router's (None without a router), each rounded to
+            the storage type as :func:`colibri.layer.post_attention` rounds them.
+
+        Every array holds ``dtype``'s values as the step stores them.
+        """
+        if self.kind == 0:
+            _attend_step[float](self, x, cos, sin, keys, values, row, scale, x_out, h, logits)
+        else:
+            _attend_step[uint16_t](self, x, cos, sin, keys, values, row, scale, x_out, h,
+                                   logits)
+
+
+cdef int _attend_step(AttentionStep s, const value_t[::1] x, const value_t[::1] cos,
+                      const value_t[::1] sin, value_t[:, :, ::1] keys,
+                      value_t[:, :, ::1] values, Py_ssize_t row, float scale,
+                      value_t[::1] x_out, value_t[::1] h, value_t[::1] logits) except -1:
+    cdef Py_ssize_t H = s.H, Hq = s.Hq, Hkv = s.Hkv, D = s.D, E = s.E, i, j
+    cdef Py_ssize_t capacity = keys.shape[1]
+    where = "AttentionStep()"
+    if (x.shape[0] != H or x_out.shape[0] != H or h.shape[0] != H or cos.shape[0] != D
+            or sin.shape[0] != D or keys.shape[0] != Hkv or keys.shape[2] != D
+            or values.shape[0] != Hkv or values.shape[1] != capacity or values.shape[2] != D):
+        raise ValueError(f"{where}: x, x_out, h must be [{H}], cos and sin [{D}], keys and "
+                         f"values [{Hkv}, capacity, {D}]")
+    if not 0 <= row < capacity:
+        raise ValueError(f"{where}: row {row} must be in [0, capacity={capacity})")
+    if s.routed and (logits is None or logits.shape[0] != E):
+        raise ValueError(f"{where}: logits must be [{E}] (the router's rows)")
+    cdef int kind = s.kind, path = path_index(None)
+    cdef value_t *outs[3]
+    cdef colibri_attend_t at
+    cdef input_t a, b, c
+    cdef int failed = 0
+    # q [Hq * D], k, v [Hkv * D], the norm's h [H], the attention's out [Hq * D]
+    cdef value_t *scratch = <value_t *>malloc(<size_t>(2 * Hq * D + 2 * Hkv * D + H)
+                                              * sizeof(value_t))  # fmt: skip
+    cdef float *y = <float *>malloc(<size_t>(Hq * D + H + E) * sizeof(float))
+    a.x = b.x = c.x = NULL
+    try:
+        if scratch == NULL or y == NULL:
+            raise MemoryError()
+        _input(&a, <int32_t>H)
+        _input(&b, <int32_t>(Hq * D))
+        _input(&c, <int32_t>H)
+        outs[0], outs[1] = scratch, scratch + Hq * D
+        outs[2] = outs[1] + Hkv * D
+        at.q, at.k, at.v, at.mask = outs[0], &keys[0, 0, 0], &values[0, 0, 0], NULL
+        at.Hq, at.Hkv, at.T, at.L, at.D, at.scale, at.kind = Hq, Hkv, 1, row + 1, D, scale, kind
+        at.ldk = at.ldv = capacity * D
+        at.threads = s.p[3].threads  # the o projection's: the layer's threads
+        with nogil:
+            _enter_rows(&x[0], <const value_t *>s.norms[0], H, s.eps[0], s.p, &a, path, y,
+                        outs[2] + Hkv * D, outs, <const value_t *>s.norms[1], s.sizes[1],
+                        s.eps[1], <const value_t *>s.norms[2], s.sizes[2], s.eps[2], &cos[0],
+                        &sin[0], Hq, Hkv, D, kind)  # fmt: skip
+            for j in range(Hkv):
+                for i in range(D):
+                    keys[j, row, i] = outs[1][j * D + i]
+                    values[j, row, i] = outs[2][j * D + i]
+            failed = _leave_rows(&at, &s.p[3], &s.p[4] if s.routed else NULL, &b, &c, path,
+                                 outs[2] + Hkv * D + H, y, &x[0],
+                                 <const value_t *>s.norms[3], s.eps[3], &x_out[0], &h[0],
+                                 &logits[0] if s.routed else NULL, H, E)  # fmt: skip
+        if failed:
+            raise MemoryError()
+    finally:
+        free(scratch)
+        free(y)
+        free(a.x)
+        free(b.x)
+        free(c.x)
+    return 0

@@ -1,6 +1,7 @@
 """``pre_attention`` / ``post_attention``: a decoder layer's one-token step in two native
 calls, against the same public kernels called one by one (rms_norm, quant_linear /
-half_linear, rope, attention, numpy's residual add) bit for bit, and their errors."""
+half_linear, rope, attention, numpy's residual add) bit for bit, and their errors;
+``AttentionStep``, the two with the cache update between them, against the two."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import pytest
 
 from _support.blocks import random_blocks
 from colibri.layer import (
+    AttentionStep,
     _quant,
     attention,
     half_linear,
@@ -218,3 +220,68 @@ def test_bad_input_is_named():
         leave(scale=float("nan"))
     with pytest.raises(ValueError, match="keys must be uint16"):
         leave(keys=_load(c["keys"], "bfloat16"))
+
+
+def _planned(c, dtype, routed=True, capacity=8):
+    """An AttentionStep of case ``c``, and a cache ``[HKV, capacity, D]`` holding its L rows."""
+    step = AttentionStep((c["norm"], 1e-6), tuple(c["proj"][:3]), (c["q_norm"], 1e-5),
+                         (c["k_norm"], 1e-5), c["proj"][3], (c["post"], 1e-6),
+                         c["proj"][4] if routed else None, (HQ, HKV, D), dtype)  # fmt: skip
+    cache = []
+    for name in ("keys", "values"):
+        buffer = np.full((HKV, capacity, D), 7, c[name].dtype)  # rows past L: never read
+        buffer[:, :L] = c[name]
+        cache.append(buffer)
+    return step, cache
+
+
+@pytest.mark.parametrize("dtype", list(KINDS))
+@pytest.mark.parametrize("codes", CODES)
+@pytest.mark.parametrize("routed", [False, True])
+def test_attention_step_is_enter_the_cache_update_and_leave(dtype, codes, routed):
+    c = _case(dtype, codes, bias=True, seed=2)
+    step, (keys, values) = _planned(c, dtype, routed)
+    q, k, v = _enter(c, dtype)
+    want_keys = np.concatenate([c["keys"], k[:, None]], axis=1)
+    want_values = np.concatenate([c["values"], v[:, None]], axis=1)
+    want = post_attention(q, want_keys, want_values, 0.125, c["proj"][3], c["x"],
+                          (c["post"], 1e-6), c["proj"][4] if routed else None,
+                          dtype)  # fmt: skip
+    storage = c["x"].dtype
+    x_out, h = np.empty(H, storage), np.empty(H, storage)
+    logits = np.empty(E, storage) if routed else None
+    for _ in range(2):  # the same again: the arguments read once hold
+        step(c["x"], c["cos"], c["sin"], keys, values, L, 0.125, x_out, h, logits)
+        np.testing.assert_array_equal(keys[:, : L + 1], want_keys)
+        np.testing.assert_array_equal(values[:, : L + 1], want_values)
+        assert (keys[:, L + 1 :] == 7).all() and (values[:, L + 1 :] == 7).all()
+        np.testing.assert_array_equal(x_out, want[0])
+        np.testing.assert_array_equal(h, want[1])
+        if routed:
+            np.testing.assert_array_equal(logits, want[2])
+    assert (step.H, step.Hq, step.Hkv, step.D, step.E) == (H, HQ, HKV, D, E if routed else 0)
+
+
+def test_attention_step_bad_input_is_named():
+    c = _case("bfloat16", CODES[0], bias=False)
+    step, (keys, values) = _planned(c, "bfloat16", capacity=L + 1)
+    x_out, h, logits = (np.empty(n, np.uint16) for n in (H, H, E))
+    with pytest.raises(ValueError, match=r"row 6 must be in \[0, capacity=6\)"):
+        step(c["x"], c["cos"], c["sin"], keys, values, L + 1, 0.125, x_out, h, logits)
+    with pytest.raises(ValueError, match=r"logits must be \[12\]"):
+        step(c["x"], c["cos"], c["sin"], keys, values, L, 0.125, x_out, h, None)
+    with pytest.raises(ValueError, match=r"keys and values \[2, capacity, 64\]"):
+        step(c["x"], c["cos"], c["sin"], keys[:1].copy(), values, L, 0.125, x_out, h, logits)
+    with pytest.raises(ValueError, match="dtype mismatch"):
+        step(c["x"].astype(np.float32), c["cos"], c["sin"], keys, values, L, 0.125, x_out, h,
+             logits)  # fmt: skip
+    args = [(c["norm"], 1e-6), tuple(c["proj"][:3]), None, None, c["proj"][3],
+            (c["post"], 1e-6), None, (HQ, HKV, D), "bfloat16"]  # fmt: skip
+    with pytest.raises(ValueError, match="dtype must be float32, bfloat16 or float16"):
+        AttentionStep(*args[:-1], "int8")
+    with pytest.raises(ValueError, match="Hkv dividing Hq"):
+        AttentionStep(*args[:-2], (HQ, 3, D), "bfloat16")
+    with pytest.raises(ValueError, match=r"must be \[H\] like norm"):
+        AttentionStep(*args[:5], (c["post"][:-1], 1e-6), *args[6:])
+    with pytest.raises(ValueError, match="o_proj: the weight must be"):
+        AttentionStep(*args[:4], c["proj"][4], *args[5:])

@@ -44,6 +44,7 @@ from colibri.integrations.transformers import _attention, _experts, _linears, _n
 from colibri.integrations.transformers._families import _fingerprint
 from colibri.integrations.transformers._ops import HALF_NAMES, bits_of, values_of
 from colibri.layer import (
+    AttentionStep,
     attention,
     post_attention,
     pre_attention,
@@ -148,7 +149,8 @@ class _Layer:
 
     def arguments(self, dtype: torch.dtype) -> tuple | None:
         """:meth:`kernels` and the router's (``(kernels, rest of the routing, router's
-        linear, its routing for a caller that routes itself)``), read again only when a
+        linear, its routing for a caller that routes itself, the kernels' AttentionStep)``),
+        read again only when a
         module they come from changed: its forward, the memory, dtype or strides of its
         weight, its bias, its epsilon, its routing."""
         key = (dtype, *map(_source, self.sources))
@@ -157,9 +159,15 @@ class _Layer:
             rest = _patch.routed(self.gate)
             router = None if rest is None else _linears.direct(self.gate, router=True)
             plain = None if router is None else _patch.plain(self.gate)
+            planned = None
+            if given is not None:
+                (norm_in, q_norm, k_norm, norm_post), (q, k, v, o) = given
+                planned = AttentionStep(norm_in, (q, k, v), q_norm, k_norm, o, norm_post, router,
+                                        (self.heads, self.kv_heads, self.head_dim),
+                                        _DTYPES[dtype])  # fmt: skip
             # the key holds ids: the objects they name stay alive while it is compared
             named = [m.__dict__.get(name) for m in self.sources for name in _SOURCES]
-            self.given = key, (given, rest, router, plain), named
+            self.given = key, (given, rest, router, plain, planned), named
         return self.given[1]
 
     def step(self, hidden, mask, cache, position_embeddings, kwargs) -> torch.Tensor:
@@ -173,18 +181,27 @@ class _Layer:
         interface = ALL_ATTENTION_FUNCTIONS.get_interface(implementation, _eager)
         given = rest = router = plain = None
         if interface is _attention.forward and mask is None and _attention.plain(kwargs):
-            given, rest, router, plain = self.arguments(dtype)
+            given, rest, router, plain, planned = self.arguments(dtype)
         if given is None:
             return self.calls(hidden, mask, cache, position_embeddings, kwargs, interface)
-        (norm_in, q_norm, k_norm, norm_post), (q, k, v, o) = given
         D, name = self.head_dim, _DTYPES[dtype]
         x = values_of(hidden).reshape(self.hidden)
         cos, sin = _rotation(position_embeddings, D)
-        queries, key, value = pre_attention(x, norm_in, (q, k, v), cos, sin, q_norm, k_norm, name)
-        keys, values = self.append(cache, key, value, dtype)
         scale = D**-0.5 if attn.scaling is None else float(attn.scaling)
-        out, h, logits = post_attention(queries, keys, values, scale, o, x, norm_post, router,
-                                        name)  # fmt: skip
+        room = self.room(cache, dtype)
+        if room is not None:  # the cache update inside the attention half's one call
+            keys, values = room.reserve()
+            out, h = np.empty(self.hidden, x.dtype), np.empty(self.hidden, x.dtype)
+            logits = None if router is None else np.empty(planned.E, x.dtype)
+            planned(x, cos, sin, keys, values, room.rows, scale, out, h, logits)
+            room.advance(cache.layers[attn.layer_idx])
+        else:
+            (norm_in, q_norm, k_norm, norm_post), (q, k, v, o) = given
+            queries, key, value = pre_attention(x, norm_in, (q, k, v), cos, sin, q_norm, k_norm,
+                                                name)  # fmt: skip
+            keys, values = self.append(cache, key, value, dtype)
+            out, h, logits = post_attention(queries, keys, values, scale, o, x, norm_post,
+                                            router, name)  # fmt: skip
         bits, h = h, _tensor(h, dtype).view(1, self.hidden)
         held = _experts.held(self.experts, dtype)
         if held is not None and logits is not None and plain is not None:
@@ -223,19 +240,27 @@ class _Layer:
         layer), which the layer then shows: no copy of the cache a token, where ``update``
         concatenates."""
         index, D = self.attn.layer_idx, self.head_dim
-        layers = getattr(cache, "layers", ())
-        layer = layers[index] if index < len(layers) else None
-        room = None if layer is None else layer.__dict__.get(_ROOM)
-        if room is None or not room.shown_by(layer):  # a new cache, or changed by others
-            room = None
-            if _growable(cache, layer, dtype, (self.kv_heads, D)):
-                room = layer.__dict__[_ROOM] = _Room(layer, dtype)
+        room = self.room(cache, dtype)
         if room is None:
             keys, values = cache.update(_tensor(key, dtype).view(1, self.kv_heads, 1, D),
                                         _tensor(value, dtype).view(1, self.kv_heads, 1, D),
                                         index)  # fmt: skip
             return values_of(keys[0].contiguous()), values_of(values[0].contiguous())
-        return room.append(layer, key, value)
+        return room.append(cache.layers[index], key, value)
+
+    def room(self, cache, dtype: torch.dtype) -> _Room | None:
+        """This layer's :class:`_Room` in ``cache`` (made, adopting what the cache's layer
+        holds, when new or changed by others); None when its layer is not one a room
+        stands in for."""
+        index = self.attn.layer_idx
+        layers = getattr(cache, "layers", ())
+        layer = layers[index] if index < len(layers) else None
+        room = None if layer is None else layer.__dict__.get(_ROOM)
+        if room is None or not room.shown_by(layer):  # a new cache, or changed by others
+            room = None
+            if _growable(cache, layer, dtype, (self.kv_heads, self.head_dim)):
+                room = layer.__dict__[_ROOM] = _Room(layer, dtype)
+        return room
 
     def calls(self, hidden, mask, cache, position_embeddings, kwargs, interface) -> torch.Tensor:
         """The step as the modules' calls one by one: colibri's kernels called directly where
@@ -304,20 +329,27 @@ class _Room:
         """Whether ``layer`` shows this room's rows still (no one else changed them)."""
         return bool(self.shown) and layer.keys is self.shown[0] and layer.values is self.shown[1]
 
-    def append(self, layer, key: np.ndarray, value: np.ndarray) -> tuple:
-        keys, values = self.buffers
-        n = self.rows
-        if n == keys.shape[1]:
-            self._grow(self.buffers, 2 * n, self.tensors[0].dtype)
-            keys, values = self.buffers
-        keys[:, n] = key.reshape(keys.shape[0], keys.shape[2])
-        values[:, n] = value.reshape(values.shape[0], values.shape[2])
-        self.rows = n = n + 1
+    def reserve(self) -> tuple[np.ndarray, np.ndarray]:
+        """The buffers, grown first if full: row :attr:`rows` is free."""
+        if self.rows == self.buffers[0].shape[1]:
+            self._grow(self.buffers, 2 * self.rows, self.tensors[0].dtype)
+        return self.buffers
+
+    def advance(self, layer) -> None:
+        """Count the row written at :attr:`rows` and let ``layer`` show it."""
+        self.rows = n = self.rows + 1
         self.shown = layer.keys, layer.values = (
             self.tensors[0].narrow(2, 0, n),
             self.tensors[1].narrow(2, 0, n),
         )
-        return keys[:, :n], values[:, :n]
+
+    def append(self, layer, key: np.ndarray, value: np.ndarray) -> tuple:
+        keys, values = self.reserve()
+        n = self.rows
+        keys[:, n] = key.reshape(keys.shape[0], keys.shape[2])
+        values[:, n] = value.reshape(values.shape[0], values.shape[2])
+        self.advance(layer)
+        return keys[:, : n + 1], values[:, : n + 1]
 
 
 def _growable(cache, layer, dtype: torch.dtype, heads: tuple[int, int]) -> bool:

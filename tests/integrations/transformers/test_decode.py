@@ -32,12 +32,23 @@ def model(folder, request):
 
 @pytest.fixture
 def native(monkeypatch):
-    """The native steps run: ``pre_attention`` calls, ``post_attention`` calls that
-    computed the router's logits, steps that called the held experts themselves, routes
-    the steps ran themselves (``plain``)."""
-    ran = {"enter": 0, "routed": 0, "held": 0, "plain": 0}
+    """The native steps run: attention halves (``pre_attention`` calls, or ``AttentionStep``
+    calls: ``planned``), those that computed the router's logits, steps that called the held
+    experts themselves, routes the steps ran themselves (``plain``)."""
+    ran = {"enter": 0, "routed": 0, "held": 0, "plain": 0, "planned": 0}
     enter, leave, held = _decode.pre_attention, _decode.post_attention, _decode._experts.held
-    plain = _decode._patch.plain
+    plain, planned = _decode._patch.plain, _decode.AttentionStep
+
+    class Planned:
+        def __init__(self, *args):
+            self.step = planned(*args)
+            self.E = self.step.E
+
+        def __call__(self, *args):
+            self.step(*args)
+            ran["enter"] += 1
+            ran["planned"] += 1
+            ran["routed"] += args[-1] is not None
 
     def planning(module):
         given = plain(module)
@@ -71,6 +82,7 @@ def native(monkeypatch):
     monkeypatch.setattr(_decode, "post_attention", leaving)
     monkeypatch.setattr(_decode._experts, "held", holding)
     monkeypatch.setattr(_decode._patch, "plain", planning)
+    monkeypatch.setattr(_decode, "AttentionStep", Planned)
     return ran
 
 
@@ -126,11 +138,32 @@ def test_steps_equal_the_layers_own_forward(model, steps, native, tokens):
     assert steps == [(i, 8 + s) for s in range(5) for i in range(layers)]
     assert tokens == [layers] * 5  # each the model's step
     on_colibri = model.config._attn_implementation != "sdpa"
-    # every step's experts held after the prompt's (a budget that holds them all)
-    assert native == dict.fromkeys(("enter", "routed", "held", "plain"), 5 * layers * on_colibri)
+    # every step's experts held after the prompt's (a budget that holds them all), every
+    # attention half one call with the cache update
+    counts = ("enter", "routed", "held", "plain", "planned")
+    assert native == dict.fromkeys(counts, 5 * layers * on_colibri)
     _own_forward(model)
     theirs = _generate(model, ids)
     assert torch.equal(ours.sequences, theirs.sequences)
+    assert all(torch.equal(a, b) for a, b in zip(ours.scores, theirs.scores, strict=True))
+
+
+def test_a_cache_of_another_kind_is_updated_between_two_calls(model, native):
+    """A cache colibri's buffers do not stand in for (here a subclass of ``DynamicCache``):
+    its own ``update`` between ``pre_attention`` and ``post_attention``; the same tokens
+    and logits as the layers' own forward."""
+    from transformers import DynamicCache
+
+    class Cache(DynamicCache):
+        pass
+
+    layers = model.config.num_hidden_layers
+    ids = token_ids(seed=8, batch=1, length=7)
+    ours = _generate(model, ids, past_key_values=Cache(config=model.config))
+    on_colibri = model.config._attn_implementation != "sdpa"
+    assert native["enter"] == 5 * layers * on_colibri and native["planned"] == 0
+    _own_forward(model)
+    theirs = _generate(model, ids, past_key_values=Cache(config=model.config))
     assert all(torch.equal(a, b) for a, b in zip(ours.scores, theirs.scores, strict=True))
 
 
