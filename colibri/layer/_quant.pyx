@@ -81,7 +81,7 @@ cdef extern from "colibri/qffn.h" nogil:
     enum:
         COLIBRI_FFN_MAX_ROWS
         COLIBRI_QFFN_ACT_GPT_OSS
-    void colibri_qffn_run_many(const colibri_qffn_t *f, int32_t count, int32_t *first,
+    void colibri_qffn_run_many(colibri_qffn_t *f, int32_t count, int32_t *first,
                                int threads) noexcept
 
 

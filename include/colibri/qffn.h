@@ -57,21 +57,41 @@ typedef struct {
     const float *bg, *bu, *bd;
     int64_t ldb;
     float alpha, limit;
+    /* set by colibri_qffn_run_many: output rows of one chunk of the pool, in each pass */
+    int32_t gate_up_rows, down_rows;
 } colibri_qffn_t;
 
 /* act: gpt-oss's clamped SwiGLU with biases (a number past ffn.h's COLIBRI_ACT_*). */
 #define COLIBRI_QFFN_ACT_GPT_OSS 16
 
-/* Output rows per gate/up chunk: whole blocks of h's q8 rows. */
+/* Output rows gate/up computes at a time: whole blocks of h's q8 rows. */
 #define COLIBRI_QFFN_CHUNK 32
 
-/* Output rows per down chunk: about 64 KiB of down's blocks. Long runs of rows keep each
- * thread's stream of weights long (the prefetches ahead land in its own chunk): 12 rows of the
- * demo's experts (8.6 KiB of Q4_0) ran a layer's two held experts 10-15% slower from memory on
- * a 2-core Zen 3 than 64 rows. */
-static inline int32_t colibri_qffn_down_rows(int32_t type, int32_t I)
+/* A pass's chunks of the pool: about COLIBRI_QFFN_BYTES of weights each, smaller when that
+ * leaves fewer than COLIBRI_QFFN_SPLIT chunks a thread. Long runs of rows keep each thread's
+ * stream of weights long (its prefetches ahead land in its own chunk) and its claims few: on a
+ * 2-core Zen 4 a layer's two held Q4_0 experts of the demo's shape (4.4 MB) ran a step in
+ * 127-133 us with 36 KiB gate/up and 64 KiB down chunks, 108-116 us with 256 KiB-1 MiB ones. */
+#define COLIBRI_QFFN_BYTES (1 << 20)
+#define COLIBRI_QFFN_SPLIT 2
+
+/* Rows of a chunk of `total` bytes of rows of `row` bytes, for `threads` threads: a multiple
+ * of `unit`, at least one unit. */
+static inline int32_t colibri_qffn_chunk(int64_t total, int64_t row, int threads, int32_t unit)
 {
-    return colibri_q_chunk_rows(type, I, 65536);
+    int64_t bytes = total / ((int64_t)COLIBRI_QFFN_SPLIT * (threads > 1 ? threads : 1));
+    int64_t rows;
+    if (bytes > COLIBRI_QFFN_BYTES)
+        bytes = COLIBRI_QFFN_BYTES;
+    rows = bytes / (row > 0 ? row : 1);
+    rows -= rows % unit;
+    return rows < unit ? unit : (int32_t)rows; /* at most COLIBRI_QFFN_BYTES / row */
+}
+
+/* Bytes of one row of K values of `type`. */
+static inline int64_t colibri_qffn_row_bytes(int32_t type, int32_t K)
+{
+    return (int64_t)(K / colibri_q_block[type]) * colibri_q_bytes[type];
 }
 
 /* y[o * ldo + r * ldy] = w_o . x_r for o < rows (w_o = w + o * ldw bytes, its scales
@@ -140,33 +160,45 @@ static inline void colibri_qffn_down(const colibri_qffn_t *f, int32_t o0, int32_
 static void colibri_qffn_gate_up_chunk(void *arg, int32_t c)
 {
     const colibri_qffn_t *f = (const colibri_qffn_t *)arg;
-    int32_t o1 = (c + 1) * COLIBRI_QFFN_CHUNK;
-    colibri_qffn_gate_up(f, c * COLIBRI_QFFN_CHUNK, o1 < f->I ? o1 : f->I);
+    const int32_t rows = f->gate_up_rows;
+    const int32_t end = (int64_t)(c + 1) * rows < f->I ? (c + 1) * rows : f->I;
+    int32_t o;
+    for (o = c * rows; o < end; o += COLIBRI_QFFN_CHUNK)
+        colibri_qffn_gate_up(f, o, o + COLIBRI_QFFN_CHUNK < end ? o + COLIBRI_QFFN_CHUNK : end);
 }
 
 static void colibri_qffn_down_chunk(void *arg, int32_t c)
 {
     const colibri_qffn_t *f = (const colibri_qffn_t *)arg;
-    const int32_t rows = colibri_qffn_down_rows(f->down_type, f->I);
-    colibri_qffn_down(f, c * rows, (c + 1) * rows < f->H ? (c + 1) * rows : f->H);
+    const int32_t rows = f->down_rows;
+    colibri_qffn_down(f, c * rows, (int64_t)(c + 1) * rows < f->H ? (c + 1) * rows : f->H);
 }
 
 /* Several experts' FFNs (same layer: same x) in two pool runs, their chunks in one index
- * space; first must hold count + 1 entries (scratch). */
-static inline void colibri_qffn_run_many(const colibri_qffn_t *f, int32_t count, int32_t *first,
+ * space; first must hold count + 1 entries (scratch). Sets each f[j]'s chunk rows. */
+static inline void colibri_qffn_run_many(colibri_qffn_t *f, int32_t count, int32_t *first,
                                          int threads)
 {
     int32_t j;
+    int64_t gate_up = 0, down = 0;
     if (count < 1)
         return;
+    for (j = 0; j < count; j++) {
+        gate_up += 2 * (int64_t)f[j].I * colibri_qffn_row_bytes(f[j].type, f[j].H);
+        down += (int64_t)f[j].H * colibri_qffn_row_bytes(f[j].down_type, f[j].I);
+    }
     first[0] = 0;
-    for (j = 0; j < count; j++)
-        first[j + 1] = first[j] + (f[j].I + COLIBRI_QFFN_CHUNK - 1) / COLIBRI_QFFN_CHUNK;
+    for (j = 0; j < count; j++) {
+        f[j].gate_up_rows = colibri_qffn_chunk(
+            gate_up, 2 * colibri_qffn_row_bytes(f[j].type, f[j].H), threads, COLIBRI_QFFN_CHUNK);
+        first[j + 1] = first[j] + (f[j].I + f[j].gate_up_rows - 1) / f[j].gate_up_rows;
+    }
     colibri_pool_run_many(colibri_qffn_gate_up_chunk, f, sizeof *f, count, first, threads);
     first[0] = 0;
     for (j = 0; j < count; j++) {
-        int32_t rows = colibri_qffn_down_rows(f[j].down_type, f[j].I);
-        first[j + 1] = first[j] + (f[j].H + rows - 1) / rows;
+        f[j].down_rows =
+            colibri_qffn_chunk(down, colibri_qffn_row_bytes(f[j].down_type, f[j].I), threads, 8);
+        first[j + 1] = first[j] + (f[j].H + f[j].down_rows - 1) / f[j].down_rows;
     }
     colibri_pool_run_many(colibri_qffn_down_chunk, f, sizeof *f, count, first, threads);
 }
