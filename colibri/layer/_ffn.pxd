@@ -27,8 +27,8 @@ cdef extern from "colibri/ffn.h" nogil:
     enum:
         COLIBRI_FFN_MAX_ROWS
     size_t colibri_ffn_split_bytes(const colibri_ffn_t *f) noexcept
-    void colibri_ffn_run(const colibri_ffn_t *f, int threads) noexcept
-    void colibri_ffn_run_many(const colibri_ffn_t *f, int32_t count, int32_t *first,
+    void colibri_ffn_run(colibri_ffn_t *f, int threads) noexcept
+    void colibri_ffn_run_many(colibri_ffn_t *f, int32_t count, int32_t *first,
                               int threads) noexcept
 
 

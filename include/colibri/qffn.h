@@ -67,27 +67,6 @@ typedef struct {
 /* Output rows gate/up computes at a time: whole blocks of h's q8 rows. */
 #define COLIBRI_QFFN_CHUNK 32
 
-/* A pass's chunks of the pool: about COLIBRI_QFFN_BYTES of weights each, smaller when that
- * leaves fewer than COLIBRI_QFFN_SPLIT chunks a thread. Long runs of rows keep each thread's
- * stream of weights long (its prefetches ahead land in its own chunk) and its claims few: on a
- * 2-core Zen 4 a layer's two held Q4_0 experts of the demo's shape (4.4 MB) ran a step in
- * 127-133 us with 36 KiB gate/up and 64 KiB down chunks, 108-116 us with 256 KiB-1 MiB ones. */
-#define COLIBRI_QFFN_BYTES (1 << 20)
-#define COLIBRI_QFFN_SPLIT 2
-
-/* Rows of a chunk of `total` bytes of rows of `row` bytes, for `threads` threads: a multiple
- * of `unit`, at least one unit. */
-static inline int32_t colibri_qffn_chunk(int64_t total, int64_t row, int threads, int32_t unit)
-{
-    int64_t bytes = total / ((int64_t)COLIBRI_QFFN_SPLIT * (threads > 1 ? threads : 1));
-    int64_t rows;
-    if (bytes > COLIBRI_QFFN_BYTES)
-        bytes = COLIBRI_QFFN_BYTES;
-    rows = bytes / (row > 0 ? row : 1);
-    rows -= rows % unit;
-    return rows < unit ? unit : (int32_t)rows; /* at most COLIBRI_QFFN_BYTES / row */
-}
-
 /* Bytes of one row of K values of `type`. */
 static inline int64_t colibri_qffn_row_bytes(int32_t type, int32_t K)
 {
@@ -189,7 +168,7 @@ static inline void colibri_qffn_run_many(colibri_qffn_t *f, int32_t count, int32
     }
     first[0] = 0;
     for (j = 0; j < count; j++) {
-        f[j].gate_up_rows = colibri_qffn_chunk(
+        f[j].gate_up_rows = colibri_chunk_rows(
             gate_up, 2 * colibri_qffn_row_bytes(f[j].type, f[j].H), threads, COLIBRI_QFFN_CHUNK);
         first[j + 1] = first[j] + (f[j].I + f[j].gate_up_rows - 1) / f[j].gate_up_rows;
     }
@@ -197,7 +176,7 @@ static inline void colibri_qffn_run_many(colibri_qffn_t *f, int32_t count, int32
     first[0] = 0;
     for (j = 0; j < count; j++) {
         f[j].down_rows =
-            colibri_qffn_chunk(down, colibri_qffn_row_bytes(f[j].down_type, f[j].I), threads, 8);
+            colibri_chunk_rows(down, colibri_qffn_row_bytes(f[j].down_type, f[j].I), threads, 8);
         first[j + 1] = first[j] + (f[j].H + f[j].down_rows - 1) / f[j].down_rows;
     }
     colibri_pool_run_many(colibri_qffn_down_chunk, f, sizeof *f, count, first, threads);
