@@ -37,7 +37,7 @@ cdef extern from "colibri/linear.h" nogil:
         float *y
         int64_t ldy
     size_t colibri_linear_split_bytes(const colibri_linear_t *l) noexcept
-    void colibri_linear_run(const colibri_linear_t *l, int threads) noexcept
+    void colibri_linear_run(colibri_linear_t *l, int threads) noexcept
 
 
 cdef extern from "colibri/attention.h" nogil:

@@ -79,29 +79,6 @@ typedef struct {
     int32_t gate_up_rows, down_rows;
 } colibri_ffn_t;
 
-/* A pass's chunks of the pool (this kernel's and colibri/qffn.h's): about COLIBRI_CHUNK_BYTES
- * of weights each, smaller when that leaves fewer than COLIBRI_CHUNK_SPLIT chunks a thread.
- * Long runs of rows keep each thread's stream of weights long (its prefetches ahead land in
- * its own chunk) and its claims few: on a 2-core Zen 4 a layer's two held Q4_0 experts of the
- * demo's shape (4.4 MB) ran a step in 127-133 us with 36 KiB gate/up and 64 KiB down chunks,
- * 108-116 us with 256 KiB-1 MiB ones; float16 ones (15.7 MB), with 32 KiB chunks, ran slower
- * on two threads than on one. */
-#define COLIBRI_CHUNK_BYTES (1 << 20)
-#define COLIBRI_CHUNK_SPLIT 2
-
-/* Rows of a chunk of a pass of `total` bytes of rows of `row` bytes on `threads` threads: a
- * multiple of `unit`, at least one unit. */
-static inline int32_t colibri_chunk_rows(int64_t total, int64_t row, int threads, int32_t unit)
-{
-    int64_t bytes = total / ((int64_t)COLIBRI_CHUNK_SPLIT * (threads > 1 ? threads : 1));
-    int64_t rows;
-    if (bytes > COLIBRI_CHUNK_BYTES)
-        bytes = COLIBRI_CHUNK_BYTES;
-    rows = bytes / (row > 0 ? row : 1);
-    rows -= rows % unit;
-    return rows < unit ? unit : (int32_t)rows; /* at most COLIBRI_CHUNK_BYTES / row */
-}
-
 static inline float colibri_w_to_float(int kind, uint16_t w)
 {
     return kind == COLIBRI_W_BF16 ? colibri_bf16_to_float(w) : colibri_half_to_float(w);
@@ -476,14 +453,6 @@ static inline size_t colibri_ffn_split_bytes(const colibri_ffn_t *f)
     return 2 * sizeof(uint16_t) * (size_t)f->n * ((size_t)f->H + (size_t)f->I);
 }
 
-/* Output rows per chunk of a linear pass (linear.h, fp8.h): ~32 KiB of one weight matrix
- * (K=2048: 8 rows). */
-static inline int32_t colibri_ffn_chunk_rows(int32_t K)
-{
-    int32_t rows = (int32_t)(16384 / (K > 0 ? K : 1));
-    return rows < 1 ? 1 : rows;
-}
-
 static void colibri_ffn_gate_up_chunk(void *arg, int32_t c)
 {
     const colibri_ffn_t *f = (const colibri_ffn_t *)arg;
@@ -517,13 +486,15 @@ static inline void colibri_ffn_run_many(colibri_ffn_t *f, int32_t count, int32_t
     }
     first[0] = 0;
     for (j = 0; j < count; j++) {
-        f[j].gate_up_rows = colibri_chunk_rows(gate_up, 4 * (int64_t)f[j].H, threads, 1);
+        f[j].gate_up_rows = colibri_pool_chunk_rows(colibri_pool_chunk_bytes(gate_up, threads),
+                                                    4 * (int64_t)f[j].H, 1);
         first[j + 1] = first[j] + (f[j].I + f[j].gate_up_rows - 1) / f[j].gate_up_rows;
     }
     colibri_pool_run_many(colibri_ffn_gate_up_chunk, f, sizeof *f, count, first, threads);
     first[0] = 0;
     for (j = 0; j < count; j++) {
-        f[j].down_rows = colibri_chunk_rows(down, 2 * (int64_t)f[j].I, threads, 1);
+        f[j].down_rows = colibri_pool_chunk_rows(colibri_pool_chunk_bytes(down, threads),
+                                                 2 * (int64_t)f[j].I, 1);
         first[j + 1] = first[j] + (f[j].H + f[j].down_rows - 1) / f[j].down_rows;
     }
     colibri_pool_run_many(colibri_ffn_down_chunk, f, sizeof *f, count, first, threads);

@@ -275,6 +275,7 @@ typedef struct {
     const colibri_fp8_ffn_t *f;
     int32_t count;
     const int32_t *first;
+    int64_t bytes; /* weights a chunk of the pass (colibri_pool_chunk_bytes) */
 } colibri_fp8_many_t;
 
 static inline int32_t colibri_fp8_owner(const colibri_fp8_many_t *m, int32_t c)
@@ -290,7 +291,7 @@ static void colibri_fp8_many_gate_up(void *arg, int32_t c)
     const colibri_fp8_many_t *m = (const colibri_fp8_many_t *)arg;
     int32_t j = colibri_fp8_owner(m, c);
     const colibri_fp8_ffn_t *f = &m->f[j];
-    const int32_t rows = colibri_ffn_chunk_rows(2 * f->H);
+    const int32_t rows = colibri_pool_chunk_rows(m->bytes, 2 * (int64_t)f->H, 1);
     int32_t o0 = (c - m->first[j]) * rows;
     colibri_fp8_gate_up(f, o0, o0 + rows < f->I ? o0 + rows : f->I);
 }
@@ -300,7 +301,7 @@ static void colibri_fp8_many_down(void *arg, int32_t c)
     const colibri_fp8_many_t *m = (const colibri_fp8_many_t *)arg;
     int32_t j = colibri_fp8_owner(m, c);
     const colibri_fp8_ffn_t *f = &m->f[j];
-    const int32_t rows = colibri_ffn_chunk_rows(f->I);
+    const int32_t rows = colibri_pool_chunk_rows(m->bytes, f->I, 1);
     int32_t o0 = (c - m->first[j]) * rows;
     colibri_fp8_down(f, o0, o0 + rows < f->H ? o0 + rows : f->H);
 }
@@ -317,15 +318,23 @@ static inline void colibri_fp8_run_many(const colibri_fp8_ffn_t *f, int32_t coun
     m.f = f;
     m.count = count;
     m.first = first;
+    m.bytes = 0;
+    for (j = 0; j < count; j++)
+        m.bytes += 2 * (int64_t)f[j].I * f[j].H; /* one byte a weight */
+    m.bytes = colibri_pool_chunk_bytes(m.bytes, threads);
     first[0] = 0;
     for (j = 0; j < count; j++) {
-        int32_t rows = colibri_ffn_chunk_rows(2 * f[j].H);
+        int32_t rows = colibri_pool_chunk_rows(m.bytes, 2 * (int64_t)f[j].H, 1);
         first[j + 1] = first[j] + (f[j].I + rows - 1) / rows;
     }
     colibri_pool_run(colibri_fp8_many_gate_up, (void *)&m, first[count], threads);
+    m.bytes = 0;
+    for (j = 0; j < count; j++)
+        m.bytes += (int64_t)f[j].H * f[j].I;
+    m.bytes = colibri_pool_chunk_bytes(m.bytes, threads);
     first[0] = 0;
     for (j = 0; j < count; j++) {
-        int32_t rows = colibri_ffn_chunk_rows(f[j].I);
+        int32_t rows = colibri_pool_chunk_rows(m.bytes, f[j].I, 1);
         first[j + 1] = first[j] + (f[j].H + rows - 1) / rows;
     }
     colibri_pool_run(colibri_fp8_many_down, (void *)&m, first[count], threads);

@@ -27,6 +27,7 @@ typedef struct {
     uint16_t *xs;      /* scratch for the bf16 path: [2, n, in] */
     float *y;          /* [n, out], row stride ldy */
     int64_t ldy;
+    int32_t rows; /* set by colibri_linear_run: output rows of one chunk of the pool */
 } colibri_linear_t;
 
 /* Bytes of scratch l->xs needs (0 unless the bf16 path runs). */
@@ -40,7 +41,7 @@ static inline size_t colibri_linear_split_bytes(const colibri_linear_t *l)
 static void colibri_linear_chunk(void *arg, int32_t c)
 {
     const colibri_linear_t *l = (const colibri_linear_t *)arg;
-    const int32_t rows = colibri_ffn_chunk_rows(l->in_dim);
+    const int32_t rows = l->rows;
     const int32_t o1 = (c + 1) * rows < l->out_dim ? (c + 1) * rows : l->out_dim;
     int32_t o, r;
     for (o = c * rows; o < o1; o++) {
@@ -54,14 +55,16 @@ static void colibri_linear_chunk(void *arg, int32_t c)
 
 /* The whole layer on up to `threads` threads; l->xs must hold colibri_linear_split_bytes(l)
  * bytes. */
-static inline void colibri_linear_run(const colibri_linear_t *l, int threads)
+static inline void colibri_linear_run(colibri_linear_t *l, int threads)
 {
-    const int32_t rows = colibri_ffn_chunk_rows(l->in_dim);
+    const int64_t row = 2 * (int64_t)l->in_dim;
     if (l->n < 1 || l->out_dim < 1)
         return;
     if (colibri_uses_split(l->path, l->kind))
         colibri_split_rows(l->x, l->ldx, l->n, l->in_dim, l->xs);
-    colibri_pool_run(colibri_linear_chunk, (void *)l, (l->out_dim + rows - 1) / rows, threads);
+    l->rows = colibri_pool_chunk_rows(colibri_pool_chunk_bytes(row * l->out_dim, threads), row, 1);
+    colibri_pool_run(colibri_linear_chunk, (void *)l, (l->out_dim + l->rows - 1) / l->rows,
+                     threads);
 }
 
 #endif /* COLIBRI_LINEAR_H */

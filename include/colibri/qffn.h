@@ -168,15 +168,16 @@ static inline void colibri_qffn_run_many(colibri_qffn_t *f, int32_t count, int32
     }
     first[0] = 0;
     for (j = 0; j < count; j++) {
-        f[j].gate_up_rows = colibri_chunk_rows(
-            gate_up, 2 * colibri_qffn_row_bytes(f[j].type, f[j].H), threads, COLIBRI_QFFN_CHUNK);
+        f[j].gate_up_rows = colibri_pool_chunk_rows(colibri_pool_chunk_bytes(gate_up, threads),
+                                                    2 * colibri_qffn_row_bytes(f[j].type, f[j].H),
+                                                    COLIBRI_QFFN_CHUNK);
         first[j + 1] = first[j] + (f[j].I + f[j].gate_up_rows - 1) / f[j].gate_up_rows;
     }
     colibri_pool_run_many(colibri_qffn_gate_up_chunk, f, sizeof *f, count, first, threads);
     first[0] = 0;
     for (j = 0; j < count; j++) {
-        f[j].down_rows =
-            colibri_chunk_rows(down, colibri_qffn_row_bytes(f[j].down_type, f[j].I), threads, 8);
+        f[j].down_rows = colibri_pool_chunk_rows(colibri_pool_chunk_bytes(down, threads),
+                                                 colibri_qffn_row_bytes(f[j].down_type, f[j].I), 8);
         first[j + 1] = first[j] + (f[j].H + f[j].down_rows - 1) / f[j].down_rows;
     }
     colibri_pool_run_many(colibri_qffn_down_chunk, f, sizeof *f, count, first, threads);

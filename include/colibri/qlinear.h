@@ -22,7 +22,7 @@ typedef struct {
     int32_t n, in_dim, out_dim; /* rows, input and output features */
     int32_t type;               /* COLIBRI_Q8_0 ... (not COLIBRI_MXFP4_OSS) */
     int32_t path;               /* COLIBRI_PATH_* (one this CPU runs) */
-    int32_t rows;               /* output rows per chunk: colibri_qlinear_chunk_rows */
+    int32_t rows;               /* set by colibri_qlinear_run: output rows per chunk */
     const float *xd;            /* q8 of x, rows contiguous */
     const int8_t *xq;
     const int32_t *xs;
@@ -32,12 +32,6 @@ typedef struct {
     float *y;          /* [n, out], row stride ldy */
     int64_t ldy;
 } colibri_qlinear_t;
-
-/* Output rows per chunk: about 32 KiB of weights, whole multiples of 4 rows. */
-static inline int32_t colibri_qlinear_chunk_rows(int32_t type, int32_t in_dim)
-{
-    return colibri_q_chunk_rows(type, in_dim, 32768);
-}
 
 static void colibri_qlinear_chunk(void *arg, int32_t c)
 {
@@ -60,9 +54,11 @@ static void colibri_qlinear_chunk(void *arg, int32_t c)
 /* The whole layer on up to `threads` threads. */
 static inline void colibri_qlinear_run(colibri_qlinear_t *l, int threads)
 {
+    const int64_t row = (int64_t)(l->in_dim / colibri_q_block[l->type]) * colibri_q_bytes[l->type];
     if (l->n < 1 || l->out_dim < 1)
         return;
-    l->rows = colibri_qlinear_chunk_rows(l->type, l->in_dim);
+    /* whole groups of 8 rows (COLIBRI_Q4_0X8's) */
+    l->rows = colibri_pool_chunk_rows(colibri_pool_chunk_bytes(row * l->out_dim, threads), row, 8);
     colibri_pool_run(colibri_qlinear_chunk, (void *)l, (l->out_dim + l->rows - 1) / l->rows,
                      threads);
 }
