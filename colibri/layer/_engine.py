@@ -259,6 +259,7 @@ class HeldExperts:
         dtype: str = "float32",
         out: np.ndarray | None = None,
         residual: np.ndarray | None = None,
+        reused: list | None = None,
     ) -> np.ndarray | None:
         """``sum_j weights[t, j] * expert_{ids[t, j]}(x[t])`` as :func:`run_experts`
         computes it, rounded once to ``dtype``; plus ``residual`` if given.
@@ -275,6 +276,11 @@ class HeldExperts:
         residual : [T, H] like ``x``, optional
             Added to the rounded sum, the result rounded to ``dtype`` again: torch's add of
             two tensors of ``dtype`` (a decoder layer's residual stream).
+        reused : list, optional
+            Where a step served by held experts appends ``(layer, experts)`` rather than
+            telling a :class:`colibri.Pager` store now (:meth:`colibri.Pager.reuse`): for a
+            caller that tells it once for several layers (:meth:`colibri.Pager.reuse_many`)
+            before it uses their results. Experts this step loads are counted by the load.
 
         Returns
         -------
@@ -319,11 +325,12 @@ class HeldExperts:
         if native is not None:  # the steady state: every expert held, one native call
             ids64 = np.ascontiguousarray(ids, np.int64)
             if native.step(x, ids64, weights, out, kind, self.num_threads, residual) == 0:
-                self._reused(native.active)
+                self._reused(native.active, reused)
                 return out
         sums = out if residual is None else np.empty_like(out)  # out may be residual itself
-        with contextlib.ExitStack() as loads:  # released once the step computed: the reads
-            y = self._step(x, ids, weights, dtype, kind, sums, loads)  # of its loads checked
+        # the loads are released once the step computed: their reads checked
+        with contextlib.ExitStack() as loads:
+            y = self._step(x, ids, weights, dtype, kind, sums, loads, reused)
         if y is None or residual is None:
             return y
         total = _values(residual, dtype) + _values(y, dtype)
@@ -350,7 +357,7 @@ class HeldExperts:
         with contextlib.ExitStack() as loads:  # the views taken keep the experts held
             self._hold(list(dict.fromkeys(wanted)), loads)
 
-    def _step(self, x, ids, weights, dtype, kind, out, loads) -> np.ndarray | None:
+    def _step(self, x, ids, weights, dtype, kind, out, loads, reused) -> np.ndarray | None:
         fresh: set[int] = set()  # experts this step loads: counted by the load, not as hits
         native = self._native
         if native is not None or not self._forms:
@@ -364,15 +371,15 @@ class HeldExperts:
                 if native is not None:
                     code = native.step(x, ids64, weights, out, kind, self.num_threads)
             if code == 0:
-                self._reused([e for e in native.active if e not in fresh])
+                self._reused([e for e in native.active if e not in fresh], reused)
                 return out
-        sums = self._sums(_values(x, dtype), ids, _values(weights, dtype), loads, fresh)
+        sums = self._sums(_values(x, dtype), ids, _values(weights, dtype), loads, fresh, reused)
         if sums is None:
             return None
         out[...] = sums if kind == 0 else round_to(sums, dtype).view(np.uint16)
         return out
 
-    def _sums(self, x, ids, weights, loads, fresh) -> np.ndarray | None:
+    def _sums(self, x, ids, weights, loads, fresh, reused) -> np.ndarray | None:
         """The step in float32 (any kind of experts), or None."""
         _check(x, ids, weights)
         plan = _Plan(ids, self.num_experts, self.num_threads)
@@ -388,7 +395,7 @@ class HeldExperts:
         if group:
             _fuse(x, weights.reshape(-1), plan.k, group, self._act, out, self.num_threads,
                   self.layer)  # fmt: skip
-        self._reused([f[3] for f in group if f[3] not in fresh])
+        self._reused([f[3] for f in group if f[3] not in fresh], reused)
         return out
 
     def _hold(self, missing: list[int], loads: contextlib.ExitStack) -> set[int]:
@@ -426,11 +433,15 @@ class HeldExperts:
         if not held:
             self._mixed, self._native = True, None
 
-    def _reused(self, experts) -> None:
-        """Tell a store that counts hits (a Pager) that the step used these held experts."""
-        reuse = getattr(self.store, "reuse", None)
-        if reuse is not None and len(experts):
-            reuse(self.layer, experts)
+    def _reused(self, experts, reused: list | None = None) -> None:
+        """Tell a store that counts hits (a Pager) that the step used these held experts, or
+        append ``(layer, experts)`` to ``reused`` for the caller to tell it."""
+        if not len(experts) or getattr(self.store, "reuse", None) is None:
+            return
+        if reused is not None:
+            reused.append((self.layer, experts))
+        else:
+            self.store.reuse(self.layer, experts)
 
     def release(self) -> None:
         """Drop every held expert (idempotent): the store may reuse their slots."""

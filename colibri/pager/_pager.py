@@ -638,25 +638,47 @@ class Pager:
             A weight file of these experts was truncated, replaced or modified since it was
             opened, or shrank while the views were read.
         """
-        layer = int(layer)
-        keys = [(layer, e) for e in sorted({int(e) for e in expert_ids})]
+        self.reuse_many([(layer, expert_ids)])
+
+    def reuse_many(self, steps) -> None:
+        """:meth:`reuse` for several steps at once, in order (a decoding token's layers):
+        every step counted, their files checked once.
+
+        Parameters
+        ----------
+        steps : iterable of (int, sequence of int)
+            ``(layer, expert_ids)`` of each step.
+
+        Raises
+        ------
+        ValueError, KeyError, FileChangedError
+            As :meth:`reuse`; nothing is counted when an expert is not held.
+        """
+        steps = [(int(layer), sorted({int(e) for e in ids})) for layer, ids in steps]
         cache = self._cache
         with cache.lock:
             self._check_open()
-            slots = [cache.where.get(key) for key in keys]
-            for key, slot in zip(keys, slots):  # noqa: B905 (as many)
-                if slot is None or not slot.pins or slot.state != _READY:
-                    raise KeyError(
-                        f"reuse(): expert {key} is not held by live views of this pager; "
-                        "load() it and keep the batch"
-                    )
-            if self.trace is not None:  # counted as load() counts: before the checks
-                self.trace.steps.append((layer, tuple(e for _, e in keys)))
-            stats, per = cache.stats, self._layer(layer)
-            stats.hits += len(keys)
-            per.hits += len(keys)
+            where = cache.where
+            slots, keys = [], []
+            for layer, ids in steps:
+                for e in ids:
+                    key = (layer, e)
+                    slot = where.get(key)
+                    if slot is None or not slot.pins or slot.state != _READY:
+                        raise KeyError(
+                            f"reuse(): expert {key} is not held by live views of this pager; "
+                            "load() it and keep the batch"
+                        )
+                    slots.append(slot)
+                    keys.append(key)
+            stats, usage, trace = cache.stats, self._usage, self.trace
+            for layer, ids in steps:
+                if trace is not None:  # counted as load() counts: before the checks
+                    trace.steps.append((layer, tuple(ids)))
+                stats.hits += len(ids)
+                self._layer(layer).hits += len(ids)
             for key in keys:
-                self._usage[key] = self._usage.get(key, 0) + 1
+                usage[key] = usage.get(key, 0) + 1
                 if self._evicts:
                     self._policy.touch(key)
         self._io.check(self._all_files if self._single_file else self._step_files(keys), "reuse()")

@@ -220,6 +220,30 @@ def test_reuse_checks_what_load_checks(tmp_path):
         pager.reuse(0, [3])
 
 
+def test_reuse_many_counts_steps_in_order_or_none(tmp_path):
+    """Pager.reuse_many: each step counted as reuse() counts it (hits, per layer, the trace
+    in order), nothing counted when one expert is not held; a step deferred by
+    HeldExperts(reused=...) is counted by the caller, not by the step."""
+    rng = np.random.default_rng(12)
+    path = _file(tmp_path, rng, "q8_0", "q8_0")
+    with Pager(path, budget_bytes=1 << 24, page_size_kb=4, record_trace=True) as pager:
+        held = HeldExperts(pager, 0, num_experts=E)
+        held.hold()
+        pager.reset_stats()
+        x, weights = rng.standard_normal((1, H)).astype(np.float32), np.full((1, 2), 0.5)
+        deferred = []
+        y = held(x, np.array([[4, 1]]), weights.astype(np.float32), reused=deferred)
+        assert deferred == [(0, [1, 4])] and pager.stats.hits == 0
+        np.testing.assert_array_equal(y, held(x, np.array([[4, 1]]), weights.astype(np.float32)))
+        assert pager.stats.hits == 2
+        with pytest.raises(KeyError, match=r"expert \(1, 0\) is not held by live views"):
+            pager.reuse_many([(0, [2]), (1, [0])])
+        assert pager.stats.hits == 2  # none of the two counted
+        pager.reuse_many([*deferred, (0, [5, 2, 5])])
+        assert pager.stats.hits == 6 and pager.stats.per_layer[0].hits == 6
+        assert pager.trace.steps[-3:] == [(0, (1, 4)), (0, (1, 4)), (0, (2, 5))]
+
+
 def _torch_add(residual, y, dtype):
     """torch's add of two tensors of ``dtype`` given as bits (float32 as is)."""
     torch = pytest.importorskip("torch")

@@ -170,10 +170,12 @@ class _Layer:
             self.given = key, (given, rest, router, plain, planned), named
         return self.given[1]
 
-    def step(self, hidden, mask, cache, position_embeddings, kwargs) -> torch.Tensor:
+    def step(self, hidden, mask, cache, position_embeddings, kwargs,
+             reused: _Reused | None = None) -> torch.Tensor:  # fmt: skip
         """``Qwen3MoeDecoderLayer.forward`` for ``hidden [1, 1, H]``: two native calls around
         the cache update when every kernel is colibri's, else the modules' calls one by one
-        (:meth:`calls`)."""
+        (:meth:`calls`). ``reused``: where held experts leave the step's hits for the caller
+        to count (:class:`_Reused`), else counted now."""
         from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
         attn, dtype = self.attn, hidden.dtype
@@ -204,6 +206,10 @@ class _Layer:
                                             router, name)  # fmt: skip
         bits, h = h, _tensor(h, dtype).view(1, self.hidden)
         held = _experts.held(self.experts, dtype)
+        if held is not None and reused is not None and reused.store in (None, held.store):
+            reused.store = held.store
+        else:
+            reused = None
         if held is not None and logits is not None and plain is not None:
             # the routing the gate's forward runs, into numpy, its weights rounded by the
             # .to(logits' dtype) it makes
@@ -215,7 +221,7 @@ class _Layer:
                 weights = bits_of(torch.from_numpy(weights).to(dtype))
             y = held(bits.reshape(1, self.hidden), ids, weights, dtype=name,
                      out=np.empty((1, self.hidden), bits.dtype),
-                     residual=out.reshape(1, self.hidden))  # fmt: skip
+                     residual=out.reshape(1, self.hidden), reused=reused)  # fmt: skip
             if y is not None:
                 return _tensor(y, dtype).view(1, 1, self.hidden)
         if logits is None:
@@ -227,7 +233,7 @@ class _Layer:
             rows = bits.reshape(1, self.hidden)
             y = held(rows, ids.numpy().reshape(1, -1), values_of(weights).reshape(1, -1),
                      dtype=name, out=np.empty_like(rows),
-                     residual=out.reshape(1, self.hidden))  # fmt: skip
+                     residual=out.reshape(1, self.hidden), reused=reused)  # fmt: skip
             if y is not None:
                 return _tensor(y, dtype).view(1, 1, self.hidden)
         y = self.experts.forward(h, ids, weights)
@@ -295,6 +301,29 @@ class _Layer:
         _, weights, ids = self.gate.forward(h)
         x = x + self.experts.forward(h, ids, weights)
         return x.view(1, 1, self.hidden)
+
+
+class _Reused(list):
+    """A token's ``(layer, experts)`` served by held experts of one ``store`` (a
+    :class:`colibri.Pager`), counted at once when the token's layers have run
+    (:meth:`colibri.Pager.reuse_many`: the weight file checked once, not once a layer)."""
+
+    __slots__ = ("store",)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.store = None
+
+    def tell(self) -> None:
+        """Count them in the store (an error: the token's result must not be used)."""
+        if not self:
+            return
+        many = getattr(self.store, "reuse_many", None)
+        if many is not None:
+            many(self)
+        else:
+            for layer, experts in self:
+                self.store.reuse(layer, experts)
 
 
 class _Room:
@@ -546,15 +575,17 @@ class _Model:
             return None
         position_embeddings = model.rotary_emb(hidden, position_ids=position_ids)
         given = dict(kwargs, position_ids=position_ids, use_cache=use_cache)  # as attention's
+        reused = _Reused()
         for layer, state in self.steps:
             own = getattr(layer.__dict__.get("forward"), "__func__", None) is not _forward
             if not own and not _hooked(layer) and _steps(state, hidden, cache,
                                                          position_embeddings):  # fmt: skip
-                hidden = state.step(hidden, None, cache, position_embeddings, given)
+                hidden = state.step(hidden, None, cache, position_embeddings, given, reused)
             else:
                 hidden = layer(hidden, attention_mask=None, position_ids=position_ids,
                                past_key_values=cache, use_cache=use_cache,
                                position_embeddings=position_embeddings, **kwargs)  # fmt: skip
+        reused.tell()
         hidden = model.norm(hidden)
         return module.MoeModelOutputWithPast(last_hidden_state=hidden, past_key_values=cache)
 

@@ -92,8 +92,8 @@ def steps(monkeypatch):
     ran = []
     step = _decode._Layer.step
 
-    def counting(self, hidden, mask, cache, position_embeddings, kwargs):
-        out = step(self, hidden, mask, cache, position_embeddings, kwargs)
+    def counting(self, hidden, mask, cache, position_embeddings, kwargs, *rest):
+        out = step(self, hidden, mask, cache, position_embeddings, kwargs, *rest)
         layer = self.attn.layer_idx
         ran.append((layer, cache.get_seq_length(layer)))
         return out
