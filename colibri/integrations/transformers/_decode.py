@@ -81,6 +81,24 @@ def _hooked(module: nn.Module) -> bool:
     return bool(module._forward_hooks or module._forward_pre_hooks)
 
 
+def _plain(hidden: torch.Tensor, cache, position_embeddings, size: int) -> bool:
+    """What :meth:`_Layer.takes` asks of the call, the same for every layer of a token: one
+    token's ``[1, 1, size]`` contiguous hidden state on the CPU in a dtype the kernels take,
+    a cache, rotary values, no gradients, not compiling, no global hooks."""
+    return (
+        hidden.shape == (1, 1, size)
+        and cache is not None
+        and position_embeddings is not None
+        and not torch.is_grad_enabled()
+        and hidden.dtype in _DTYPES
+        and hidden.device.type == "cpu"
+        and hidden.is_contiguous()
+        and not torch.compiler.is_compiling()
+        and not (torch.nn.modules.module._global_forward_hooks
+                 or torch.nn.modules.module._global_forward_pre_hooks)
+    )  # fmt: skip
+
+
 class _Layer:
     """One decoder layer's step: its modules and shapes, read once."""
 
@@ -111,25 +129,20 @@ class _Layer:
     def takes(self, hidden: torch.Tensor, cache, position_embeddings) -> bool:
         """Whether this call is a step this class runs: one token of one sequence on the
         CPU, no gradients, no hooks, a cache to append to, the attention's and MoE block's
-        forwards still the code the step stands for."""
+        forwards still the code the step stands for (:func:`_plain` and :meth:`ready`)."""
+        return _plain(hidden, cache, position_embeddings, self.hidden) and self.ready()
+
+    def ready(self) -> bool:
+        """What :meth:`takes` asks of this layer's modules: not training, no hooks, the
+        attention's and MoE block's forwards still the code the step stands for."""
         attn, mlp = self.attn, self.mlp
         return (
-            hidden.shape == (1, 1, self.hidden)
-            and cache is not None
-            and position_embeddings is not None
-            and not torch.is_grad_enabled()
-            and hidden.dtype in _DTYPES
-            and hidden.device.type == "cpu"
-            and hidden.is_contiguous()
-            and not self.layer.training
+            not self.layer.training
             and not attn.training  # its dropout
-            and not torch.compiler.is_compiling()
             and (type(attn).forward, type(mlp).forward) == self.code
             and "forward" not in attn.__dict__
             and "forward" not in mlp.__dict__
-            and not any(_hooked(m) for m in self.modules)
-            and not (torch.nn.modules.module._global_forward_hooks
-                     or torch.nn.modules.module._global_forward_pre_hooks)
+            and not any(m._forward_hooks or m._forward_pre_hooks for m in self.modules)
         )  # fmt: skip
 
     def kernels(self, dtype: torch.dtype) -> tuple | None:
@@ -462,10 +475,15 @@ def _eager(*args, **kwargs):
 def _steps(state: _Layer, hidden, cache, position_embeddings) -> bool:
     """Whether a call of ``state``'s layer is a step (:meth:`_Layer.takes`, and rotary
     values of one position in the hidden state's dtype)."""
-    return state.takes(hidden, cache, position_embeddings) and (
-        position_embeddings[0].dtype == hidden.dtype
-        and position_embeddings[0].shape[-2:] == (1, state.head_dim)
+    return state.takes(hidden, cache, position_embeddings) and _rotary(
+        state, hidden, position_embeddings
     )
+
+
+def _rotary(state: _Layer, hidden, position_embeddings) -> bool:
+    """Rotary values of one position for ``state``'s heads, in the hidden state's dtype."""
+    return (position_embeddings[0].dtype == hidden.dtype
+            and position_embeddings[0].shape[-2:] == (1, state.head_dim))  # fmt: skip
 
 
 def _forward(self: nn.Module, hidden_states, attention_mask=None, position_ids=None,
@@ -576,15 +594,23 @@ class _Model:
         position_embeddings = model.rotary_emb(hidden, position_ids=position_ids)
         given = dict(kwargs, position_ids=position_ids, use_cache=use_cache)  # as attention's
         reused = _Reused()
+        size = hidden.shape[-1]
+        plain = _plain(hidden, cache, position_embeddings, size)  # the same for every layer
         for layer, state in self.steps:
-            own = getattr(layer.__dict__.get("forward"), "__func__", None) is not _forward
-            if not own and not _hooked(layer) and _steps(state, hidden, cache,
-                                                         position_embeddings):  # fmt: skip
+            if (
+                plain
+                and getattr(layer.__dict__.get("forward"), "__func__", None) is _forward
+                and not _hooked(layer)
+                and state.hidden == size
+                and state.ready()
+                and _rotary(state, hidden, position_embeddings)
+            ):
                 hidden = state.step(hidden, None, cache, position_embeddings, given, reused)
             else:
                 hidden = layer(hidden, attention_mask=None, position_ids=position_ids,
                                past_key_values=cache, use_cache=use_cache,
                                position_embeddings=position_embeddings, **kwargs)  # fmt: skip
+                plain = _plain(hidden, cache, position_embeddings, size)
         reused.tell()
         hidden = model.norm(hidden)
         return module.MoeModelOutputWithPast(last_hidden_state=hidden, past_key_values=cache)
