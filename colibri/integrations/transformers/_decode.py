@@ -670,16 +670,12 @@ def install(model: nn.Module) -> list[str]:
     step, then the decoder model whose layers all have it the model's step; returns the names
     of the modules given a step (layers first)."""
     taken = []
-    for name, module in model.named_modules():
-        if _STATE in module.__dict__ or not _known(module):
-            continue
-        module.__dict__[_STATE] = _Layer(module)
-        module.__dict__["forward"] = types.MethodType(_forward, module)
-        taken.append(name)
-    for name, module in model.named_modules():
-        if _STATE in module.__dict__ or not _known_model(module):
-            continue
-        module.__dict__[_STATE] = _Model(module)
-        module.__dict__["forward"] = types.MethodType(_model_forward, module)
-        taken.append(name)
+    for known, state, forward in ((_known, _Layer, _forward),
+                                  (_known_model, _Model, _model_forward)):  # fmt: skip
+        for name, module in model.named_modules():
+            if _STATE in module.__dict__ or not known(module):
+                continue
+            module.__dict__[_STATE] = state(module)
+            module.__dict__["forward"] = types.MethodType(forward, module)
+            taken.append(name)
     return taken
