@@ -97,16 +97,17 @@ def test_mem_available(tmp_path):
 
 @pytest.fixture
 def machine(monkeypatch):
-    """Set the memory facts ``_budget`` sees: ``machine(limit, available, in_use)``."""
+    """Set the memory facts ``_budget`` sees: ``machine(limit, available, in_use)``, the
+    process's anonymous memory ``in_use`` beside ``mapped`` bytes of mapped files."""
     from colibri import _memory
     from colibri.integrations.transformers import _budget
 
-    def set_(limit, available, in_use):
+    def set_(limit, available, in_use, mapped=0):
         cgroup = MemoryLimit(limit, "cgroup v2 /fake/memory.max") if limit else None
         monkeypatch.setattr(_memory, "cgroup_limit", lambda: cgroup)
         monkeypatch.setattr(_memory, "mem_available", lambda: available)
-        monkeypatch.setattr(_budget, "process_memory",
-                            lambda: ProcessMemory(in_use, in_use, None, None))  # fmt: skip
+        held = ProcessMemory(in_use + mapped, in_use + mapped, in_use, mapped)
+        monkeypatch.setattr(_budget, "process_memory", lambda: held)
         return _budget
 
     return set_
@@ -124,6 +125,20 @@ def test_the_budget_is_what_the_smaller_limit_leaves(machine):
     got = budget.auto_budget(resident=50 * MiB, floor=MiB, ceiling=10_000 * MiB)
     assert got.usable == 800 * MiB and got.source == "MemAvailable + in use"
     assert got.nbytes == 800 * MiB - 300 * MiB - 50 * MiB - 96 * MiB - int(800 * MiB * 0.02)
+
+
+def test_mapped_files_are_not_counted_as_held(machine, monkeypatch):
+    """The libraries' code and other mapped files are page cache the kernel takes back under
+    the limit: only the process's anonymous memory is what it holds (its whole resident set
+    where the OS does not split it)."""
+    budget = machine(limit=1000 * MiB, available=4000 * MiB, in_use=300 * MiB, mapped=160 * MiB)
+    got = budget.auto_budget(resident=50 * MiB, floor=MiB, ceiling=10_000 * MiB)
+    assert got.in_use == 300 * MiB
+    assert got.nbytes == 1000 * MiB - 300 * MiB - 50 * MiB - 96 * MiB - 20 * MiB
+    unsplit = ProcessMemory(460 * MiB, 460 * MiB, None, None)
+    monkeypatch.setattr(budget, "process_memory", lambda: unsplit)
+    got = budget.auto_budget(resident=50 * MiB, floor=MiB, ceiling=10_000 * MiB)
+    assert got.in_use == 460 * MiB
 
 
 def test_the_budget_is_capped_at_every_expert_and_floored_at_a_layer(machine):

@@ -1,14 +1,15 @@
 """``budget="auto"``: the expert budget the memory this process may use leaves.
 
-The process may use ``min(cgroup limit, MemAvailable + its resident set now)`` bytes in all
+The process may use ``min(cgroup limit, MemAvailable + what it holds now)`` bytes in all
 (:mod:`colibri._memory`; the limit counts what the process already holds, ``MemAvailable``
-does not). From that go what it holds now (the interpreter, torch, the model's skeleton), the
-model's resident (non-expert) weights in their compute dtype, and a margin of 96 MiB + 2%
-for what a run adds on top (torch's kernels and caches, activations, the KV cache, the
-allocator's slack: 45-50 MiB measured on a tiny model). The rest is the budget, if it holds
-at least one layer's top-k experts; and no more than what holds every expert (the pager
-keeps state per slot: a budget of the machine's memory for a tiny model would cost more than
-the model).
+does not). From that go what it holds now (the interpreter, torch, the model's skeleton:
+its anonymous memory; the libraries' code and other mapped files are page cache the kernel
+takes back under the limit, the part a run keeps touching is in the margin), the model's
+resident (non-expert) weights in their compute dtype, and a margin of 96 MiB + 2% for what a
+run adds on top (torch's kernels and caches, activations, the KV cache, the allocator's
+slack: 45-50 MiB measured on a tiny model). The rest is the budget, if it holds at least one
+layer's top-k experts; and no more than what holds every expert (the pager keeps state per
+slot: a budget of the machine's memory for a tiny model would cost more than the model).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ class AutoBudget(NamedTuple):
     nbytes: int
     usable: int  # memory the process may use in all
     source: str  # which limit that is
-    in_use: int  # the process's resident set when the budget was chosen
+    in_use: int  # the process's anonymous memory when the budget was chosen
     resident: int  # the model's resident (non-expert) weights, still to load
     margin: int
     capped: bool  # every expert fits: the budget is what holds them all
@@ -93,7 +94,8 @@ def auto_budget(resident: int, floor: int, ceiling: int) -> AutoBudget:
     BudgetError
         The OS says nothing of its memory, or what it leaves is below ``floor``.
     """
-    in_use = process_memory().rss or 0
+    memory = process_memory()
+    in_use = (memory.anon if memory.anon is not None else memory.rss) or 0
     limit = usable_memory(in_use)
     if limit is None:
         raise BudgetError(
