@@ -531,6 +531,13 @@ def _known(layer: nn.Module) -> bool:
     )  # fmt: skip
 
 
+def stepped(model: nn.Module) -> list[str]:
+    """Names of the attention projections of ``model``'s layers whose code a step reproduces:
+    the linears a decoding step computes inside its native call."""
+    return [f"{name}.self_attn.{p}" for name, layer in model.named_modules() if _known(layer)
+            for p in ("q_proj", "k_proj", "v_proj", "o_proj")]  # fmt: skip
+
+
 class _Model:
     """A decoder model's one-token step: what its forward computes (embedding, rotary
     embedding, the layers, final norm), each layer's step called directly."""

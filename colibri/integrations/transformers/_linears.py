@@ -10,9 +10,10 @@ half-precision GEMV is slow on CPUs without native bf16 and pays torch's per-op 
 others torch may win, and its GEMM wins as rows grow, so ``linears="auto"`` times both once
 per distinct weight shape at load: colibri's kernel where it wins at one row, up to the most
 rows (of 2, 4, :data:`MAX_ROWS`) where it still wins (``model.colibri.linears`` records the
-choice and the timings). A router's kernel is timed alone, without the forward's
-conversions from and to torch's tensors: a decoding step computes its logits inside one
-native call (``colibri.layer._step``).
+choice and the timings). A router's kernel, and the attention projections of a layer with a
+decoding step, are timed alone, without the forward's conversions from and to torch's
+tensors: a decoding step computes them inside one native call (``colibri.layer._step``),
+which a single projection left to torch would cost every layer.
 
 The output equals torch's up to float32 summation order: both accumulate the exact products
 in float32, add the bias in float32 and round once to the input's dtype.
@@ -284,21 +285,23 @@ def _best(fn, repeats: int) -> float:
 
 
 def _measure(
-    module: nn.Linear, num_threads: int, rows: int, router: bool = False
+    module: nn.Linear, num_threads: int, rows: int, alone: bool = False
 ) -> tuple[float, float]:
     """The best of a few timings of ``rows`` input rows: colibri's kernel, then ``F.linear``
     on one torch thread, as a decoding step runs it (:mod:`._threads`). colibri's through
-    its forward (:func:`compute`: torch's tensors converted in and out), or for a ``router``
-    the kernel alone: a decoding step computes a router's logits inside its native call
-    (:func:`direct`), where the conversions cost 7 times the kernel (25 µs against 3.5 µs for
-    a [26, 1024] router on a Zen 3 core) and would hand every router to torch."""
+    its forward (:func:`compute`: torch's tensors converted in and out), or ``alone`` the
+    kernel alone: a decoding step computes a router's logits and its layer's attention
+    projections inside its native call (:func:`direct`), where the conversions cost 7 times
+    a router's kernel (25 µs against 3.5 µs for a [26, 1024] router on a Zen 3 core) and
+    would hand every router, and some projections (a [256, 1024] float16 one: 47 µs either
+    way through the forward on a Zen 3), to torch."""
     weight, bias = module.weight, _bias(module)
     x = torch.randn(rows, weight.shape[1]).to(weight.dtype)
     bits = bits_of(weight)
     bias32 = None if bias is None else bias.detach().to(torch.float32).numpy()
     dtype, x32 = HALF_NAMES[weight.dtype], x.to(torch.float32).numpy()
     with torch.no_grad():
-        if router:
+        if alone:
             ours = _best(lambda: half_linear(x32, bits, dtype, bias32, num_threads), _REPEATS)
         else:
             ours = _best(lambda: compute(x, weight, bias, num_threads, bits, bias32), _REPEATS)
@@ -308,18 +311,18 @@ def _measure(
 
 
 def _choose(
-    module: nn.Linear, num_threads: int, names: list[str], router: bool = False
+    module: nn.Linear, num_threads: int, names: list[str], alone: bool = False
 ) -> LinearChoice:
     """``"auto"``: colibri's kernel if it beats ``F.linear`` at one row, up to the most rows
-    of :data:`_STEPS` at which it still does (tried from the most); ``router``: timed as a
+    of :data:`_STEPS` at which it still does (tried from the most); ``alone``: timed as a
     decoding step calls it (:func:`_measure`)."""
-    timed = {1: _measure(module, num_threads, 1, router)}
+    timed = {1: _measure(module, num_threads, 1, alone)}
     choice = LinearChoice("torch", 0, names, *timed[1], by_rows=timed)
     if timed[1][0] >= timed[1][1]:
         return choice
     choice.engine, choice.rows = "colibri", 1
     for rows in _STEPS:
-        timed[rows] = _measure(module, num_threads, rows, router)
+        timed[rows] = _measure(module, num_threads, rows, alone)
         if timed[rows][0] < timed[rows][1]:
             choice.rows = rows
             break
@@ -333,6 +336,7 @@ def install(
     skip: list[str] = (),
     quantized: dict | None = None,
     routers: list[str] = (),
+    stepped: list[str] = (),
 ) -> dict[tuple[int, int, str], LinearChoice]:
     """Run the non-expert linears of ``model`` on colibri's kernel as ``mode`` says.
 
@@ -354,7 +358,10 @@ def install(
         device), run on colibri's quantized kernel whatever ``mode`` says.
     routers : list of str
         Names of the patched routers: their logits' linear (``linear``) is chosen as the
-        others are.
+        others are, timed alone.
+    stepped : list of str
+        Names of the linears a decoding step computes inside its native call (the attention
+        projections of :mod:`._decode`'s layers): timed alone.
 
     Returns
     -------
@@ -364,7 +371,7 @@ def install(
     """
     check_choice("from_pretrained(): linears", mode, LINEAR_MODES)
     by_shape: dict[tuple[int, int, str], list[tuple[str, nn.Linear]]] = {}
-    routers = set(routers)
+    routers, alone = set(routers), set(routers) | set(stepped)
     for name, module in _candidates(model, list(skip), sorted(routers)):
         out, inp = module.weight.shape
         key = (int(out), int(inp), str(module.weight.dtype).removeprefix("torch."))
@@ -376,7 +383,7 @@ def install(
         if mode == "colibri":
             choice = LinearChoice("colibri", MAX_ROWS, names)
         elif mode == "auto":
-            choice = _choose(members[0][1], num_threads, names, routers.issuperset(names))
+            choice = _choose(members[0][1], num_threads, names, alone.issuperset(names))
         choices[key] = choice
         if choice.engine == "colibri":
             for name, module in members:

@@ -424,7 +424,7 @@ def from_pretrained(
         model.eval()
         routers = [router.name for router in patch(model, num_threads=num_threads)]
         paging.linears = install(model, linears, num_threads, [n for n, _ in modules],
-                                 blocks, routers)  # fmt: skip
+                                 blocks, routers, _decode.stepped(model))  # fmt: skip
         if linears != "torch":
             paging.norms = _norms.install(model)
             paging.attention = _attention.NAME if _attention.install(model) else None

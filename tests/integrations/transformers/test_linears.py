@@ -27,6 +27,7 @@ from _support.hf_families import (  # noqa: E402
     token_ids,
 )
 from colibri.integrations.transformers import (  # noqa: E402
+    _decode,
     _linears,
     from_pretrained,
     patch,
@@ -231,8 +232,8 @@ def test_auto_follows_the_timings(untied, monkeypatch, kernel_calls):
     wins = {32: _linears.MAX_ROWS, 96: 4, 16: 0, 8: 1}  # out features -> most rows it wins at
     as_router = {}
 
-    def made_up(module, num_threads, rows, router=False):
-        as_router.setdefault(module.weight.shape[0], set()).add(router)
+    def made_up(module, num_threads, rows, alone=False):
+        as_router.setdefault(module.weight.shape[0], set()).add(alone)
         return (1.0, 2.0) if rows <= wins[module.weight.shape[0]] else (2.0, 1.0)
 
     monkeypatch.setattr(_linears, "_measure", made_up)
@@ -241,8 +242,9 @@ def test_auto_follows_the_timings(untied, monkeypatch, kernel_calls):
     got = {key[0]: (c.engine, c.rows, sorted(c.by_rows)) for key, c in choices.items()}
     assert got == {32: ("colibri", 8, [1, 8]), 96: ("colibri", 4, [1, 4, 8]),
                    16: ("torch", 0, [1]), 8: ("colibri", 1, [1, 2, 4, 8])}  # fmt: skip
-    # only the routers (8 experts) are timed as a decoding step calls them
-    assert as_router == {32: {False}, 96: {False}, 16: {False}, 8: {True}}
+    # the routers (8 experts) and the attention projections (q/o 32, k/v 16) are timed as a
+    # decoding step calls them, inside its native call; the LM head through its forward
+    assert as_router == {32: {True}, 96: {False}, 16: {True}, 8: {True}}
     _logits(model, token_ids(1, batch=1, length=4))
     assert len(kernel_calls) == 2 * 2 + 1  # q/o of two layers and the LM head
     kernel_calls.clear()
@@ -262,10 +264,20 @@ def test_auto_times_a_router_as_a_decoding_step_calls_it(untied, monkeypatch, ke
         raise AssertionError("a router timed through its forward's conversions")
 
     monkeypatch.setattr(_linears, "compute", converting)
-    ours, theirs = _linears._measure(model.model.layers[0].mlp.gate, 1, 2, router=True)
+    ours, theirs = _linears._measure(model.model.layers[0].mlp.gate, 1, 2, alone=True)
     assert kernel_calls == [2] * (1 + _linears._REPEATS) and ours > 0 and theirs > 0
     with pytest.raises(AssertionError, match="conversions"):
         _linears._measure(model.model.layers[0].self_attn.q_proj, 1, 2)
+
+
+def test_the_projections_a_decoding_step_computes():
+    """The attention projections of the layers whose code a decoding step reproduces, and no
+    others: a Mixtral's layers (no q/k norms) have no step."""
+    model = build_model("qwen3_moe")
+    want = [f"model.layers.{i}.self_attn.{p}" for i in range(len(model.model.layers))
+            for p in ("q_proj", "k_proj", "v_proj", "o_proj")]  # fmt: skip
+    assert _decode.stepped(model) == want
+    assert _decode.stepped(build_model("mixtral")) == []
 
 
 def test_compiles_in_one_graph(models):
