@@ -23,7 +23,10 @@ tokens timed:
   read; colibri sizes its budget from the cgroup limit (``budget="auto"``). A colibri
   process holds about 0.3 GiB (Python, torch, transformers) before any weight, llama.cpp's
   a few tens of MiB: limits below about twice that fail for colibri (``BudgetError``: the
-  limit cannot hold the model), whatever the file.
+  limit cannot hold the model), whatever the file. The demo's Q8_0 file (1.6 GiB) is small
+  beside that fixed cost; ``--experts 64`` (3.8 GiB in Q8_0, 2 GiB in Q4_0; the same
+  bytes a token) makes one whose quarter leaves the pager room, closer to the models the
+  limits stand for (an 18 GB Qwen3-30B-A3B Q4_K_M).
 
 Printed per row: decode tokens/s (median of ``--repeat`` runs, min-max), prompt tokens/s
 (the prompt handed over to its first token: ``--prompt-tokens 256`` for a prompt's speed),
