@@ -10,6 +10,7 @@ transformers, read top to bottom; splitting it would scatter the catalogue.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import inspect
 import io
@@ -79,6 +80,7 @@ CHECKED_VERSION = "5.23.0"
 # Router kinds: which code they replace, which options they map to.
 
 
+@functools.cache  # a function's code does not change: each is read and tokenized once
 def _fingerprint(func: Callable) -> str:
     """A hash of a function's code tokens, blind to comments, docstrings and layout."""
     source = textwrap.dedent(inspect.getsource(func))
