@@ -79,6 +79,7 @@ __all__ = ["BudgetError", "FileChangedError", "Pager"]
 def _shutdown(cache: _Cache, backend: _IO, jobs: queue.Queue, workers: list) -> None:
     with cache.lock:
         cache.closed = True
+        cache.changed.notify_all()  # loads waiting for a slot see the close, not wait_timeout
     for worker in workers:
         if worker is threading.current_thread():  # the Pager died in its own worker
             with contextlib.suppress(queue.Full):  # else it sees the dead Pager at its next job

@@ -4,6 +4,7 @@ slots and for other threads' reads are bounded by ``wait_timeout``."""
 
 import contextlib
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -152,6 +153,31 @@ def test_a_wait_for_slots_other_threads_pin_is_bounded(weights):
         with pytest.raises(BudgetError, match=r"experts \[2\].*other threads.*wait_timeout"):
             pager.load(0, [2])
         del held
+
+
+def test_close_wakes_a_load_waiting_for_a_slot(weights):
+    """A load waiting for slots that other threads pin learns of close() at once: a
+    ValueError naming the close, not a sleep until wait_timeout (an hour here)."""
+    path, _ = weights
+    pager = Pager(path, budget_bytes=EXPERT, page_size_kb=4, wait_timeout=3600)
+    held = pager.load(0, [1])  # this thread's views, kept: the slot is pinned
+    result: list = []
+
+    def load():
+        try:
+            pager.load(0, [2])
+        except BaseException as exc:  # noqa: BLE001 (judged below)
+            result.append(exc)
+
+    waiting = threading.Thread(target=load, daemon=True)
+    waiting.start()
+    time.sleep(0.2)  # the load is waiting for the slot held's views pin
+    assert waiting.is_alive() and not result, result
+    pager.close()
+    waiting.join(10)
+    assert not waiting.is_alive(), "close() left a load waiting for wait_timeout"
+    assert isinstance(result[0], ValueError) and "closed" in str(result[0]), result
+    del held
 
 
 def test_a_thread_that_pins_every_slot_itself_gets_the_error_at_once(weights):
