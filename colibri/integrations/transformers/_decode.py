@@ -75,6 +75,8 @@ _OUTPUTS = ("output_attentions", "output_hidden_states", "output_router_logits")
 _DTYPES = {torch.float32: "float32", **HALF_NAMES}
 # A module's own forward and colibri's states of it (_linears', _norms', _patch's)
 _SOURCES = ("forward", _linears._STATE, _norms._STATE, _patch._STATE)
+# The attention's projections, the linears a step computes inside its native call
+_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
 
 
 def _hooked(module: nn.Module) -> bool:
@@ -154,8 +156,7 @@ class _Layer:
                  _norms.direct(self.q_norm, dtype, size),
                  _norms.direct(self.k_norm, dtype, self.kv_heads * self.head_dim),
                  _norms.direct(self.norm_post, dtype, self.hidden))  # fmt: skip
-        linears = tuple(_linears.direct(m) for m in (attn.q_proj, attn.k_proj, attn.v_proj,
-                                                     attn.o_proj))  # fmt: skip
+        linears = tuple(_linears.direct(getattr(attn, n)) for n in _PROJECTIONS)
         if None in norms or None in linears:
             return None
         return norms, linears
@@ -524,8 +525,7 @@ def _known(layer: nn.Module) -> bool:
     return (
         getattr(attn, "sliding_window", None) is None
         and all(hasattr(attn, n) for n in ("q_norm", "k_norm", "layer_idx", "config"))
-        and all(isinstance(getattr(attn, n, None), nn.Linear)
-                for n in ("q_proj", "k_proj", "v_proj", "o_proj"))
+        and all(isinstance(getattr(attn, n, None), nn.Linear) for n in _PROJECTIONS)
         and attn.q_proj.out_features % attn.head_dim == 0
         and attn.k_proj.out_features % attn.head_dim == 0
     )  # fmt: skip
@@ -535,7 +535,7 @@ def stepped(model: nn.Module) -> list[str]:
     """Names of the attention projections of ``model``'s layers whose code a step reproduces:
     the linears a decoding step computes inside its native call."""
     return [f"{name}.self_attn.{p}" for name, layer in model.named_modules() if _known(layer)
-            for p in ("q_proj", "k_proj", "v_proj", "o_proj")]  # fmt: skip
+            for p in _PROJECTIONS]  # fmt: skip
 
 
 class _Model:

@@ -423,8 +423,9 @@ def from_pretrained(
         _generation_config(model, checkpoint)
         model.eval()
         routers = [router.name for router in patch(model, num_threads=num_threads)]
+        stepped = _decode.stepped(model) if linears == "auto" else ()
         paging.linears = install(model, linears, num_threads, [n for n, _ in modules],
-                                 blocks, routers, _decode.stepped(model))  # fmt: skip
+                                 blocks, routers, stepped)  # fmt: skip
         if linears != "torch":
             paging.norms = _norms.install(model)
             paging.attention = _attention.NAME if _attention.install(model) else None
