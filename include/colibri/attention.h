@@ -30,6 +30,7 @@
 #include "colibri/cpu.h"
 #include "colibri/half.h"
 #include "colibri/pool.h"
+#include "colibri/route.h" /* colibri_exp and its AVX2 lanes: the same bits */
 
 #if (defined(__x86_64__) || defined(_M_X64)) && (defined(__GNUC__) || defined(__clang__))
 #define COLIBRI_ATTEND_X86 1
@@ -135,6 +136,20 @@ static COLIBRI_ATTEND_INLINE void colibri_attend_add(float *acc, const float *p,
     colibri_attend_add_rows(acc, p, b, m, n, n);
 }
 
+/* x[j] = exp(x[j] - m) for j < n (colibri_exp's bits, NaN kept); returns their sum in j's
+ * order. */
+static COLIBRI_ATTEND_INLINE float colibri_attend_exp(float *x, float m, int64_t n)
+{
+    float sum = 0;
+    int64_t j;
+    for (j = 0; j < n; j++) {
+        const float d = x[j] - m;
+        x[j] = d != d ? d : colibri_exp(d);
+        sum = sum + x[j];
+    }
+    return sum;
+}
+
 #ifdef COLIBRI_ATTEND_X86
 #include <immintrin.h>
 #define COLIBRI_ATTEND_AVX2 __attribute__((target("avx2,f16c")))
@@ -183,6 +198,27 @@ colibri_attend_add_avx2(float *acc, const float *p, const float *b, int64_t m, i
     }
     colibri_attend_add_rows(acc + d, p, b + d, m, n - d, n);
 }
+
+/* colibri_attend_exp, eight exponentials at a time (colibri_exp_avx2: colibri_exp's bits). */
+COLIBRI_ATTEND_AVX2 static COLIBRI_ATTEND_INLINE float colibri_attend_exp_avx2(float *x, float m,
+                                                                               int64_t n)
+{
+    const __m256 mm = _mm256_set1_ps(m);
+    float sum = 0;
+    int64_t j = 0;
+    for (; j + 8 <= n; j += 8) {
+        const __m256 d = _mm256_sub_ps(_mm256_loadu_ps(x + j), mm);
+        _mm256_storeu_ps(
+            x + j, _mm256_blendv_ps(colibri_exp_avx2(d), d, _mm256_cmp_ps(d, d, _CMP_UNORD_Q)));
+    }
+    for (; j < n; j++) {
+        const float d = x[j] - m;
+        x[j] = d != d ? d : colibri_exp(d);
+    }
+    for (j = 0; j < n; j++)
+        sum = sum + x[j];
+    return sum;
+}
 #endif
 
 /* Floats of scratch one head takes: G T L + 2 G T D + 8 D + G T. */
@@ -195,7 +231,7 @@ static inline int64_t colibri_attend_scratch(const colibri_attend_t *a)
 /* The kernel for key/value head g; buf: colibri_attend_scratch(a) floats. Scores a block of
  * eight keys (converted once) against every query row, then adds a block of eight values to
  * every row's sums: per value the operations of one key at a time, in the keys' order. */
-#define COLIBRI_ATTEND_BODY(name, DOTS, ADD, ATTR)                                                \
+#define COLIBRI_ATTEND_BODY(name, DOTS, ADD, EXP, ATTR)                                           \
     ATTR static void name(const colibri_attend_t *a, int64_t g, float *buf)                       \
     {                                                                                             \
         const int64_t G = a->Hq / a->Hkv, T = a->T, L = a->L, D = a->D, R = G * T;                \
@@ -224,17 +260,19 @@ static inline int64_t colibri_attend_scratch(const colibri_attend_t *a)
             }                                                                                     \
         }                                                                                         \
         for (r = 0; r < R; r++) {                                                                 \
-            float mx = -INFINITY, sum = 0;                                                        \
+            float mx = -INFINITY;                                                                 \
             float *sr = &s[r * L];                                                                \
-            for (j = 0; j < L; j++)                                                               \
-                if (sr[j] > mx)                                                                   \
-                    mx = sr[j];                                                                   \
+            int nan = 0;                                                                          \
             for (j = 0; j < L; j++) {                                                             \
-                float p = mx != -INFINITY ? expf(sr[j] - mx) : 0.0f;                              \
-                sr[j] = p;                                                                        \
-                sum = sum + p;                                                                    \
+                mx = sr[j] > mx ? sr[j] : mx;                                                     \
+                nan |= sr[j] != sr[j];                                                            \
             }                                                                                     \
-            total[r] = sum;                                                                       \
+            if (mx == -INFINITY && !nan) { /* every key masked: zeros */                          \
+                memset(sr, 0, (size_t)L * sizeof(float));                                         \
+                total[r] = 0.0f;                                                                  \
+            } else { /* NaN scores (-inf - -inf too, when all are NaN or masked) stay */          \
+                total[r] = EXP(sr, mx, L);                                                        \
+            }                                                                                     \
         }                                                                                         \
         memset(acc, 0, (size_t)(R * D) * sizeof(float));                                          \
         for (j = 0; j < L; j += COLIBRI_ATTEND_KEYS) {                                            \
@@ -255,9 +293,10 @@ static inline int64_t colibri_attend_scratch(const colibri_attend_t *a)
 
 #ifdef COLIBRI_ATTEND_X86
 COLIBRI_ATTEND_BODY(colibri_attend_avx2, colibri_attend_dots_avx2, colibri_attend_add_avx2,
-                    COLIBRI_ATTEND_AVX2)
+                    colibri_attend_exp_avx2, COLIBRI_ATTEND_AVX2)
 #endif
-COLIBRI_ATTEND_BODY(colibri_attend_base, colibri_attend_dots, colibri_attend_add, )
+COLIBRI_ATTEND_BODY(colibri_attend_base, colibri_attend_dots, colibri_attend_add,
+                    colibri_attend_exp, )
 
 /* A call's heads as pool chunks: head c on path with scratch buf + c * per. */
 typedef struct {

@@ -110,14 +110,25 @@ def test_fully_masked_rows_and_no_keys_give_zeros():
     assert empty.shape == (2, 4, 32) and (empty == 0).all()
 
 
+@pytest.mark.parametrize("length", [6, 20])  # the keys' tail alone; blocks of eight too
 @pytest.mark.parametrize("bad", [np.nan, np.inf])
-def test_non_finite_values_are_not_hidden(bad):
-    q, k, v = _case(6, 4, 2, 1, 6, 32, torch.float32)
+def test_non_finite_values_are_not_hidden(bad, length):
+    q, k, v = _case(6, 4, 2, 1, length, 32, torch.float32)
     k[1, 3, 0] = bad  # key/value head 1: query heads 2 and 3
     q[2, 0, 0] = 1.0
     out = attention(q.numpy(), k.numpy(), v.numpy(), 0.2)
     assert np.isfinite(out[0, :2]).all()
     assert np.isnan(out[0, 2:]).any()
+
+
+@pytest.mark.parametrize("length", [6, 20])
+def test_a_query_of_nan_gives_nan_not_zeros(length):
+    """Every score of a NaN query is NaN: its row is NaN, not a fully masked row's zeros."""
+    q, k, v = _case(12, 4, 2, 1, length, 32, torch.float32)
+    q[1, 0, 5] = np.nan
+    out = attention(q.numpy(), k.numpy(), v.numpy(), 0.2)
+    assert np.isnan(out[0, 1]).all()
+    assert np.isfinite(out[0, [0, 2, 3]]).all()
 
 
 def test_bad_input_is_named():
