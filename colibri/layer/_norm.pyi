@@ -6,4 +6,11 @@ KIND_PLAIN: int
 KIND_FLOAT16: int
 KIND_BFLOAT16: int
 
-def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float, out: np.ndarray, kind: int) -> None: ...
+def rms_norm(
+    x: np.ndarray,
+    weight: np.ndarray,
+    eps: float,
+    out: np.ndarray,
+    kind: int,
+    path: str | None = None,
+) -> None: ...

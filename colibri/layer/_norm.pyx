@@ -10,6 +10,8 @@ last place of the storage type, and rarely.
 
 from colibri.layer._half cimport COLIBRI_W_BF16, COLIBRI_W_F16, check_kind, value_t
 
+from colibri.layer._ffn import path_index
+
 # How values are stored: float32 (plain), or 16-bit bits of half.h's kinds.
 KIND_PLAIN = 0
 KIND_FLOAT16 = COLIBRI_W_F16
@@ -17,11 +19,12 @@ KIND_BFLOAT16 = COLIBRI_W_BF16
 
 
 def rms_norm(const value_t[:, ::1] x, const value_t[::1] weight, float eps,
-             value_t[:, ::1] out, int kind):
+             value_t[:, ::1] out, int kind, path=None):
     """``out = weight * round(x * (1 / sqrt(mean(x^2, axis=1) + eps)))`` row by row.
 
     ``x``, ``out`` ``[T, n]`` and ``weight`` ``[n]``: float32 (``kind`` 0), or the uint16 bits
-    of ``kind``'s half type. ``out`` may be ``x``.
+    of ``kind``'s half type. ``out`` may be ``x``. ``path``: a SIMD path this CPU runs (None:
+    the dispatched one; every path: the same bits).
     """
     cdef Py_ssize_t T = x.shape[0], n = x.shape[1]
     if weight.shape[0] != n or out.shape[0] != T or out.shape[1] != n:
@@ -32,5 +35,6 @@ def rms_norm(const value_t[:, ::1] x, const value_t[::1] weight, float eps,
     check_kind(<const value_t *>NULL, kind, "rms_norm()")
     if T == 0 or n == 0:
         return
+    cdef int p = path_index(path)
     with nogil:
-        norm_rows(&x[0, 0], &weight[0], T, n, eps, &out[0, 0], kind)
+        norm_rows(&x[0, 0], &weight[0], T, n, eps, &out[0, 0], kind, p)

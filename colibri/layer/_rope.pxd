@@ -1,24 +1,15 @@
-# The rotary embedding's row loop (colibri/layer/_rope.pyx states the formula), for the
-# layer's compiled modules to cimport: rope() and the fused decoding step run this one loop.
+# The rotary embedding's row loop (colibri/layer/_rope.pyx states the formula;
+# include/colibri/rows.h runs it), for the layer's compiled modules to cimport: rope() and the
+# fused decoding step.
 
-from colibri.layer._half cimport load_value, store_value, value_t
+from colibri.layer._half cimport value_t
+
+
+cdef extern from "colibri/rows.h" nogil:
+    void colibri_rope_rows(void *x, const void *cos, const void *sin, Py_ssize_t R,
+                           Py_ssize_t d, int kind, int path) noexcept
 
 
 cdef inline void rope_rows(value_t *x, const value_t *cos, const value_t *sin, Py_ssize_t R,
-                           Py_ssize_t d, int kind) noexcept nogil:
-    cdef Py_ssize_t _, i, half = d // 2
-    cdef float a, b, c, s, lo, hi
-    cdef value_t t
-    for _ in range(R):
-        for i in range(half):
-            a = load_value(x, i, kind)  # x[i]: its partner in rotate_half is -x[i + half]
-            b = load_value(x, i + half, kind)
-            c = load_value(cos, i, kind)
-            s = load_value(sin, i, kind)
-            lo = store_value(&t, 0, a * c, kind) + store_value(&t, 0, -b * s, kind)
-            c = load_value(cos, i + half, kind)
-            s = load_value(sin, i + half, kind)
-            hi = store_value(&t, 0, b * c, kind) + store_value(&t, 0, a * s, kind)
-            store_value(x, i, lo, kind)
-            store_value(x, i + half, hi, kind)
-        x += d
+                           Py_ssize_t d, int kind, int path) noexcept nogil:
+    colibri_rope_rows(x, cos, sin, R, d, kind, path)

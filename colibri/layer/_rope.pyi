@@ -2,4 +2,6 @@
 
 import numpy as np
 
-def rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, kind: int) -> None: ...
+def rope(
+    x: np.ndarray, cos: np.ndarray, sin: np.ndarray, kind: int, path: str | None = None
+) -> None: ...

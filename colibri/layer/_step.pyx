@@ -156,7 +156,7 @@ cdef void _enter_rows(const value_t *x, const value_t *norm, Py_ssize_t H, float
     cdef Py_ssize_t i, sizes[3]
     cdef int j
     sizes[0], sizes[1], sizes[2] = Hq * D, Hkv * D, Hkv * D
-    norm_rows(x, norm, 1, H, eps, h, kind)
+    norm_rows(x, norm, 1, H, eps, h, kind, path)
     for i in range(H):
         a.x[i] = load_value(h, i, kind)
     for j in range(3):
@@ -164,11 +164,11 @@ cdef void _enter_rows(const value_t *x, const value_t *norm, Py_ssize_t H, float
         for i in range(sizes[j]):
             store_value(outs[j], i, y[i], kind)
     if q_norm != NULL:
-        norm_rows(outs[0], q_norm, Hq * D // nq, nq, q_eps, outs[0], kind)
+        norm_rows(outs[0], q_norm, Hq * D // nq, nq, q_eps, outs[0], kind, path)
     if k_norm != NULL:
-        norm_rows(outs[1], k_norm, Hkv * D // nk, nk, k_eps, outs[1], kind)
-    rope_rows(outs[0], cos, sin, Hq, D, kind)
-    rope_rows(outs[1], cos, sin, Hkv, D, kind)
+        norm_rows(outs[1], k_norm, Hkv * D // nk, nk, k_eps, outs[1], kind, path)
+    rope_rows(outs[0], cos, sin, Hq, D, kind, path)
+    rope_rows(outs[1], cos, sin, Hkv, D, kind, path)
 
 
 cdef int _leave_rows(colibri_attend_t *at, proj_t *o, proj_t *r, input_t *a, input_t *b,
@@ -192,7 +192,7 @@ cdef int _leave_rows(colibri_attend_t *at, proj_t *o, proj_t *r, input_t *a, inp
     for i in range(H):
         f = store_value(&t, 0, y[i], kind)  # the projection, rounded
         store_value(x_out, i, load_value(x, i, kind) + f, kind)
-    norm_rows(x_out, norm, 1, H, eps, h, kind)
+    norm_rows(x_out, norm, 1, H, eps, h, kind, path)
     if r != NULL:
         for i in range(H):
             b.x[i] = load_value(h, i, kind)
