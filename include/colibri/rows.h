@@ -61,30 +61,43 @@ static inline float colibri_norm_scale(const double *s, int64_t n, float eps)
     return (float)(1.0 / (double)sqrtf(v + eps));
 }
 
+/* The four sums of the squares of values i .. n - 1 of the row at x + at, continued in s
+ * (products of floats are exact in double). */
+static inline void colibri_norm_squares(const void *x, int64_t at, int64_t i, int64_t n, int kind,
+                                        double *s)
+{
+    float h;
+    for (; i + 4 <= n; i += 4) {
+        int l;
+        for (l = 0; l < 4; l++) {
+            h = colibri_rows_load(x, at + i + l, kind);
+            s[l] += (double)h * h;
+        }
+    }
+    for (; i < n; i++) {
+        h = colibri_rows_load(x, at + i, kind);
+        s[0] += (double)h * h;
+    }
+}
+
+/* y = w * round(x * r) for values i .. n - 1 of the row at x + at (y + at). */
+static inline void colibri_norm_apply(const void *x, const void *w, int64_t at, int64_t i,
+                                      int64_t n, float r, void *y, int kind)
+{
+    for (; i < n; i++) {
+        const float h = colibri_rows_store(y, at + i, colibri_rows_load(x, at + i, kind) * r, kind);
+        colibri_rows_store(y, at + i, colibri_rows_load(w, i, kind) * h, kind);
+    }
+}
+
 static inline void colibri_norm_rows_base(const void *x, const void *w, int64_t T, int64_t n,
                                           float eps, void *y, int kind)
 {
-    int64_t t, i;
+    int64_t t;
     for (t = 0; t < T; t++) {
-        const int64_t at = t * n;
-        double s[4] = {0, 0, 0, 0}; /* products of floats are exact in double */
-        float r, h;
-        for (i = 0; i + 4 <= n; i += 4) {
-            int l;
-            for (l = 0; l < 4; l++) {
-                h = colibri_rows_load(x, at + i + l, kind);
-                s[l] += (double)h * h;
-            }
-        }
-        for (; i < n; i++) {
-            h = colibri_rows_load(x, at + i, kind);
-            s[0] += (double)h * h;
-        }
-        r = colibri_norm_scale(s, n, eps);
-        for (i = 0; i < n; i++) {
-            h = colibri_rows_store(y, at + i, colibri_rows_load(x, at + i, kind) * r, kind);
-            colibri_rows_store(y, at + i, colibri_rows_load(w, i, kind) * h, kind);
-        }
+        double s[4] = {0, 0, 0, 0};
+        colibri_norm_squares(x, t * n, 0, n, kind, s);
+        colibri_norm_apply(x, w, t * n, 0, n, colibri_norm_scale(s, n, eps), y, kind);
     }
 }
 
@@ -187,17 +200,7 @@ COLIBRI_ROWS_AVX2 static void colibri_norm_rows_avx2(const void *x, const void *
             acc = _mm256_add_pd(acc, _mm256_mul_pd(hi, hi));
         }
         _mm256_storeu_pd(s, acc);
-        for (; i + 4 <= n; i += 4) {
-            int l;
-            for (l = 0; l < 4; l++) {
-                h = colibri_rows_load(x, at + i + l, kind);
-                s[l] += (double)h * h;
-            }
-        }
-        for (; i < n; i++) {
-            h = colibri_rows_load(x, at + i, kind);
-            s[0] += (double)h * h;
-        }
+        colibri_norm_squares(x, at, i, n, kind, s);
         h = colibri_norm_scale(s, n, eps);
         r = _mm256_set1_ps(h);
         for (i = 0; i + 8 <= n; i += 8) {
@@ -205,13 +208,10 @@ COLIBRI_ROWS_AVX2 static void colibri_norm_rows_avx2(const void *x, const void *
                 y, at + i, _mm256_mul_ps(colibri_rows_load8(x, at + i, kind), r), kind);
             colibri_rows_store8(y, at + i, _mm256_mul_ps(colibri_rows_load8(w, i, kind), v), kind);
         }
-        for (; i < n; i++) {
-            const float v =
-                colibri_rows_store(y, at + i, colibri_rows_load(x, at + i, kind) * h, kind);
-            colibri_rows_store(y, at + i, colibri_rows_load(w, i, kind) * v, kind);
-        }
+        colibri_norm_apply(x, w, at, i, n, h, y, kind);
     }
 }
+
 COLIBRI_ROWS_AVX2 static void colibri_rope_rows_avx2(void *x, const void *cos, const void *sin,
                                                      int64_t R, int64_t d, int kind)
 {
