@@ -16,8 +16,8 @@
  * in the same order (eight running sums a dot product, added pairwise; a value's sum over the
  * keys in their order; -ffp-contract=off: no fused multiply-add), so every path gives the same
  * bits. 16 query heads of 64 over 4 key/value heads, bfloat16, one thread of a Zen 4: 121 ->
- * 57 us at 320 keys, 33 -> 18 at 80 (one key at a time before). Plain C99 plus target
- * attributes, header-only.
+ * 47-53 us at 320 keys, 33 -> 14-21 at 80, against one key at a time and libm's expf
+ * (bench/bench_attention.py). Plain C99 plus target attributes, header-only.
  */
 #ifndef COLIBRI_ATTENTION_H
 #define COLIBRI_ATTENTION_H
@@ -31,6 +31,7 @@
 #include "colibri/half.h"
 #include "colibri/pool.h"
 #include "colibri/route.h" /* colibri_exp and its AVX2 lanes: the same bits */
+#include "colibri/rows.h"  /* colibri_rows_store */
 
 #if (defined(__x86_64__) || defined(_M_X64)) && (defined(__GNUC__) || defined(__clang__))
 #define COLIBRI_ATTEND_X86 1
@@ -77,16 +78,6 @@ static COLIBRI_ATTEND_INLINE void colibri_attend_load(const void *src, int64_t a
     } else {
         memcpy(dst, (const float *)src + at, (size_t)n * sizeof(float));
     }
-}
-
-static COLIBRI_ATTEND_INLINE void colibri_attend_store(void *dst, int64_t at, float f, int kind)
-{
-    if (kind == COLIBRI_W_BF16)
-        ((uint16_t *)dst)[at] = colibri_float_to_bf16(f);
-    else if (kind == COLIBRI_W_F16)
-        ((uint16_t *)dst)[at] = colibri_float_to_half(f);
-    else
-        ((float *)dst)[at] = f;
 }
 
 /* a . b in eight running sums, added pairwise. */
@@ -136,6 +127,12 @@ static COLIBRI_ATTEND_INLINE void colibri_attend_add(float *acc, const float *p,
     colibri_attend_add_rows(acc, p, b, m, n, n);
 }
 
+/* exp(d), colibri_exp's bits; NaN stays NaN (colibri_exp clamps it). */
+static COLIBRI_ATTEND_INLINE float colibri_attend_exp1(float d)
+{
+    return d != d ? d : colibri_exp(d);
+}
+
 /* x[j] = exp(x[j] - m) for j < n (colibri_exp's bits, NaN kept); returns their sum in j's
  * order. */
 static COLIBRI_ATTEND_INLINE float colibri_attend_exp(float *x, float m, int64_t n)
@@ -143,8 +140,7 @@ static COLIBRI_ATTEND_INLINE float colibri_attend_exp(float *x, float m, int64_t
     float sum = 0;
     int64_t j;
     for (j = 0; j < n; j++) {
-        const float d = x[j] - m;
-        x[j] = d != d ? d : colibri_exp(d);
+        x[j] = colibri_attend_exp1(x[j] - m);
         sum = sum + x[j];
     }
     return sum;
@@ -211,10 +207,8 @@ COLIBRI_ATTEND_AVX2 static COLIBRI_ATTEND_INLINE float colibri_attend_exp_avx2(f
         _mm256_storeu_ps(
             x + j, _mm256_blendv_ps(colibri_exp_avx2(d), d, _mm256_cmp_ps(d, d, _CMP_UNORD_Q)));
     }
-    for (; j < n; j++) {
-        const float d = x[j] - m;
-        x[j] = d != d ? d : colibri_exp(d);
-    }
+    for (; j < n; j++)
+        x[j] = colibri_attend_exp1(x[j] - m);
     for (j = 0; j < n; j++)
         sum = sum + x[j];
     return sum;
@@ -286,8 +280,8 @@ static inline int64_t colibri_attend_scratch(const colibri_attend_t *a)
             const float sum = total[r];                                                           \
             const int64_t at = ((r % T) * a->Hq + g * G + r / T) * D;                             \
             for (c = 0; c < D; c++)                                                               \
-                colibri_attend_store(a->out, at + c, sum != 0 ? acc[r * D + c] / sum : 0.0f,      \
-                                     a->kind);                                                    \
+                colibri_rows_store(a->out, at + c, sum != 0 ? acc[r * D + c] / sum : 0.0f,        \
+                                   a->kind);                                                      \
         }                                                                                         \
     }
 
