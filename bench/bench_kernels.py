@@ -324,7 +324,9 @@ def main(argv=None):
         args.shapes, args.batches = ["demo", "qwen3-30b-a3b"], [1, 16]
     runs = _ffn.runnable_paths()
     if args.paths is None:
-        args.paths = [p for p in ("avx2", "avx512_bf16") if p in runs and p != _ffn.ffn_path()]
+        args.paths = [
+            p for p in ("avx2", "avx512", "avx512_bf16") if p in runs and p != _ffn.ffn_path()
+        ]
     torch = None
     if not args.no_torch:
         import torch

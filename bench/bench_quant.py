@@ -72,7 +72,7 @@ def main() -> None:
     runnable = _ffn.runnable_paths()
     paths = args.paths
     if paths is None:
-        paths = [p for p in ("avx2",) if p in runnable and _ffn.ffn_path() != p]
+        paths = [p for p in ("avx2", "avx512") if p in runnable and _ffn.ffn_path() != p]
     print(f"dispatched path: {_ffn.ffn_path()}  threads: {args.threads or 'all'}")
     print(f"{'shape':14} {'type':7} {'n':>3} {'floor':>7} {'colibri':>8} "
           + "".join(f"{p:>8}" for p in paths)

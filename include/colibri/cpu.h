@@ -173,6 +173,33 @@ static inline int colibri_simd_path(void)
     return path;
 }
 
+/* Whether the CPU runs each 512-bit vector operation as two 256-bit halves: AMD family 0x19
+ * with AVX-512 (Zen 4; Zen 3, the same family, has none). The memory-bound kernels (half
+ * and block-quantized weights) ran 10-40% slower on 512-bit vectors there than on 256-bit
+ * ones (bench/README.md), so their default path is avx2 on such a CPU. Computed once. */
+static inline int colibri_cpu_halves512(void)
+{
+    static int halves = -1;
+#if defined(COLIBRI_X86_GNU) || defined(COLIBRI_X86_MSVC)
+    if (halves < 0) { /* racing first calls compute the same value */
+        unsigned r[4], family;
+        colibri_cpuid(0, 0, r); /* vendor: ebx edx ecx */
+        if (r[1] != 0x68747541u || r[3] != 0x69746e65u || r[2] != 0x444d4163u) { /* AMD */
+            halves = 0;
+            return halves;
+        }
+        colibri_cpuid(1, 0, r);
+        family = (r[0] >> 8) & 0xf;
+        if (family == 0xf)
+            family += (r[0] >> 20) & 0xff;
+        halves = family == 0x19 && colibri_cpu_path() >= COLIBRI_PATH_AVX512;
+    }
+#else
+    halves = 0;
+#endif
+    return halves;
+}
+
 /* Whether `path` runs on this CPU (what tests iterate over). */
 static inline int colibri_path_runs(int path)
 {

@@ -353,6 +353,35 @@ def test_colibri_simd_rejects_unknown_names():
     assert "COLIBRI_SIMD must be one of" in r.stdout and "'avx9000'" in r.stdout
 
 
+def _cpuinfo() -> dict:
+    """The first processor's fields in /proc/cpuinfo ({} where there is none)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            first = f.read().split("\n\n")[0]
+    except OSError:
+        return {}
+    pairs = (line.partition(":") for line in first.splitlines())
+    return {key.strip(): value.strip() for key, _, value in pairs}
+
+
+def test_the_kernels_default_path_follows_the_cpu():
+    """avx512 where the CPU runs 512-bit vectors whole, avx2 on AMD family 25 with AVX-512
+    (Zen 4: two 256-bit halves), as /proc/cpuinfo tells it, against the kernels' own cpuid;
+    COLIBRI_SIMD still caps it."""
+    info = _cpuinfo()
+    flags = set(info.get("flags", "").split())
+    if not {"avx512f", "avx512bw", "avx512dq", "avx512vl"} <= flags:
+        pytest.skip("no AVX-512 here (or no /proc/cpuinfo)")
+    env = {k: v for k, v in os.environ.items() if k != "COLIBRI_SIMD"}
+    code = "from colibri.layer import ffn_path; print(ffn_path())"
+    halves = info.get("vendor_id") == "AuthenticAMD" and info.get("cpu family") == "25"
+    for cap, want in [(None, "avx2" if halves else "avx512"), ("avx2", "avx2"), ("sse2", "sse2")]:
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                           env=env if cap is None else {**env, "COLIBRI_SIMD": cap})  # fmt: skip
+        assert r.returncode == 0, r.stderr
+        assert r.stdout.strip() == want, (cap, info.get("vendor_id"), info.get("cpu family"))
+
+
 def test_read_pass_reads_every_word():
     words = np.arange(1, 100_001, dtype=np.uint64)
     assert _ffn.read_pass(words, 2) == int(words.sum())
