@@ -13,7 +13,8 @@ rows (of 2, 4, :data:`MAX_ROWS`) where it still wins (``model.colibri.linears`` 
 choice and the timings). A router's kernel, and the attention projections of a layer with a
 decoding step, are timed alone, without the forward's conversions from and to torch's
 tensors: a decoding step computes them inside one native call (``colibri.layer._step``),
-which a single projection left to torch would cost every layer.
+which a single projection left to torch would cost every layer; so the projections take one
+engine together, colibri's where its time summed over them wins.
 
 The output equals torch's up to float32 summation order: both accumulate the exact products
 in float32, add the bias in float32 and round once to the input's dtype.
@@ -68,7 +69,8 @@ class LinearChoice:
         ``"colibri"`` (inputs of up to ``rows`` rows on colibri's kernel) or ``"torch"``.
     rows : int
         Most input rows colibri's kernel takes (0 with ``engine="torch"``): ``MAX_ROWS``,
-        or with ``linears="auto"`` the most of 1, 2, 4, ``MAX_ROWS`` at which it won;
+        or with ``linears="auto"`` the most of 1, 2, 4, ``MAX_ROWS`` at which it won (1 for
+        an attention projection taken along by the others' summed time);
         ``sys.maxsize`` for block-quantized weights kept as stored (every input).
     modules : list of str
         The model's linears of this shape.
@@ -329,6 +331,24 @@ def _choose(
     return choice
 
 
+def _together(group: list[LinearChoice]) -> None:
+    """One engine for the linears a decoding step computes in one native call (the attention
+    projections): colibri's where its time summed over them (one row each) beats torch's.
+    Left to torch, any one of them takes its layers off the step (every module then called
+    one by one: a token took twice as long), and a single timing of a small shape is close
+    (a [256, 1024] float16 projection on a Zen 4: 8-15 µs against torch's 16): noise must not
+    decide it."""
+    if not group:
+        return
+    ours = sum(c.colibri_s * len(c.modules) for c in group)
+    theirs = sum(c.torch_s * len(c.modules) for c in group)
+    for c in group:
+        if ours < theirs and c.engine == "torch":
+            c.engine, c.rows = "colibri", 1
+        elif ours >= theirs and c.engine == "colibri":
+            c.engine, c.rows = "torch", 0
+
+
 def install(
     model: nn.Module,
     mode: str,
@@ -385,10 +405,13 @@ def install(
         elif mode == "auto":
             choice = _choose(members[0][1], num_threads, names, alone.issuperset(names))
         choices[key] = choice
-        if choice.engine == "colibri":
+    if mode == "auto":
+        _together([c for c in choices.values() if set(stepped).issuperset(c.modules)])
+    for key, members in by_shape.items():
+        if choices[key].engine == "colibri":
             for name, module in members:
                 # plain instance attributes, as patch() does for routers
-                state = _Linear(module.weight, _bias(module), num_threads, choice.rows)
+                state = _Linear(module.weight, _bias(module), num_threads, choices[key].rows)
                 module.__dict__[_STATE] = state
                 if name not in routers:  # a router's own forward calls linear()
                     module.__dict__["forward"] = types.MethodType(_forward, module)

@@ -207,10 +207,23 @@ def test_auto_records_its_measurement(untied):
     model = _load(untied, "auto")
     choices = model.colibri.linears
     assert (96, 32, "bfloat16") in choices  # the LM head
+    stepped = set(_decode.stepped(model))  # the attention projections: one engine, summed
+    group = [id(c) for c in choices.values() if stepped.issuperset(c.modules)]
+    assert len(group) == 2  # q/o [32, 32] and k/v [16, 32]
+    sums = [sum(getattr(c, t) * len(c.modules) for c in choices.values() if id(c) in group)
+            for t in ("colibri_s", "torch_s")]  # fmt: skip
     for choice in choices.values():
         assert choice.colibri_s > 0 and choice.torch_s > 0
-        assert choice.engine == ("colibri" if choice.colibri_s < choice.torch_s else "torch")
         assert choice.by_rows[1] == (choice.colibri_s, choice.torch_s)
+        if id(choice) in group:
+            assert choice.engine == ("colibri" if sums[0] < sums[1] else "torch")
+            if choice.engine == "colibri" and choice.colibri_s >= choice.torch_s:
+                assert choice.rows == 1  # taken along: one row, a decoding step's
+                continue
+            if choice.engine == "torch":
+                assert choice.rows == 0
+                continue
+        assert choice.engine == ("colibri" if choice.colibri_s < choice.torch_s else "torch")
         if choice.engine == "torch":
             assert choice.rows == 0 and list(choice.by_rows) == [1]
             continue
@@ -227,21 +240,23 @@ def test_auto_records_its_measurement(untied):
 
 def test_auto_follows_the_timings(untied, monkeypatch, kernel_calls):
     """Timings made up per shape: colibri's kernel wins everywhere (q/o: MAX_ROWS rows), up to
-    4 rows (the LM head), at one row (the routers) or nowhere (k/v); the forward follows each
-    choice."""
+    4 rows (the LM head), at one row (the routers) or nowhere, narrowly (k/v); the attention
+    projections take one engine, colibri's, whose time summed over them wins; the forward
+    follows each choice."""
     wins = {32: _linears.MAX_ROWS, 96: 4, 16: 0, 8: 1}  # out features -> most rows it wins at
     as_router = {}
 
     def made_up(module, num_threads, rows, alone=False):
-        as_router.setdefault(module.weight.shape[0], set()).add(alone)
-        return (1.0, 2.0) if rows <= wins[module.weight.shape[0]] else (2.0, 1.0)
+        out = module.weight.shape[0]
+        as_router.setdefault(out, set()).add(alone)
+        return (1.0, 2.0) if rows <= wins[out] else (1.2 if out == 16 else 2.0, 1.0)
 
     monkeypatch.setattr(_linears, "_measure", made_up)
     model = _load(untied, "auto")
     choices = model.colibri.linears
     got = {key[0]: (c.engine, c.rows, sorted(c.by_rows)) for key, c in choices.items()}
     assert got == {32: ("colibri", 8, [1, 8]), 96: ("colibri", 4, [1, 4, 8]),
-                   16: ("torch", 0, [1]), 8: ("colibri", 1, [1, 2, 4, 8])}  # fmt: skip
+                   16: ("colibri", 1, [1]), 8: ("colibri", 1, [1, 2, 4, 8])}  # fmt: skip
     # the routers (8 experts) and the attention projections (q/o 32, k/v 16) are timed as a
     # decoding step calls them, inside its native call; the LM head through its forward
     assert as_router == {32: {True}, 96: {False}, 16: {True}, 8: {True}}
@@ -252,7 +267,23 @@ def test_auto_follows_the_timings(untied, monkeypatch, kernel_calls):
     assert len(kernel_calls) == 2 * 2  # the LM head's 5 rows went to torch
     kernel_calls.clear()
     _logits(model, token_ids(1, batch=1, length=1))
-    assert len(kernel_calls) == 2 * 2 + 1 + 2  # one row: the routers of two layers too
+    # one row: a decoding step, every projection and router inside its native call
+    assert len(kernel_calls) == 1
+
+
+def test_auto_gives_the_attention_projections_one_engine(untied, monkeypatch, kernel_calls):
+    """q/o win narrowly alone, k/v lose by far: summed, torch wins, and takes all four (a
+    decoding step needs every projection on colibri's kernel, or runs none)."""
+
+    def made_up(module, num_threads, rows, alone=False):
+        return {32: (1.0, 1.1), 16: (5.0, 1.0)}.get(module.weight.shape[0], (1.0, 2.0))
+
+    monkeypatch.setattr(_linears, "_measure", made_up)
+    model = _load(untied, "auto")
+    got = {key[0]: (c.engine, c.rows) for key, c in model.colibri.linears.items()}
+    assert got == {32: ("torch", 0), 16: ("torch", 0), 96: ("colibri", 8), 8: ("colibri", 8)}
+    _logits(model, token_ids(1, batch=1, length=1))
+    assert len(kernel_calls) == 1 + 2  # no step: the LM head and the routers, no projection
 
 
 def test_auto_times_a_router_as_a_decoding_step_calls_it(untied, monkeypatch, kernel_calls):
