@@ -214,6 +214,11 @@ class _IO:
         (the guard put zeros there), or None."""
         return None
 
+    def any_faulted(self) -> bool:
+        """False when no :meth:`faulted` can answer a path: one check for a step's experts
+        (True where only asking each can tell)."""
+        return type(self).faulted is not _IO.faulted
+
     def close(self, slots: list[_Slot]) -> None:
         raise NotImplementedError
 
@@ -427,6 +432,9 @@ class _MapIO(_IO):
             if _guard.faulted(self.guards[f]):
                 return self.paths[f]
         return None
+
+    def any_faulted(self):
+        return any(_guard.faulted(g) for g in self.guards)  # one mapping a file
 
     def close(self, slots):
         for m in self.maps:

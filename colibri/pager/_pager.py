@@ -533,6 +533,8 @@ class Pager:
         """:class:`FileChangedError` if an expert of ``slots`` was read through a mapping that
         met the end of its file (zeros stand there now); those experts are forgotten, never
         served again. The slots are pinned by the caller."""
+        if not self._io.any_faulted():  # a token's held experts: one check a file
+            return
         bad = [(s, path) for s in slots if (path := self._io.faulted(s, s.key)) is not None]
         if not bad:
             return

@@ -220,6 +220,27 @@ def test_reuse_checks_what_load_checks(tmp_path):
         pager.reuse(0, [3])
 
 
+@pytest.mark.parametrize("io", ["mmap", "view"])
+def test_reuse_refuses_experts_read_past_their_file(tmp_path, monkeypatch, io):
+    """A mapping that met the end of its file (the SIGBUS guard left zeros there): reuse()
+    and reuse_many() raise FileChangedError naming the file, and serve none of it again."""
+    from colibri import _guard
+
+    rng = np.random.default_rng(10)
+    path = _file(tmp_path, rng, "q8_0", "q8_0")
+    pager = Pager(path, budget_bytes=1 << 24, page_size_kb=4, io=io)
+    batch = pager.load(0, [3, 5])
+    pager.reuse_many([(0, [3, 5])])
+    monkeypatch.setattr(_guard, "faulted", lambda index: index >= 0)
+    with pytest.raises(FileChangedError, match=r"reuse\(\): weight file .* shrank while it"):
+        pager.reuse_many([(0, [3]), (0, [5])])
+    monkeypatch.undo()
+    with pytest.raises(KeyError, match=r"expert \(0, 3\) is not held"):
+        pager.reuse(0, [3])
+    del batch
+    pager.close()
+
+
 def test_reuse_many_counts_steps_in_order_or_none(tmp_path):
     """Pager.reuse_many: each step counted as reuse() counts it (hits, per layer, the trace
     in order), nothing counted when one expert is not held; a step deferred by
