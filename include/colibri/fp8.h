@@ -5,8 +5,9 @@
  *     W[o, k] = e4m3(w[o, k]) * scale[o / 128, k / 128]
  *     y[r] = down @ (act(gate @ x[r]) * (up @ x[r]))      r < n (1 to ~16 rows)
  *
- * W is never materialised. e4m3fn bytes decode through a 256-entry float table (exact:
- * every e4m3 value is a float32; 0x7F and 0xFF are NaN, there is no infinity). The rows of
+ * W is never materialised. e4m3fn bytes decode through a 256-entry float table, or on the
+ * SIMD paths through float16 (exact either way: every e4m3 value is a float16 times 2^8 and
+ * a float32; 0x7F and 0xFF are NaN, there is no infinity). The rows of
  * a matrix may be any length: the last block of a row (or of the block rows) may be partial.
  *
  * Summation order, the contract every path keeps (so every path gives the same bits): for
@@ -15,7 +16,8 @@
  * multiply-add; the build sets -ffp-contract=off); each lane then adds the block's scale times
  * itself into a running lane total (block order); the 16 totals are reduced pairwise, lane l
  * with l + 8, then l + 4, l + 2, l + 1. The scalar path is the contract; AVX2 (two 8-lane
- * registers, the decode a table gather) and AVX-512 (one 16-lane register) compute the
+ * registers) and AVX-512 (one 16-lane register) decode 16 bytes at a time through float16
+ * (colibri_fp8_to_half: the same values as the table) and compute the
  * same operations in the same order. Output rows are split into chunks for colibri/pool.h
  * exactly as colibri/ffn.h does; each output is one thread's, so the thread count changes
  * no bit. Plain C99 + intrinsics, header-only.
@@ -110,12 +112,27 @@ static inline void colibri_fp8_dot_scalar(const uint8_t *w, int32_t K, const flo
 }
 
 #ifdef COLIBRI_FFN_X86
+/* 16 e4m3fn bytes as float16 bits of 2^-8 times their values, exactly (subnormals too):
+ * the exponent and mantissa moved up into float16's fields (the biases differ by 8), the
+ * sign into its own, NaN (S.1111.111) made the table's NaN. */
+COLIBRI_TARGET_AVX2 static inline __m256i colibri_fp8_to_half(__m128i bytes)
+{
+    const __m256i b = _mm256_cvtepu8_epi16(bytes);
+    const __m256i low7 = _mm256_and_si256(b, _mm256_set1_epi16(0x7f));
+    const __m256i sign = _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x80)), 8);
+    const __m256i nan = _mm256_cmpeq_epi16(low7, _mm256_set1_epi16(0x7f));
+    const __m256i h = _mm256_or_si256(_mm256_slli_epi16(low7, 7), sign);
+    return _mm256_or_si256(_mm256_andnot_si256(nan, h),
+                           _mm256_and_si256(nan, _mm256_set1_epi16(0x7e00)));
+}
+
 COLIBRI_TARGET_AVX2 static inline void colibri_fp8_dot_avx2(const uint8_t *w, int32_t K,
                                                             const float *s, const float *x,
                                                             int64_t ldx, int32_t nb, float *y,
                                                             int64_t ldy)
 {
     const float *t = colibri_fp8_table();
+    const __m256 up8 = _mm256_set1_ps(256.0f);
     __m256 tot[COLIBRI_FFN_ROW_BLOCK][2], b[COLIBRI_FFN_ROW_BLOCK][2];
     float blk[COLIBRI_FFN_ROW_BLOCK][COLIBRI_FP8_LANES];
     int32_t k0, k, r;
@@ -127,9 +144,9 @@ COLIBRI_TARGET_AVX2 static inline void colibri_fp8_dot_avx2(const uint8_t *w, in
         for (r = 0; r < nb; r++)
             b[r][0] = b[r][1] = _mm256_setzero_ps();
         for (k = k0; k + COLIBRI_FP8_LANES <= k1; k += COLIBRI_FP8_LANES) {
-            __m128i bytes = _mm_loadu_si128((const __m128i *)(w + k));
-            __m256 v0 = _mm256_i32gather_ps(t, _mm256_cvtepu8_epi32(bytes), 4);
-            __m256 v1 = _mm256_i32gather_ps(t, _mm256_cvtepu8_epi32(_mm_srli_si128(bytes, 8)), 4);
+            __m256i h = colibri_fp8_to_half(_mm_loadu_si128((const __m128i *)(w + k)));
+            __m256 v0 = _mm256_mul_ps(_mm256_cvtph_ps(_mm256_castsi256_si128(h)), up8);
+            __m256 v1 = _mm256_mul_ps(_mm256_cvtph_ps(_mm256_extracti128_si256(h, 1)), up8);
             for (r = 0; r < nb; r++) {
                 const float *xr = x + r * ldx + k;
                 b[r][0] = _mm256_add_ps(b[r][0], _mm256_mul_ps(v0, _mm256_loadu_ps(xr)));
@@ -165,6 +182,7 @@ COLIBRI_TARGET_AVX512 static inline void colibri_fp8_dot_avx512(const uint8_t *w
                                                                 int64_t ldy)
 {
     const float *t = colibri_fp8_table();
+    const __m512 up8 = _mm512_set1_ps(256.0f);
     __m512 tot[COLIBRI_FFN_ROW_BLOCK], b[COLIBRI_FFN_ROW_BLOCK];
     float blk[COLIBRI_FFN_ROW_BLOCK][COLIBRI_FP8_LANES];
     int32_t k0, k, r;
@@ -176,8 +194,8 @@ COLIBRI_TARGET_AVX512 static inline void colibri_fp8_dot_avx512(const uint8_t *w
         for (r = 0; r < nb; r++)
             b[r] = _mm512_setzero_ps();
         for (k = k0; k + COLIBRI_FP8_LANES <= k1; k += COLIBRI_FP8_LANES) {
-            __m128i bytes = _mm_loadu_si128((const __m128i *)(w + k));
-            __m512 v = _mm512_i32gather_ps(_mm512_cvtepu8_epi32(bytes), t, 4);
+            __m256i h = colibri_fp8_to_half(_mm_loadu_si128((const __m128i *)(w + k)));
+            __m512 v = _mm512_mul_ps(_mm512_cvtph_ps(h), up8);
             for (r = 0; r < nb; r++)
                 b[r] = _mm512_add_ps(b[r], _mm512_mul_ps(v, _mm512_loadu_ps(x + r * ldx + k)));
         }

@@ -70,6 +70,27 @@ def test_matmul_every_path_same_bits(shape):
     )
 
 
+def test_every_byte_decodes_as_ml_dtypes_on_every_path():
+    """Each of the 256 bytes (subnormals, both zeros, NaN) as the one nonzero weight of its
+    row, in every lane of a block (x one-hot at that column), on every path: the value
+    ml_dtypes gives, NaN where it gives NaN, the same bits on every path."""
+    codes = np.arange(256, dtype=np.uint8)
+    want = codes.view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+    scale = np.ones(_fp8.scale_shape(256, 160), np.float32)
+    for column in [*range(16), 130, 159]:  # every lane of a SIMD block, and a partial tail
+        w = np.zeros((256, 160), np.uint8)
+        w[:, column] = codes
+        x = np.zeros((1, 160), np.float32)
+        x[0, column] = 1.0
+        first = None
+        for path in _ffn.runnable_paths():
+            y = _fp8.matmul(w, scale, x, path)[0]
+            np.testing.assert_array_equal(y, want, err_msg=f"{path}, column {column}")
+            if first is None:
+                first = y
+            np.testing.assert_array_equal(y.view(np.uint32), first.view(np.uint32), err_msg=path)
+
+
 def _expert(rng, H, I):
     (g, gs), (u, us), (d, ds) = _weights(rng, I, H), _weights(rng, I, H), _weights(rng, H, I)
     return ExpertWeights(g, u, d, FP8_BLOCKED, scales=(gs, us, ds))
