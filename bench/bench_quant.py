@@ -4,6 +4,7 @@ measured in one run.
 
     python bench/bench_quant.py                    # Qwen3-30B-A3B's and OLMoE's expert shapes
     python bench/bench_quant.py --types q4_k q8_0 --batches 1 --threads 1
+    python bench/bench_quant.py --types fp8 --batches 1   # float8 experts (e4m3fn, 128 x 128)
 
 One expert is y = down @ (silu(gate @ x) * (up @ x)). Figures are milliseconds per expert,
 the best of several rounds over a pool of experts larger than the last-level cache (weights
@@ -26,7 +27,7 @@ import numpy as np
 from bench_kernels import best_ms  # bench/ is the script's folder: on sys.path
 
 from colibri._dlpack import float32_to_bf16
-from colibri.layer import _ffn, _quant
+from colibri.layer import _ffn, _fp8, _quant
 
 # (H, I) of experts whose rows are whole blocks of every type (256 values)
 SHAPES = {"qwen3-30b-a3b": (2048, 768), "olmoe": (2048, 1024)}
@@ -56,9 +57,25 @@ def quantized_pool(qtype, H, I, pool_bytes, rng):
     return experts, nbytes
 
 
+def fp8_pool(H, I, pool_bytes, rng):
+    """float8 (e4m3fn, no NaN) experts with small 128 x 128 block scales, as
+    quantized_pool's, and their (gate, up, down) scales."""
+    nbytes = 3 * H * I
+    experts = []
+    for _ in range(max(1, min(64, pool_bytes // nbytes))):
+        flat = rng.integers(0, 256, nbytes, dtype=np.uint8)
+        flat[(flat & 0x7F) == 0x7F] = 0x3C
+        g, u, d = flat[: I * H].reshape(I, H), flat[I * H : 2 * I * H], flat[2 * I * H :]
+        experts.append((g, u.reshape(I, H), d.reshape(H, I), flat.view(np.uint64)))
+    gu, dn = _fp8.scale_shape(I, H), _fp8.scale_shape(H, I)
+    scales = (np.full(gu, 1e-3, np.float32), np.full(gu, 1e-3, np.float32),
+              np.full(dn, 1e-3, np.float32))  # fmt: skip
+    return experts, scales
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--types", nargs="+", default=list(_quant.TYPES))
+    parser.add_argument("--types", nargs="+", default=[*_quant.TYPES, "fp8"])
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES))
     parser.add_argument("--batches", nargs="+", type=int, default=[1, 4, 16])
     parser.add_argument("--threads", type=int, default=0)
@@ -85,10 +102,13 @@ def main() -> None:
             bf16.append((bits[: I * H].reshape(I, H), bits[I * H : 2 * I * H].reshape(I, H),
                          bits[2 * I * H :].reshape(H, I)))  # fmt: skip
         for qtype in args.types:
-            experts, _ = quantized_pool(qtype, H, I, args.pool_mb << 20, rng)
+            if qtype == "fp8":
+                experts, scales = fp8_pool(H, I, args.pool_mb << 20, rng)
+            else:
+                (experts, _), scales = quantized_pool(qtype, H, I, args.pool_mb << 20, rng), None
             for n in args.batches:
                 row = measure(qtype, experts, bf16, rng.standard_normal((n, H)).astype(np.float32),
-                              paths, args)  # fmt: skip
+                              paths, args, scales)  # fmt: skip
                 floor, cells, half, blas = row
                 print(f"{shape:14} {qtype:7} {n:3d} {floor:7.3f} {cells[0]:8.3f} "
                       + "".join(f"{c:8.3f}" for c in cells[1:])
@@ -96,24 +116,33 @@ def main() -> None:
                       f"{half / cells[0]:7.2f}", flush=True)  # fmt: skip
 
 
-def measure(qtype, experts, bf16, x, paths, args):
-    """(floor, [colibri, *paths], bf16, dequantize + BLAS): ms per expert."""
+def measure(qtype, experts, bf16, x, paths, args, scales=None):
+    """(floor, [colibri, *paths], bf16, dequantize + BLAS): ms per expert; ``scales``: the
+    float8 experts' block scales."""
     count, threads, rounds = len(experts), args.threads, args.rounds
     floor = best_ms(lambda: [_ffn.read_pass(e[3], threads) for e in experts], rounds) / count
+
+    def kernel(g, u, d, path):
+        if scales is not None:
+            return _fp8.ffn(g, u, d, scales, x, "silu", threads, path)
+        return _quant.ffn(qtype, g, u, d, x, "silu", threads, path)
+
     cells = [
-        best_ms(lambda path=path: [_quant.ffn(qtype, g, u, d, x, "silu", threads, path)
-                                   for g, u, d, _ in experts], rounds) / count
+        best_ms(lambda path=path: [kernel(g, u, d, path) for g, u, d, _ in experts], rounds) / count
         for path in [None, *paths]
-    ]  # fmt: skip
+    ]
     y = np.empty(x.shape, np.float32)
     half = best_ms(lambda: [_ffn.ffn(x, *e, 2, 0, y, threads) for e in bf16], rounds) / len(bf16)
     g, u, d, _ = experts[0]
 
+    def dequantize(w, i):
+        return _quant.dequantize(qtype, w) if scales is None else _fp8.dequantize(w, scales[i])
+
     def deq():
-        gf, uf = _quant.dequantize(qtype, g), _quant.dequantize(qtype, u)
+        gf, uf = dequantize(g, 0), dequantize(u, 1)
         h = x @ gf.T
         h = h / (1 + np.exp(-np.clip(h, -80, 80))) * (x @ uf.T)
-        return h @ _quant.dequantize(qtype, d).T
+        return h @ dequantize(d, 2).T
 
     return floor, cells, half, best_ms(deq, rounds)
 
