@@ -138,14 +138,19 @@ class _Layer:
         """What :meth:`takes` asks of this layer's modules: not training, no hooks, the
         attention's and MoE block's forwards still the code the step stands for."""
         attn, mlp = self.attn, self.mlp
-        return (
-            not self.layer.training
-            and not attn.training  # its dropout
-            and (type(attn).forward, type(mlp).forward) == self.code
-            and "forward" not in attn.__dict__
-            and "forward" not in mlp.__dict__
-            and not any(m._forward_hooks or m._forward_pre_hooks for m in self.modules)
-        )  # fmt: skip
+        if (
+            self.layer.training
+            or attn.training  # its dropout
+            or type(attn).forward is not self.code[0]
+            or type(mlp).forward is not self.code[1]
+            or "forward" in attn.__dict__
+            or "forward" in mlp.__dict__
+        ):
+            return False
+        for m in self.modules:  # noqa: SIM110 (a loop, not a generator: a step's cost)
+            if m._forward_hooks or m._forward_pre_hooks:
+                return False
+        return True
 
     def kernels(self, dtype: torch.dtype) -> tuple | None:
         """The norms' and projections' arguments of :func:`colibri.layer.pre_attention` and
@@ -167,7 +172,7 @@ class _Layer:
         read again only when a
         module they come from changed: its forward, the memory, dtype or strides of its
         weight, its bias, its epsilon, its routing."""
-        key = (dtype, *map(_source, self.sources))
+        key = _sources(self.sources, dtype)
         if self.given[0] != key:
             given = self.kernels(dtype)
             rest = _patch.routed(self.gate)
@@ -184,41 +189,48 @@ class _Layer:
             self.given = key, (given, rest, router, plain, planned), named
         return self.given[1]
 
-    def step(self, hidden, mask, cache, position_embeddings, kwargs,
-             reused: _Reused | None = None) -> torch.Tensor:  # fmt: skip
-        """``Qwen3MoeDecoderLayer.forward`` for ``hidden [1, 1, H]``: two native calls around
-        the cache update when every kernel is colibri's, else the modules' calls one by one
-        (:meth:`calls`). ``reused``: where held experts leave the step's hits for the caller
-        to count (:class:`_Reused`), else counted now."""
-        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+    def forward(self, hidden, mask, cache, position_embeddings, kwargs) -> torch.Tensor:
+        """``Qwen3MoeDecoderLayer.forward`` for ``hidden [1, 1, H]``: :meth:`step` when every
+        kernel of the attention half is colibri's, else the modules' calls one by one
+        (:meth:`calls`)."""
+        dtype, interface = hidden.dtype, _interface(self.attn.config)
+        if mask is None and interface is _attention.forward and _attention.plain(kwargs):
+            y = self.step(values_of(hidden).reshape(self.hidden), dtype, cache,
+                          position_embeddings)  # fmt: skip
+            if y is not None:
+                return _tensor(y, dtype).view(1, 1, self.hidden)
+        return self.calls(hidden, mask, cache, position_embeddings, kwargs, interface)
 
-        attn, dtype = self.attn, hidden.dtype
-        implementation = _experts.implementation(attn.config, "attn")
-        interface = ALL_ATTENTION_FUNCTIONS.get_interface(implementation, _eager)
-        given = rest = router = plain = None
-        if interface is _attention.forward and mask is None and _attention.plain(kwargs):
-            given, rest, router, plain, planned = self.arguments(dtype)
+    def step(self, x: np.ndarray, dtype: torch.dtype, cache, position_embeddings,
+             reused: _Reused | None = None) -> np.ndarray | None:  # fmt: skip
+        """The layer for one token's hidden state ``x [H]`` (float32, or the bits of a half
+        ``dtype``) when colibri's attention runs with no mask and no extra arguments: two
+        native calls around the cache update when every kernel is colibri's, then the
+        routing and the held experts (the modules' forwards where those cannot run): ``[H]``
+        like ``x``. None, having changed nothing, when not every kernel of the attention half
+        is colibri's (:meth:`calls` then). ``reused``: where held experts leave the step's
+        hits for the caller to count (:class:`_Reused`), else counted now."""
+        given, rest, router, plain, planned = self.arguments(dtype)
         if given is None:
-            return self.calls(hidden, mask, cache, position_embeddings, kwargs, interface)
-        D, name = self.head_dim, _DTYPES[dtype]
-        x = values_of(hidden).reshape(self.hidden)
+            return None
+        attn, D, H, name = self.attn, self.head_dim, self.hidden, _DTYPES[dtype]
         cos, sin = _rotation(position_embeddings, D)
         scale = D**-0.5 if attn.scaling is None else float(attn.scaling)
+        out, h = np.empty((1, H), x.dtype), np.empty((1, H), x.dtype)
         room = self.room(cache, dtype)
         if room is not None:  # the cache update inside the attention half's one call
             keys, values = room.reserve()
-            out, h = np.empty(self.hidden, x.dtype), np.empty(self.hidden, x.dtype)
             logits = None if router is None else np.empty(planned.E, x.dtype)
-            planned(x, cos, sin, keys, values, room.rows, scale, out, h, logits)
+            planned(x, cos, sin, keys, values, room.rows, scale, out[0], h[0], logits)
             room.advance(cache.layers[attn.layer_idx])
         else:
             (norm_in, q_norm, k_norm, norm_post), (q, k, v, o) = given
             queries, key, value = pre_attention(x, norm_in, (q, k, v), cos, sin, q_norm, k_norm,
                                                 name)  # fmt: skip
             keys, values = self.append(cache, key, value, dtype)
-            out, h, logits = post_attention(queries, keys, values, scale, o, x, norm_post,
-                                            router, name)  # fmt: skip
-        bits, h = h, _tensor(h, dtype).view(1, self.hidden)
+            o_out, h_out, logits = post_attention(queries, keys, values, scale, o, x, norm_post,
+                                                  router, name)  # fmt: skip
+            out[0], h[0] = o_out, h_out
         held = _experts.held(self.experts, dtype)
         if held is not None and reused is not None and reused.store in (None, held.store):
             reused.store = held.store
@@ -228,30 +240,28 @@ class _Layer:
             # the routing the gate's forward runs, into numpy, its weights rounded by the
             # .to(logits' dtype) it makes
             context, kept = plain
-            ids = np.empty((1, context.top_k), np.int64)
-            weights = np.empty((1, context.top_k), np.float32)
-            context.route(_tensor(logits, dtype).view(1, -1), out=(ids, weights))
+            ids = np.empty(context.top_k, np.int64)
+            weights = np.empty(context.top_k, np.float32)
+            context.route(_tensor(logits, dtype), out=(ids, weights))
             if kept == "logits" and dtype != torch.float32:
                 weights = bits_of(torch.from_numpy(weights).to(dtype))
-            y = held(bits.reshape(1, self.hidden), ids, weights, dtype=name,
-                     out=np.empty((1, self.hidden), bits.dtype),
-                     residual=out.reshape(1, self.hidden), reused=reused)  # fmt: skip
+            y = held(h, ids.reshape(1, -1), weights.reshape(1, -1), dtype=name,
+                     out=np.empty_like(h), residual=out, reused=reused)  # fmt: skip
             if y is not None:
-                return _tensor(y, dtype).view(1, 1, self.hidden)
+                return y.reshape(H)
+        t = _tensor(h, dtype)
         if logits is None:
-            _, weights, ids = self.gate.forward(h)
+            _, weights, ids = self.gate.forward(t)
         else:
             _, weights, ids = rest(_tensor(logits, dtype).view(1, -1))
         if held is not None and weights.dtype == dtype and ids.dtype == torch.int64:
             # the call the experts' forward would make, without its wrappers, and the residual
-            rows = bits.reshape(1, self.hidden)
-            y = held(rows, ids.numpy().reshape(1, -1), values_of(weights).reshape(1, -1),
-                     dtype=name, out=np.empty_like(rows),
-                     residual=out.reshape(1, self.hidden), reused=reused)  # fmt: skip
+            y = held(h, ids.numpy().reshape(1, -1), values_of(weights).reshape(1, -1),
+                     dtype=name, out=np.empty_like(h), residual=out, reused=reused)  # fmt: skip
             if y is not None:
-                return _tensor(y, dtype).view(1, 1, self.hidden)
-        y = self.experts.forward(h, ids, weights)
-        return (_tensor(out, dtype).view(1, self.hidden) + y).view(1, 1, self.hidden)
+                return y.reshape(H)
+        y = self.experts.forward(t, ids, weights)
+        return values_of(_tensor(out, dtype) + y).reshape(H)
 
     def append(self, cache, key: np.ndarray, value: np.ndarray, dtype: torch.dtype) -> tuple:
         """``cache.update`` of this layer with one token's ``key``, ``value`` ``[Hkv, D]``:
@@ -412,22 +422,26 @@ def _growable(cache, layer, dtype: torch.dtype, heads: tuple[int, int]) -> bool:
             and keys.is_cpu and values.is_cpu)  # fmt: skip
 
 
-def _source(module: nn.Module) -> tuple:
-    """What :meth:`_Layer.arguments` reads of ``module``, as numbers: its own forward and
-    colibri's states of it (ids), its weight's memory, dtype and strides, its bias's memory
-    and version, its epsilon."""
-    get, params = module.__dict__.get, module._parameters
-    weight, bias = params.get("weight"), params.get("bias")
+def _sources(modules: tuple, dtype: torch.dtype) -> list:
+    """What :meth:`_Layer.arguments` reads of ``modules``, as numbers: ``dtype``, then of each
+    module its own forward and colibri's states of it (ids), its weight's memory, dtype and
+    strides, its bias's memory and version, its epsilon (one loop: a step's cost)."""
     forward, linear, norm, patch = _SOURCES
-    return (
-        id(get(forward)),
-        id(get(linear)),
-        id(get(norm)),
-        id(get(patch)),  # one step's cost
-        None if weight is None else (weight.data_ptr(), weight.dtype, weight.stride()),
-        None if bias is None else (bias.data_ptr(), bias._version),
-        get("variance_epsilon", get("eps")),
-    )
+    key: list = [dtype]
+    for module in modules:
+        get = module.__dict__.get
+        params = get("_parameters")
+        weight, bias = params.get("weight"), params.get("bias")
+        key.append((
+            id(get(forward)),
+            id(get(linear)),
+            id(get(norm)),
+            id(get(patch)),
+            None if weight is None else (weight.data_ptr(), weight.dtype, weight.stride()),
+            None if bias is None else (bias.data_ptr(), bias._version),
+            get("variance_epsilon", get("eps")),
+        ))  # fmt: skip
+    return key
 
 
 _ROTATION: tuple = (None, None, None)  # the last position embeddings, and their values
@@ -473,6 +487,19 @@ def _eager(*args, **kwargs):
     return eager_attention_forward(*args, **kwargs)
 
 
+_FUNCTIONS: list = []  # transformers' ALL_ATTENTION_FUNCTIONS, imported once
+
+
+def _interface(config):
+    """The attention function transformers calls for ``config`` (its ``_attn_implementation``
+    in ``ALL_ATTENTION_FUNCTIONS``, eager's when none)."""
+    if not _FUNCTIONS:
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+        _FUNCTIONS.append(ALL_ATTENTION_FUNCTIONS)
+    return _FUNCTIONS[0].get_interface(_experts.implementation(config, "attn"), _eager)
+
+
 def _steps(state: _Layer, hidden, cache, position_embeddings) -> bool:
     """Whether a call of ``state``'s layer is a step (:meth:`_Layer.takes`, and rotary
     values of one position in the hidden state's dtype)."""
@@ -493,8 +520,8 @@ def _forward(self: nn.Module, hidden_states, attention_mask=None, position_ids=N
     state: _Layer = self.__dict__[_STATE]
     if _steps(state, hidden_states, past_key_values, position_embeddings):
         given = dict(kwargs, position_ids=position_ids, use_cache=use_cache)  # as attention's
-        return state.step(hidden_states, attention_mask, past_key_values, position_embeddings,
-                          given)  # fmt: skip
+        return state.forward(hidden_states, attention_mask, past_key_values, position_embeddings,
+                             given)  # fmt: skip
     return type(self).forward(self, hidden_states, attention_mask=attention_mask,
                               position_ids=position_ids, past_key_values=past_key_values,
                               use_cache=use_cache, position_embeddings=position_embeddings,
@@ -601,8 +628,14 @@ class _Model:
         position_embeddings = model.rotary_emb(hidden, position_ids=position_ids)
         given = dict(kwargs, position_ids=position_ids, use_cache=use_cache)  # as attention's
         reused = _Reused()
-        size = hidden.shape[-1]
+        size, dtype = hidden.shape[-1], hidden.dtype
         plain = _plain(hidden, cache, position_embeddings, size)  # the same for every layer
+        # the layers' attention function: their steps run when it is colibri's, with nothing
+        # asked of it (the same for every layer sharing the model's config)
+        config = model.config
+        interface = _interface(config)
+        direct = interface is _attention.forward and _attention.plain(given)
+        x = None  # the hidden state's values between steps (hidden is stale while not None)
         for layer, state in self.steps:
             if (
                 plain
@@ -612,14 +645,33 @@ class _Model:
                 and state.ready()
                 and _rotary(state, hidden, position_embeddings)
             ):
-                hidden = state.step(hidden, None, cache, position_embeddings, given, reused)
+                ours = state.attn.config is config  # else its own attention function
+                if direct and ours:
+                    if x is None:
+                        x = values_of(hidden).reshape(size)
+                    y = state.step(x, dtype, cache, position_embeddings, reused)
+                    if y is not None:
+                        x = y
+                        continue
+                if x is not None:
+                    hidden, x = _tensor(x, dtype).view(1, 1, size), None
+                if ours:
+                    hidden = state.calls(hidden, None, cache, position_embeddings, given,
+                                         interface)  # fmt: skip
+                else:
+                    hidden = state.forward(hidden, None, cache, position_embeddings, given)
             else:
+                if x is not None:
+                    hidden, x = _tensor(x, dtype).view(1, 1, size), None
                 hidden = layer(hidden, attention_mask=None, position_ids=position_ids,
                                past_key_values=cache, use_cache=use_cache,
                                position_embeddings=position_embeddings, **kwargs)  # fmt: skip
                 plain = _plain(hidden, cache, position_embeddings, size)
         reused.tell()
-        hidden = model.norm(hidden)
+        if x is not None:  # the final norm's kernel on the values (the module has no hooks)
+            hidden = _tensor(_norm(model.norm, x.reshape(1, size), dtype), dtype).view(1, 1, size)
+        else:
+            hidden = model.norm(hidden)
         return module.MoeModelOutputWithPast(last_hidden_state=hidden, past_key_values=cache)
 
 

@@ -294,8 +294,6 @@ def held(module: nn.Module, dtype: torch.dtype) -> HeldExperts | None:
     (:mod:`._decode`): its class's forward still transformers' dispatch, which still picks
     colibri's, no forward of its own, experts already held. None otherwise: call its
     forward (which holds them at its first call)."""
-    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
-
     state = module.__dict__.get(_ATTR)
     if (
         state is None
@@ -304,9 +302,11 @@ def held(module: nn.Module, dtype: torch.dtype) -> HeldExperts | None:
         or dtype not in _KERNEL_DTYPES
         or "forward" in module.__dict__
         or type(module).forward is not state.dispatch
-        or ALL_EXPERTS_FUNCTIONS.get(implementation(module.config, "experts"))
-        is not experts_forward
     ):
+        return None
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+    if ALL_EXPERTS_FUNCTIONS.get(implementation(module.config, "experts")) is not experts_forward:
         return None
     state.paging.open_pager()  # a clear error once closed
     return state.held

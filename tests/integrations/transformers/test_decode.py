@@ -88,17 +88,22 @@ def native(monkeypatch):
 
 @pytest.fixture
 def steps(monkeypatch):
-    """The steps run, as ``(layer index, keys in the cache after it)``."""
+    """The steps run (a layer's native step, or its modules' calls), as ``(layer index,
+    keys in the cache after it)``."""
     ran = []
-    step = _decode._Layer.step
 
-    def counting(self, hidden, mask, cache, position_embeddings, kwargs, *rest):
-        out = step(self, hidden, mask, cache, position_embeddings, kwargs, *rest)
-        layer = self.attn.layer_idx
-        ran.append((layer, cache.get_seq_length(layer)))
-        return out
+    def counting(method):
+        def count(self, *args):
+            out = method(self, *args)
+            if out is not None:  # a step that ran (calls always does)
+                layer = self.attn.layer_idx
+                ran.append((layer, args[2].get_seq_length(layer)))
+            return out
 
-    monkeypatch.setattr(_decode._Layer, "step", counting)
+        return count
+
+    monkeypatch.setattr(_decode._Layer, "step", counting(_decode._Layer.step))
+    monkeypatch.setattr(_decode._Layer, "calls", counting(_decode._Layer.calls))
     return ran
 
 
