@@ -21,6 +21,8 @@ cdef extern from "colibri/qlinear.h" nogil:
         float *y
         int64_t ldy
     void colibri_qlinear_run(colibri_qlinear_t *l, int threads) noexcept
+    void colibri_qlinear_run_many(colibri_qlinear_t *l, int32_t count, int32_t *first,
+                                  int threads) noexcept
 
 
 cdef extern from "colibri/linear.h" nogil:
@@ -38,6 +40,8 @@ cdef extern from "colibri/linear.h" nogil:
         int64_t ldy
     size_t colibri_linear_split_bytes(const colibri_linear_t *l) noexcept
     void colibri_linear_run(colibri_linear_t *l, int threads) noexcept
+    void colibri_linear_run_many(colibri_linear_t *l, int32_t count, int32_t *first,
+                                 int threads) noexcept
 
 
 cdef extern from "colibri/attention.h" nogil:

@@ -34,9 +34,11 @@ from colibri.layer._kernels cimport (
     colibri_attend,
     colibri_attend_t,
     colibri_linear_run,
+    colibri_linear_run_many,
     colibri_linear_t,
     colibri_q8_row,
     colibri_qlinear_run,
+    colibri_qlinear_run_many,
     colibri_qlinear_t,
 )
 from colibri.layer._norm cimport norm_rows
@@ -144,6 +146,46 @@ cdef void _project(proj_t *p, input_t *a, int path, float *y) noexcept nogil:
     colibri_qlinear_run(&f, p.threads)
 
 
+cdef void _project3(proj_t *p, input_t *a, int path, float *y) noexcept nogil:
+    """``y = (p[0] . a.x, p[1] . a.x, p[2] . a.x)`` one after another: in one pool run (their
+    rows' chunks in one index space: one wait for the threads, not three) when the three are
+    all quantized or all half precision of one kind on the same threads, else one by one.
+    The values are :func:`_project`'s either way."""
+    cdef colibri_qlinear_t f[3]
+    cdef colibri_linear_t h[3]
+    cdef int32_t first[4]
+    cdef int j
+    cdef float *at = y
+    cdef bint quantized = p[0].qtype >= 0, together = True
+    for j in range(1, 3):
+        together = together and (p[j].qtype >= 0) == quantized and p[j].threads == p[0].threads \
+            and (quantized or p[j].wkind == p[0].wkind)
+    if not together:
+        for j in range(3):
+            _project(&p[j], a, path, at)
+            at += p[j].out_dim
+        return
+    if quantized:
+        if not a.quantized:
+            colibri_q8_row(a.x, a.K, a.d, a.q, a.s)
+            a.quantized = True
+        for j in range(3):
+            f[j].n, f[j].in_dim, f[j].out_dim, f[j].type, f[j].path = 1, a.K, p[j].out_dim, \
+                p[j].qtype, path
+            f[j].xd, f[j].xq, f[j].xs, f[j].w, f[j].ldw = a.d, a.q, a.s, p[j].blocks, p[j].ldw
+            f[j].bias, f[j].y, f[j].ldy = p[j].bias, at, p[j].out_dim
+            at += p[j].out_dim
+        colibri_qlinear_run_many(f, 3, first, p[0].threads)
+        return
+    for j in range(3):
+        h[j].n, h[j].in_dim, h[j].out_dim, h[j].kind, h[j].path = 1, a.K, p[j].out_dim, \
+            p[j].wkind, path
+        h[j].x, h[j].ldx, h[j].w, h[j].ldw, h[j].bias = a.x, a.K, p[j].bits, p[j].ldw, p[j].bias
+        h[j].xs, h[j].y, h[j].ldy = a.split, at, p[j].out_dim
+        at += p[j].out_dim
+    colibri_linear_run_many(h, 3, first, p[0].threads)
+
+
 cdef void _enter_rows(const value_t *x, const value_t *norm, Py_ssize_t H, float eps,
                       proj_t *p, input_t *a, int path, float *y, value_t *h, value_t **outs,
                       const value_t *q_norm, Py_ssize_t nq, float q_eps,
@@ -151,7 +193,7 @@ cdef void _enter_rows(const value_t *x, const value_t *norm, Py_ssize_t H, float
                       const value_t *cos, const value_t *sin, Py_ssize_t Hq, Py_ssize_t Hkv,
                       Py_ssize_t D, int kind) noexcept nogil:
     """:func:`enter`'s work: ``outs`` ``(q [Hq, D], k [Hkv, D], v [Hkv, D])`` from ``x [H]``
-    (``h``: ``[H]`` scratch, ``y``: ``Hq * D`` floats, ``a``: an input of ``H``); a NULL
+    (``h``: ``[H]`` scratch, ``y``: ``(Hq + 2 Hkv) * D`` floats, ``a``: an input of ``H``); a NULL
     norm weight: not normed (``nq``, ``nk``: the norms' sizes)."""
     cdef Py_ssize_t i, sizes[3]
     cdef int j
@@ -159,10 +201,11 @@ cdef void _enter_rows(const value_t *x, const value_t *norm, Py_ssize_t H, float
     norm_rows(x, norm, 1, H, eps, h, kind, path)
     for i in range(H):
         a.x[i] = load_value(h, i, kind)
+    _project3(p, a, path, y)
     for j in range(3):
-        _project(&p[j], a, path, y)
         for i in range(sizes[j]):
             store_value(outs[j], i, y[i], kind)
+        y += sizes[j]
     if q_norm != NULL:
         norm_rows(outs[0], q_norm, Hq * D // nq, nq, q_eps, outs[0], kind, path)
     if k_norm != NULL:
@@ -242,7 +285,7 @@ def enter(const value_t[::1] x, const value_t[::1] norm, float eps, tuple projec
         _proj(projections[j], <int32_t>H, <int32_t>sizes[j], &p[j], f"pre_attention(): {what}")
     cdef int path = path_index(None)
     cdef input_t a
-    cdef float *y = <float *>malloc(<size_t>Hq * D * sizeof(float))
+    cdef float *y = <float *>malloc(<size_t>(Hq + 2 * Hkv) * D * sizeof(float))
     cdef value_t *h = <value_t *>malloc(<size_t>H * sizeof(value_t))
     a.x = NULL
     try:
@@ -462,7 +505,7 @@ cdef int _attend_step(AttentionStep s, const value_t[::1] x, const value_t[::1] 
     # q [Hq * D], k, v [Hkv * D], the norm's h [H], the attention's out [Hq * D]
     cdef value_t *scratch = <value_t *>malloc(<size_t>(2 * Hq * D + 2 * Hkv * D + H)
                                               * sizeof(value_t))  # fmt: skip
-    cdef float *y = <float *>malloc(<size_t>(Hq * D + H + E) * sizeof(float))
+    cdef float *y = <float *>malloc(<size_t>((Hq + 2 * Hkv) * D + H + E) * sizeof(float))
     a.x = b.x = c.x = NULL
     try:
         if scratch == NULL or y == NULL:

@@ -67,4 +67,30 @@ static inline void colibri_linear_run(colibri_linear_t *l, int threads)
                      threads);
 }
 
+/* Several layers of one input and one kind (a decoder layer's q, k and v projections) in
+ * one pool run, their chunks in one index space sized from their bytes together; first must
+ * hold count + 1 entries (scratch), l[0].xs colibri_linear_split_bytes(&l[0]) bytes (shared:
+ * the input split once). Each output row's value is colibri_linear_run's. */
+static inline void colibri_linear_run_many(colibri_linear_t *l, int32_t count, int32_t *first,
+                                           int threads)
+{
+    int64_t total = 0;
+    int32_t j;
+    if (count < 1 || l[0].n < 1)
+        return;
+    if (colibri_uses_split(l[0].path, l[0].kind))
+        colibri_split_rows(l[0].x, l[0].ldx, l[0].n, l[0].in_dim, l[0].xs);
+    for (j = 0; j < count; j++)
+        total += 2 * (int64_t)l[j].in_dim * (l[j].out_dim > 0 ? l[j].out_dim : 0);
+    first[0] = 0;
+    for (j = 0; j < count; j++) {
+        l[j].xs = l[0].xs;
+        l[j].rows = colibri_pool_chunk_rows(colibri_pool_chunk_bytes(total, threads),
+                                            2 * (int64_t)l[j].in_dim, 1);
+        first[j + 1] =
+            first[j] + (l[j].out_dim > 0 ? (l[j].out_dim + l[j].rows - 1) / l[j].rows : 0);
+    }
+    colibri_pool_run_many(colibri_linear_chunk, l, sizeof *l, count, first, threads);
+}
+
 #endif /* COLIBRI_LINEAR_H */

@@ -33,6 +33,12 @@ typedef struct {
     int64_t ldy;
 } colibri_qlinear_t;
 
+/* Bytes of one row of K values of `type`. */
+static inline int64_t colibri_qlinear_row_bytes(int32_t type, int32_t K)
+{
+    return (int64_t)(K / colibri_q_block[type]) * colibri_q_bytes[type];
+}
+
 static void colibri_qlinear_chunk(void *arg, int32_t c)
 {
     const colibri_qlinear_t *l = (const colibri_qlinear_t *)arg;
@@ -54,13 +60,35 @@ static void colibri_qlinear_chunk(void *arg, int32_t c)
 /* The whole layer on up to `threads` threads. */
 static inline void colibri_qlinear_run(colibri_qlinear_t *l, int threads)
 {
-    const int64_t row = (int64_t)(l->in_dim / colibri_q_block[l->type]) * colibri_q_bytes[l->type];
+    const int64_t row = colibri_qlinear_row_bytes(l->type, l->in_dim);
     if (l->n < 1 || l->out_dim < 1)
         return;
     /* whole groups of 8 rows (COLIBRI_Q4_0X8's) */
     l->rows = colibri_pool_chunk_rows(colibri_pool_chunk_bytes(row * l->out_dim, threads), row, 8);
     colibri_pool_run(colibri_qlinear_chunk, (void *)l, (l->out_dim + l->rows - 1) / l->rows,
                      threads);
+}
+
+/* Several layers of one input (a decoder layer's q, k and v projections) in one pool run,
+ * their chunks in one index space sized from their bytes together; first must hold count + 1
+ * entries (scratch). Each output row's value is colibri_qlinear_run's. */
+static inline void colibri_qlinear_run_many(colibri_qlinear_t *l, int32_t count, int32_t *first,
+                                            int threads)
+{
+    int64_t total = 0, row;
+    int32_t j;
+    for (j = 0; j < count; j++)
+        if (l[j].n > 0 && l[j].out_dim > 0)
+            total += colibri_qlinear_row_bytes(l[j].type, l[j].in_dim) * l[j].out_dim;
+    first[0] = 0;
+    for (j = 0; j < count; j++) {
+        row = colibri_qlinear_row_bytes(l[j].type, l[j].in_dim);
+        l[j].rows = colibri_pool_chunk_rows(colibri_pool_chunk_bytes(total, threads), row, 8);
+        first[j + 1] =
+            first[j]
+            + (l[j].n > 0 && l[j].out_dim > 0 ? (l[j].out_dim + l[j].rows - 1) / l[j].rows : 0);
+    }
+    colibri_pool_run_many(colibri_qlinear_chunk, l, sizeof *l, count, first, threads);
 }
 
 #endif /* COLIBRI_QLINEAR_H */

@@ -102,7 +102,8 @@ CODES = [
     ("q8_0", "q8_0", "q8_0", "q8_0", "bfloat16"),  # a GGUF model: quantized, a bf16 router
     ("q4_k", "q6_k", "q4_0", "q5_k", "q8_0"),
     ("bfloat16", "bfloat16", "bfloat16", "bfloat16", "bfloat16"),  # a bf16 checkpoint
-    ("float16", "q8_0", "bfloat16", "iq4_xs", "float16"),
+    ("float16", "q8_0", "bfloat16", "iq4_xs", "float16"),  # q, k, v projected one by one
+    ("float16", "float16", "float16", "q8_0", "bfloat16"),  # an f16 GGUF model
     ("q4_0x8", "q4_0x8", "q4_0x8", "q4_0x8", "bfloat16"),  # Q4_0 on x86: interleaved
 ]
 
