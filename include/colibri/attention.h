@@ -180,11 +180,27 @@ colibri_attend_dots_avx2(const float *a, const float *b, int64_t n, float *out)
                   _mm_add_ps(_mm256_castps256_ps128(h[2]), _mm256_extractf128_ps(h[2], 1)));
 }
 
-/* colibri_attend_add eight floats of acc at a time, in registers across the m rows. */
+/* colibri_attend_add: 64 floats of acc at a time (then 8), in registers across the m rows,
+ * eight sums side by side (one sum's adds wait on each other: the latency, not the adds,
+ * bounds a single one); each float's adds in the rows' order, as colibri_attend_add_rows. */
 COLIBRI_ATTEND_AVX2 static COLIBRI_ATTEND_INLINE void
 colibri_attend_add_avx2(float *acc, const float *p, const float *b, int64_t m, int64_t n)
 {
     int64_t c, d = 0;
+    int l;
+    for (; d + 64 <= n; d += 64) {
+        __m256 t[8];
+        for (l = 0; l < 8; l++)
+            t[l] = _mm256_loadu_ps(acc + d + 8 * l);
+        for (c = 0; c < m; c++) {
+            const __m256 w = _mm256_set1_ps(p[c]);
+            const float *row = b + c * n + d;
+            for (l = 0; l < 8; l++)
+                t[l] = _mm256_add_ps(t[l], _mm256_mul_ps(w, _mm256_loadu_ps(row + 8 * l)));
+        }
+        for (l = 0; l < 8; l++)
+            _mm256_storeu_ps(acc + d + 8 * l, t[l]);
+    }
     for (; d + 8 <= n; d += 8) {
         __m256 t = _mm256_loadu_ps(acc + d);
         for (c = 0; c < m; c++)
@@ -193,6 +209,25 @@ colibri_attend_add_avx2(float *acc, const float *p, const float *b, int64_t m, i
         _mm256_storeu_ps(acc + d, t);
     }
     colibri_attend_add_rows(acc + d, p, b + d, m, n - d, n);
+}
+
+/* colibri_attend_load, eight values at a time: bfloat16 widened, float16 by F16C; the same
+ * floats, but for a signaling NaN, which comes out quiet (as the arithmetic after it makes
+ * it on every path: the results' bits are the same). */
+COLIBRI_ATTEND_AVX2 static COLIBRI_ATTEND_INLINE void
+colibri_attend_load_avx2(const void *src, int64_t at, int64_t n, int kind, float *dst)
+{
+    const uint16_t *s = (const uint16_t *)src + at;
+    int64_t i = 0;
+    if (kind == COLIBRI_W_BF16)
+        for (; i + 8 <= n; i += 8) {
+            const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(s + i)));
+            _mm256_storeu_ps(dst + i, _mm256_castsi256_ps(_mm256_slli_epi32(w, 16)));
+        }
+    else if (kind == COLIBRI_W_F16)
+        for (; i + 8 <= n; i += 8)
+            _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(s + i))));
+    colibri_attend_load(src, at + i, n - i, kind, dst + i); /* the rest; float32 */
 }
 
 /* colibri_attend_exp, eight exponentials at a time (colibri_exp_avx2: colibri_exp's bits). */
@@ -225,72 +260,72 @@ static inline int64_t colibri_attend_scratch(const colibri_attend_t *a)
 /* The kernel for key/value head g; buf: colibri_attend_scratch(a) floats. Scores a block of
  * eight keys (converted once) against every query row, then adds a block of eight values to
  * every row's sums: per value the operations of one key at a time, in the keys' order. */
-#define COLIBRI_ATTEND_BODY(name, DOTS, ADD, EXP, ATTR)                                           \
-    ATTR static void name(const colibri_attend_t *a, int64_t g, float *buf)                       \
-    {                                                                                             \
-        const int64_t G = a->Hq / a->Hkv, T = a->T, L = a->L, D = a->D, R = G * T;                \
-        float *s = buf;                                /* [R, L]: scores, then exponentials */    \
-        float *qf = s + R * L;                         /* [R, D] */                               \
-        float *acc = qf + R * D;                       /* [R, D] */                               \
-        float *rows = acc + R * D;                     /* [8, D]: key or value rows, float32 */   \
-        float *total = rows + COLIBRI_ATTEND_KEYS * D; /* [R] */                                  \
-        float dots[COLIBRI_ATTEND_KEYS];                                                          \
-        int64_t r, j, c, m;                                                                       \
-        for (r = 0; r < R; r++) /* row r: head g G + r / T, query r % T */                        \
-            colibri_attend_load(a->q, ((g * G + r / T) * T + r % T) * D, D, a->kind, &qf[r * D]); \
-        memset(rows, 0, (size_t)(COLIBRI_ATTEND_KEYS * D) * sizeof(float));                       \
-        for (j = 0; j < L; j += COLIBRI_ATTEND_KEYS) {                                            \
-            m = L - j < COLIBRI_ATTEND_KEYS ? L - j : COLIBRI_ATTEND_KEYS;                        \
-            for (c = 0; c < m; c++)                                                               \
-                colibri_attend_load(a->k, g * a->ldk + (j + c) * D, D, a->kind, &rows[c * D]);    \
-            for (r = 0; r < R; r++) {                                                             \
-                DOTS(&qf[r * D], rows, D, dots);                                                  \
-                for (c = 0; c < m; c++) {                                                         \
-                    float x = dots[c] * a->scale;                                                 \
-                    if (a->mask != NULL)                                                          \
-                        x = x + a->mask[(r % T) * L + j + c];                                     \
-                    s[r * L + j + c] = x;                                                         \
-                }                                                                                 \
-            }                                                                                     \
-        }                                                                                         \
-        for (r = 0; r < R; r++) {                                                                 \
-            float mx = -INFINITY;                                                                 \
-            float *sr = &s[r * L];                                                                \
-            int nan = 0;                                                                          \
-            for (j = 0; j < L; j++) {                                                             \
-                mx = sr[j] > mx ? sr[j] : mx;                                                     \
-                nan |= sr[j] != sr[j];                                                            \
-            }                                                                                     \
-            if (mx == -INFINITY && !nan) { /* every key masked: zeros */                          \
-                memset(sr, 0, (size_t)L * sizeof(float));                                         \
-                total[r] = 0.0f;                                                                  \
-            } else { /* NaN scores (-inf - -inf too, when all are NaN or masked) stay */          \
-                total[r] = EXP(sr, mx, L);                                                        \
-            }                                                                                     \
-        }                                                                                         \
-        memset(acc, 0, (size_t)(R * D) * sizeof(float));                                          \
-        for (j = 0; j < L; j += COLIBRI_ATTEND_KEYS) {                                            \
-            m = L - j < COLIBRI_ATTEND_KEYS ? L - j : COLIBRI_ATTEND_KEYS;                        \
-            for (c = 0; c < m; c++)                                                               \
-                colibri_attend_load(a->v, g * a->ldv + (j + c) * D, D, a->kind, &rows[c * D]);    \
-            for (r = 0; r < R; r++)                                                               \
-                ADD(&acc[r * D], &s[r * L + j], rows, m, D);                                      \
-        }                                                                                         \
-        for (r = 0; r < R; r++) {                                                                 \
-            const float sum = total[r];                                                           \
-            const int64_t at = ((r % T) * a->Hq + g * G + r / T) * D;                             \
-            for (c = 0; c < D; c++)                                                               \
-                colibri_rows_store(a->out, at + c, sum != 0 ? acc[r * D + c] / sum : 0.0f,        \
-                                   a->kind);                                                      \
-        }                                                                                         \
+#define COLIBRI_ATTEND_BODY(name, LOAD, DOTS, ADD, EXP, ATTR)                                   \
+    ATTR static void name(const colibri_attend_t *a, int64_t g, float *buf)                     \
+    {                                                                                           \
+        const int64_t G = a->Hq / a->Hkv, T = a->T, L = a->L, D = a->D, R = G * T;              \
+        float *s = buf;                                /* [R, L]: scores, then exponentials */  \
+        float *qf = s + R * L;                         /* [R, D] */                             \
+        float *acc = qf + R * D;                       /* [R, D] */                             \
+        float *rows = acc + R * D;                     /* [8, D]: key or value rows, float32 */ \
+        float *total = rows + COLIBRI_ATTEND_KEYS * D; /* [R] */                                \
+        float dots[COLIBRI_ATTEND_KEYS];                                                        \
+        int64_t r, j, c, m;                                                                     \
+        for (r = 0; r < R; r++) /* row r: head g G + r / T, query r % T */                      \
+            LOAD(a->q, ((g * G + r / T) * T + r % T) * D, D, a->kind, &qf[r * D]);              \
+        memset(rows, 0, (size_t)(COLIBRI_ATTEND_KEYS * D) * sizeof(float));                     \
+        for (j = 0; j < L; j += COLIBRI_ATTEND_KEYS) {                                          \
+            m = L - j < COLIBRI_ATTEND_KEYS ? L - j : COLIBRI_ATTEND_KEYS;                      \
+            for (c = 0; c < m; c++)                                                             \
+                LOAD(a->k, g * a->ldk + (j + c) * D, D, a->kind, &rows[c * D]);                 \
+            for (r = 0; r < R; r++) {                                                           \
+                DOTS(&qf[r * D], rows, D, dots);                                                \
+                for (c = 0; c < m; c++) {                                                       \
+                    float x = dots[c] * a->scale;                                               \
+                    if (a->mask != NULL)                                                        \
+                        x = x + a->mask[(r % T) * L + j + c];                                   \
+                    s[r * L + j + c] = x;                                                       \
+                }                                                                               \
+            }                                                                                   \
+        }                                                                                       \
+        for (r = 0; r < R; r++) {                                                               \
+            float mx = -INFINITY;                                                               \
+            float *sr = &s[r * L];                                                              \
+            int nan = 0;                                                                        \
+            for (j = 0; j < L; j++) {                                                           \
+                mx = sr[j] > mx ? sr[j] : mx;                                                   \
+                nan |= sr[j] != sr[j];                                                          \
+            }                                                                                   \
+            if (mx == -INFINITY && !nan) { /* every key masked: zeros */                        \
+                memset(sr, 0, (size_t)L * sizeof(float));                                       \
+                total[r] = 0.0f;                                                                \
+            } else { /* NaN scores (-inf - -inf too, when all are NaN or masked) stay */        \
+                total[r] = EXP(sr, mx, L);                                                      \
+            }                                                                                   \
+        }                                                                                       \
+        memset(acc, 0, (size_t)(R * D) * sizeof(float));                                        \
+        for (j = 0; j < L; j += COLIBRI_ATTEND_KEYS) {                                          \
+            m = L - j < COLIBRI_ATTEND_KEYS ? L - j : COLIBRI_ATTEND_KEYS;                      \
+            for (c = 0; c < m; c++)                                                             \
+                LOAD(a->v, g * a->ldv + (j + c) * D, D, a->kind, &rows[c * D]);                 \
+            for (r = 0; r < R; r++)                                                             \
+                ADD(&acc[r * D], &s[r * L + j], rows, m, D);                                    \
+        }                                                                                       \
+        for (r = 0; r < R; r++) {                                                               \
+            const float sum = total[r];                                                         \
+            const int64_t at = ((r % T) * a->Hq + g * G + r / T) * D;                           \
+            for (c = 0; c < D; c++)                                                             \
+                colibri_rows_store(a->out, at + c, sum != 0 ? acc[r * D + c] / sum : 0.0f,      \
+                                   a->kind);                                                    \
+        }                                                                                       \
     }
 
 #ifdef COLIBRI_ATTEND_X86
-COLIBRI_ATTEND_BODY(colibri_attend_avx2, colibri_attend_dots_avx2, colibri_attend_add_avx2,
-                    colibri_attend_exp_avx2, COLIBRI_ATTEND_AVX2)
+COLIBRI_ATTEND_BODY(colibri_attend_avx2, colibri_attend_load_avx2, colibri_attend_dots_avx2,
+                    colibri_attend_add_avx2, colibri_attend_exp_avx2, COLIBRI_ATTEND_AVX2)
 #endif
-COLIBRI_ATTEND_BODY(colibri_attend_base, colibri_attend_dots, colibri_attend_add,
-                    colibri_attend_exp, )
+COLIBRI_ATTEND_BODY(colibri_attend_base, colibri_attend_load, colibri_attend_dots,
+                    colibri_attend_add, colibri_attend_exp, )
 
 /* A call's heads as pool chunks: head c on path with scratch buf + c * per. */
 typedef struct {

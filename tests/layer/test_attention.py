@@ -162,7 +162,8 @@ def test_every_simd_path_gives_the_same_bits(name):
 
     dtype, kind = DTYPES[name], {"float32": 0, "bfloat16": _norm.KIND_BFLOAT16,
                                  "float16": _norm.KIND_FLOAT16}[name]  # fmt: skip
-    for hq, hkv, t, length, d in [(16, 4, 1, 70, 64), (6, 2, 3, 9, 13)]:
+    # heads of 64 (a block of 64 sums side by side), of 77 (64, then 8, then one by one), of 13
+    for hq, hkv, t, length, d in [(16, 4, 1, 70, 64), (4, 2, 2, 21, 77), (6, 2, 3, 9, 13)]:
         q, k, v = (_numpy(a) for a in _case(8 + d, hq, hkv, t, length, d, dtype, 3.0))
         mask = np.where(np.arange(length) % 5 == 0, -np.inf, 0.25).astype(np.float32)
         mask = np.tile(mask, (t, 1))
@@ -174,6 +175,26 @@ def test_every_simd_path_gives_the_same_bits(name):
         assert all(np.array_equal(o, outs[0]) for o in outs[1:])
         want = _reference(_torch(q, dtype), _torch(k, dtype), _torch(v, dtype), 0.2, mask)
         _check(_torch(outs[0], dtype), want, dtype)
+
+
+@pytest.mark.parametrize("name", ["bfloat16", "float16"])
+def test_every_simd_path_keeps_a_nans_bits(name):
+    """Keys and values holding NaNs, quiet and signaling: every path's result has the same bits
+    (a half NaN widened as the scalar code widens it, its payload as it is)."""
+    from colibri.layer import _attention, _ffn, _norm
+
+    dtype = DTYPES[name]
+    kind = _norm.KIND_BFLOAT16 if name == "bfloat16" else _norm.KIND_FLOAT16
+    q, k, v = (_numpy(a) for a in _case(3, 4, 2, 1, 24, 64, dtype, 1.0))
+    nans = [0x7FC1, 0xFF81, 0x7F81] if name == "bfloat16" else [0x7E01, 0xFD01, 0x7C01]
+    v[0, 5, 3], v[1, 17, 60], k[1, 9, 40] = nans  # a quiet NaN, signaling ones (one negative)
+    outs = []
+    for path in _ffn.runnable_paths():
+        out = np.empty((1, 4, 64), np.uint16)
+        _attention.attention(q, k, v, 0.2, out, kind, None, path)
+        outs.append(out)
+    assert all(np.array_equal(o, outs[0]) for o in outs[1:])
+    assert _torch(outs[0], dtype).float().isnan().any()
 
 
 @pytest.mark.parametrize("name", sorted(DTYPES))
