@@ -51,6 +51,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -240,9 +241,16 @@ def run(spec: dict, args, kind: str | None, device: str | None) -> dict:
                 load_avg=os.getloadavg()[0])  # fmt: skip
 
 
-def repeat(spec: dict, args, kind, device) -> dict:
-    """``args.repeat`` runs of ``spec``: medians, and the tok/s range."""
-    return _medians(spec, [run(spec, args, kind, device) for _ in range(args.repeat)])
+def repeat(specs: list[dict], args, kind, device) -> list[dict]:
+    """``args.repeat`` rounds of one run of each of ``specs`` (the engines of one row, taking
+    turns: a machine whose speed drifts over minutes slows them alike): each spec's medians,
+    the tok/s range, and each round's tok/s (``round_tok_s``, None for a failed run)."""
+    runs: list[list[dict]] = [[] for _ in specs]
+    for _ in range(args.repeat):
+        for spec, done in zip(specs, runs, strict=True):
+            done.append(run(spec, args, kind, device))
+    return [dict(_medians(spec, done), round_tok_s=[r.get("decode_tok_s") for r in done])
+            for spec, done in zip(specs, runs, strict=True)]  # fmt: skip
 
 
 HEADER = ("| engine | type | limit | read cap | decode tok/s | prompt tok/s | read/token MiB "
@@ -309,8 +317,12 @@ def ratios(rows: list[dict]) -> None:
         if not resident:
             small.append(ratio)
         met = "" if want is None else ("yes" if ratio >= want else "no") + f" (want >= {want}x)"
+        # the median of each round's ratio: the two runs of a round ran minutes apart at most
+        pairs_of = zip(ours.get("round_tok_s", ()), theirs.get("round_tok_s", ()), strict=False)
+        rounds = [a / b for a, b in pairs_of if a and b]
+        paired = f" (rounds: {statistics.median(rounds):.2f}x)" if len(rounds) > 1 else ""
         print(f"| {what} | {ours['decode_tok_s']:.2f} vs {theirs['decode_tok_s']:.2f} "
-              f"| {ratio:.2f}x | {met} |")  # fmt: skip
+              f"| {ratio:.2f}x{paired} | {met} |")  # fmt: skip
     if small:
         low = min(small)
         print(f"| small machine, never below llama.cpp | lowest ratio | {low:.2f}x | "
@@ -418,16 +430,16 @@ def main(argv=None) -> int:
     for qtype, path in paths.items():
         size = os.path.getsize(path)
         for fraction, cap in settings:
-            for engine in engines:
-                spec = dict(base, engine=engine, gguf=path, type=qtype, fraction=fraction,
-                            limit=None if fraction is None else int(size * fraction),
-                            cap=None if cap is None else int(cap),
-                            # resident: room for every expert (the pager keeps no more
-                            # slots than experts); the file's size is not: slots round
-                            # each expert's matrices out to whole pages
-                            budget=2 * size if fraction is None else "auto")  # fmt: skip
-                r = show(repeat(spec, args, kind if groups else None, device))
-                rows.append(r)
+            specs = [dict(base, engine=engine, gguf=path, type=qtype, fraction=fraction,
+                          limit=None if fraction is None else int(size * fraction),
+                          cap=None if cap is None else int(cap),
+                          # resident: room for every expert (the pager keeps no more
+                          # slots than experts); the file's size is not: slots round
+                          # each expert's matrices out to whole pages
+                          budget=2 * size if fraction is None else "auto")
+                     for engine in engines]  # fmt: skip
+            for r in repeat(specs, args, kind if groups else None, device):
+                rows.append(show(r))
                 if args.json:
                     with open(args.json, "a") as f:
                         f.write(json.dumps(r) + "\n")
