@@ -668,9 +668,13 @@ class _Model:
                                position_embeddings=position_embeddings, **kwargs)  # fmt: skip
                 plain = _plain(hidden, cache, position_embeddings, size)
         reused.tell()
-        if x is not None:  # the final norm's kernel on the values (the module has no hooks)
-            hidden = _tensor(_norm(model.norm, x.reshape(1, size), dtype), dtype).view(1, 1, size)
+        norm = None if x is None else _norms.direct(model.norm, dtype, size)
+        if norm is not None:  # the final norm's kernel on the values (the module has no hooks)
+            y = rms_norm(x.reshape(1, size), norm[0], norm[1], _DTYPES[dtype])
+            hidden = _tensor(y, dtype).view(1, 1, size)
         else:
+            if x is not None:
+                hidden = _tensor(x, dtype).view(1, 1, size)
             hidden = model.norm(hidden)
         return module.MoeModelOutputWithPast(last_hidden_state=hidden, past_key_values=cache)
 

@@ -308,6 +308,21 @@ def test_forwards_replaced_after_loading_run(model, steps, monkeypatch):
     assert steps == []
 
 
+def test_a_final_norm_replaced_runs(model, tokens, monkeypatch):
+    """The final norm's forward replaced on the instance: the model's step calls it where
+    it would call the norm's kernel, as the model's own forward does."""
+    norm = model.model.norm
+    real = norm.forward
+    calls = []
+    monkeypatch.setattr(norm, "forward", lambda h: calls.append(1) or real(h) * 2)
+    ids = token_ids(seed=5, batch=1, length=7)
+    ours = _generate(model, ids)
+    assert len(calls) == 6 and tokens == [model.config.num_hidden_layers] * 5
+    _own_forward(model)
+    theirs = _generate(model, ids)
+    assert all(torch.equal(a, b) for a, b in zip(ours.scores, theirs.scores, strict=True))
+
+
 def test_router_logits_asked_for_are_recorded(model, steps):
     """transformers' output recorders hook the routers: the layers run their forward."""
     ids = token_ids(seed=5, batch=1, length=7)
