@@ -212,8 +212,8 @@ colibri_attend_add_avx2(float *acc, const float *p, const float *b, int64_t m, i
 }
 
 /* colibri_attend_load, eight values at a time: bfloat16 widened, float16 by F16C; the same
- * floats, but for a signaling NaN, which comes out quiet (as the arithmetic after it makes
- * it on every path: the results' bits are the same). */
+ * floats, but that a signaling NaN comes out quiet (as the arithmetic after it would make
+ * it: a result is NaN at the same places on every path). */
 COLIBRI_ATTEND_AVX2 static COLIBRI_ATTEND_INLINE void
 colibri_attend_load_avx2(const void *src, int64_t at, int64_t n, int kind, float *dst)
 {

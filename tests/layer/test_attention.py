@@ -178,9 +178,10 @@ def test_every_simd_path_gives_the_same_bits(name):
 
 
 @pytest.mark.parametrize("name", ["bfloat16", "float16"])
-def test_every_simd_path_keeps_a_nans_bits(name):
-    """Keys and values holding NaNs, quiet and signaling: every path's result has the same bits
-    (a half NaN widened as the scalar code widens it, its payload as it is)."""
+def test_every_simd_path_keeps_nans_where_they_are(name):
+    """Keys and values holding NaNs, quiet and signaling: every path's result is NaN at the
+    same places and has the same bits elsewhere. (Which of two NaNs an operation passes on
+    depends on its operands' order, which a compiler may swap: payloads are not compared.)"""
     from colibri.layer import _attention, _ffn, _norm
 
     dtype = DTYPES[name]
@@ -193,8 +194,11 @@ def test_every_simd_path_keeps_a_nans_bits(name):
         out = np.empty((1, 4, 64), np.uint16)
         _attention.attention(q, k, v, 0.2, out, kind, None, path)
         outs.append(out)
-    assert all(np.array_equal(o, outs[0]) for o in outs[1:])
-    assert _torch(outs[0], dtype).float().isnan().any()
+    nan = _torch(outs[0], dtype).float().isnan().numpy()
+    assert nan.any() and not nan.all()
+    for out in outs[1:]:
+        assert np.array_equal(_torch(out, dtype).float().isnan().numpy(), nan)
+        assert np.array_equal(out[~nan], outs[0][~nan])
 
 
 @pytest.mark.parametrize("name", sorted(DTYPES))
