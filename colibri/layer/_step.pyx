@@ -126,24 +126,37 @@ cdef int _input(input_t *a, int32_t K) except -1:
     return 0
 
 
-cdef void _project(proj_t *p, input_t *a, int path, float *y) noexcept nogil:
-    """``y [out] = W . a.x (+ bias)``, float32: the kernel ``half_linear`` / ``quant_linear``
-    runs for one row."""
-    cdef colibri_linear_t h
-    cdef colibri_qlinear_t f
-    if p.qtype < 0:
-        h.n, h.in_dim, h.out_dim, h.kind, h.path = 1, a.K, p.out_dim, p.wkind, path
-        h.x, h.ldx, h.w, h.ldw, h.bias = a.x, a.K, p.bits, p.ldw, p.bias
-        h.xs, h.y, h.ldy = a.split, y, p.out_dim
-        colibri_linear_run(&h, p.threads)
-        return
+cdef void _half_form(colibri_linear_t *h, proj_t *p, input_t *a, int path,
+                     float *y) noexcept nogil:
+    """The kernel call of a half-precision projection ``p`` of ``a.x`` into ``y``."""
+    h.n, h.in_dim, h.out_dim, h.kind, h.path = 1, a.K, p.out_dim, p.wkind, path
+    h.x, h.ldx, h.w, h.ldw, h.bias = a.x, a.K, p.bits, p.ldw, p.bias
+    h.xs, h.y, h.ldy = a.split, y, p.out_dim
+
+
+cdef void _quant_form(colibri_qlinear_t *f, proj_t *p, input_t *a, int path,
+                      float *y) noexcept nogil:
+    """The kernel call of a quantized projection ``p`` of ``a.x`` into ``y`` (``a``'s q8
+    blocks made at the first)."""
     if not a.quantized:
         colibri_q8_row(a.x, a.K, a.d, a.q, a.s)
         a.quantized = True
     f.n, f.in_dim, f.out_dim, f.type, f.path = 1, a.K, p.out_dim, p.qtype, path
     f.xd, f.xq, f.xs, f.w, f.ldw, f.bias = a.d, a.q, a.s, p.blocks, p.ldw, p.bias
     f.y, f.ldy = y, p.out_dim
-    colibri_qlinear_run(&f, p.threads)
+
+
+cdef void _project(proj_t *p, input_t *a, int path, float *y) noexcept nogil:
+    """``y [out] = W . a.x (+ bias)``, float32: the kernel ``half_linear`` / ``quant_linear``
+    runs for one row."""
+    cdef colibri_linear_t h
+    cdef colibri_qlinear_t f
+    if p.qtype < 0:
+        _half_form(&h, p, a, path, y)
+        colibri_linear_run(&h, p.threads)
+    else:
+        _quant_form(&f, p, a, path, y)
+        colibri_qlinear_run(&f, p.threads)
 
 
 cdef void _project3(proj_t *p, input_t *a, int path, float *y) noexcept nogil:
@@ -160,30 +173,18 @@ cdef void _project3(proj_t *p, input_t *a, int path, float *y) noexcept nogil:
     for j in range(1, 3):
         together = together and (p[j].qtype >= 0) == quantized and p[j].threads == p[0].threads \
             and (quantized or p[j].wkind == p[0].wkind)
-    if not together:
-        for j in range(3):
-            _project(&p[j], a, path, at)
-            at += p[j].out_dim
-        return
-    if quantized:
-        if not a.quantized:
-            colibri_q8_row(a.x, a.K, a.d, a.q, a.s)
-            a.quantized = True
-        for j in range(3):
-            f[j].n, f[j].in_dim, f[j].out_dim, f[j].type, f[j].path = 1, a.K, p[j].out_dim, \
-                p[j].qtype, path
-            f[j].xd, f[j].xq, f[j].xs, f[j].w, f[j].ldw = a.d, a.q, a.s, p[j].blocks, p[j].ldw
-            f[j].bias, f[j].y, f[j].ldy = p[j].bias, at, p[j].out_dim
-            at += p[j].out_dim
-        colibri_qlinear_run_many(f, 3, first, p[0].threads)
-        return
     for j in range(3):
-        h[j].n, h[j].in_dim, h[j].out_dim, h[j].kind, h[j].path = 1, a.K, p[j].out_dim, \
-            p[j].wkind, path
-        h[j].x, h[j].ldx, h[j].w, h[j].ldw, h[j].bias = a.x, a.K, p[j].bits, p[j].ldw, p[j].bias
-        h[j].xs, h[j].y, h[j].ldy = a.split, at, p[j].out_dim
+        if not together:
+            _project(&p[j], a, path, at)
+        elif quantized:
+            _quant_form(&f[j], &p[j], a, path, at)
+        else:
+            _half_form(&h[j], &p[j], a, path, at)
         at += p[j].out_dim
-    colibri_linear_run_many(h, 3, first, p[0].threads)
+    if together and quantized:
+        colibri_qlinear_run_many(f, 3, first, p[0].threads)
+    elif together:
+        colibri_linear_run_many(h, 3, first, p[0].threads)
 
 
 cdef void _enter_rows(const value_t *x, const value_t *norm, Py_ssize_t H, float eps,
