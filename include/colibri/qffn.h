@@ -67,12 +67,6 @@ typedef struct {
 /* Output rows gate/up computes at a time: whole blocks of h's q8 rows. */
 #define COLIBRI_QFFN_CHUNK 32
 
-/* Bytes of one row of K values of `type`. */
-static inline int64_t colibri_qffn_row_bytes(int32_t type, int32_t K)
-{
-    return (int64_t)(K / colibri_q_block[type]) * colibri_q_bytes[type];
-}
-
 /* y[o * ldo + r * ldy] = w_o . x_r for o < rows (w_o = w + o * ldw bytes, its scales
  * e + o * lde for COLIBRI_MXFP4_OSS) and r < n, the q8 rows x (d, q, s) of K values, 4 q8
  * rows at a time. */
@@ -163,21 +157,21 @@ static inline void colibri_qffn_run_many(colibri_qffn_t *f, int32_t count, int32
     if (count < 1)
         return;
     for (j = 0; j < count; j++) {
-        gate_up += 2 * (int64_t)f[j].I * colibri_qffn_row_bytes(f[j].type, f[j].H);
-        down += (int64_t)f[j].H * colibri_qffn_row_bytes(f[j].down_type, f[j].I);
+        gate_up += 2 * (int64_t)f[j].I * colibri_q_row_bytes(f[j].type, f[j].H);
+        down += (int64_t)f[j].H * colibri_q_row_bytes(f[j].down_type, f[j].I);
     }
     first[0] = 0;
     for (j = 0; j < count; j++) {
-        f[j].gate_up_rows = colibri_pool_chunk_rows(colibri_pool_chunk_bytes(gate_up, threads),
-                                                    2 * colibri_qffn_row_bytes(f[j].type, f[j].H),
-                                                    COLIBRI_QFFN_CHUNK);
+        f[j].gate_up_rows =
+            colibri_pool_chunk_rows(colibri_pool_chunk_bytes(gate_up, threads),
+                                    2 * colibri_q_row_bytes(f[j].type, f[j].H), COLIBRI_QFFN_CHUNK);
         first[j + 1] = first[j] + (f[j].I + f[j].gate_up_rows - 1) / f[j].gate_up_rows;
     }
     colibri_pool_run_many(colibri_qffn_gate_up_chunk, f, sizeof *f, count, first, threads);
     first[0] = 0;
     for (j = 0; j < count; j++) {
         f[j].down_rows = colibri_pool_chunk_rows(colibri_pool_chunk_bytes(down, threads),
-                                                 colibri_qffn_row_bytes(f[j].down_type, f[j].I), 8);
+                                                 colibri_q_row_bytes(f[j].down_type, f[j].I), 8);
         first[j + 1] = first[j] + (f[j].H + f[j].down_rows - 1) / f[j].down_rows;
     }
     colibri_pool_run_many(colibri_qffn_down_chunk, f, sizeof *f, count, first, threads);

@@ -33,12 +33,6 @@ typedef struct {
     int64_t ldy;
 } colibri_qlinear_t;
 
-/* Bytes of one row of K values of `type`. */
-static inline int64_t colibri_qlinear_row_bytes(int32_t type, int32_t K)
-{
-    return (int64_t)(K / colibri_q_block[type]) * colibri_q_bytes[type];
-}
-
 static void colibri_qlinear_chunk(void *arg, int32_t c)
 {
     const colibri_qlinear_t *l = (const colibri_qlinear_t *)arg;
@@ -60,7 +54,7 @@ static void colibri_qlinear_chunk(void *arg, int32_t c)
 /* The whole layer on up to `threads` threads. */
 static inline void colibri_qlinear_run(colibri_qlinear_t *l, int threads)
 {
-    const int64_t row = colibri_qlinear_row_bytes(l->type, l->in_dim);
+    const int64_t row = colibri_q_row_bytes(l->type, l->in_dim);
     if (l->n < 1 || l->out_dim < 1)
         return;
     /* whole groups of 8 rows (COLIBRI_Q4_0X8's) */
@@ -79,10 +73,10 @@ static inline void colibri_qlinear_run_many(colibri_qlinear_t *l, int32_t count,
     int32_t j;
     for (j = 0; j < count; j++)
         if (l[j].n > 0 && l[j].out_dim > 0)
-            total += colibri_qlinear_row_bytes(l[j].type, l[j].in_dim) * l[j].out_dim;
+            total += colibri_q_row_bytes(l[j].type, l[j].in_dim) * l[j].out_dim;
     first[0] = 0;
     for (j = 0; j < count; j++) {
-        row = colibri_qlinear_row_bytes(l[j].type, l[j].in_dim);
+        row = colibri_q_row_bytes(l[j].type, l[j].in_dim);
         l[j].rows = colibri_pool_chunk_rows(colibri_pool_chunk_bytes(total, threads), row, 8);
         first[j + 1] =
             first[j]

@@ -54,6 +54,12 @@ enum {
 static const int32_t colibri_q_block[COLIBRI_Q_COUNT] = {32, 32, 256, 256, 256, 256, 32, 32, 32};
 static const int32_t colibri_q_bytes[COLIBRI_Q_COUNT] = {34, 18, 144, 176, 210, 136, 17, 16, 18};
 
+/* Bytes of one row of K values of `type` (K a multiple of its block). */
+static inline int64_t colibri_q_row_bytes(int32_t type, int32_t K)
+{
+    return (int64_t)(K / colibri_q_block[type]) * colibri_q_bytes[type];
+}
+
 /* The q8 activations' block, and the lanes the blocks' terms are summed in. */
 #define COLIBRI_Q8_BLOCK 32
 #define COLIBRI_Q_LANES 8
@@ -263,7 +269,7 @@ static inline float colibri_q_lanes_sum(const float *a)
  * groups), at least 8. */
 static inline int32_t colibri_q_chunk_rows(int32_t type, int32_t K, int64_t bytes)
 {
-    int64_t row = (int64_t)(K / colibri_q_block[type]) * colibri_q_bytes[type];
+    int64_t row = colibri_q_row_bytes(type, K);
     int64_t rows = (bytes / (row > 0 ? row : 1)) & ~(int64_t)7;
     return rows < 8 ? 8 : (int32_t)rows;
 }
