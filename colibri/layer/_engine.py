@@ -260,6 +260,7 @@ class HeldExperts:
         out: np.ndarray | None = None,
         residual: np.ndarray | None = None,
         reused: list | None = None,
+        rounded: bool = False,
     ) -> np.ndarray | None:
         """``sum_j weights[t, j] * expert_{ids[t, j]}(x[t])`` as :func:`run_experts`
         computes it, rounded once to ``dtype``; plus ``residual`` if given.
@@ -281,6 +282,9 @@ class HeldExperts:
             telling a :class:`colibri.Pager` store now (:meth:`colibri.Pager.reuse`): for a
             caller that tells it once for several layers (:meth:`colibri.Pager.reuse_many`)
             before it uses their results. Experts this step loads are counted by the load.
+        rounded : bool
+            float32 ``weights`` rounded to ``dtype`` first, as a router's ``.to(dtype)``
+            rounds them (the rounding done here, with no array made for it).
 
         Returns
         -------
@@ -324,9 +328,12 @@ class HeldExperts:
         native = self._native
         if native is not None:  # the steady state: every expert held, one native call
             ids64 = np.ascontiguousarray(ids, np.int64)
-            if native.step(x, ids64, weights, out, kind, self.num_threads, residual) == 0:
+            if native.step(x, ids64, weights, out, kind, self.num_threads, residual,
+                           rounded) == 0:  # fmt: skip
                 self._reused(native.active, reused)
                 return out
+        if rounded and kind and weights.dtype == np.float32:
+            weights = round_to(weights, dtype).view(np.uint16)
         sums = out if residual is None else np.empty_like(out)  # out may be residual itself
         # the loads are released once the step computed: their reads checked
         with contextlib.ExitStack() as loads:

@@ -90,4 +90,5 @@ class Held:
         kind: int,
         num_threads: int = 0,
         residual: np.ndarray | None = None,
+        rounded: bool = False,
     ) -> int: ...

@@ -926,7 +926,7 @@ cdef class Held:
         return True
 
     def step(self, x, const int64_t[:, ::1] ids, weights, out, int kind, int num_threads=0,
-             residual=None):
+             residual=None, bint rounded=False):
         """``out[t] = sum_j weights[t, j] * expert_{ids[t, j]}(x[t])`` (negative ids: none)
         as :func:`ffn_sum` computes it, rounded once to ``kind``; with ``residual`` (like
         ``x``), ``residual[t]`` plus that rounded sum, rounded to ``kind`` again (torch's add
@@ -934,7 +934,8 @@ cdef class Held:
 
         ``x`` and ``out`` ``[T, H]``, C-contiguous: float32 (``kind`` 0) or the uint16 bits
         of float16 / bfloat16 (half.h's ``COLIBRI_W_F16`` / ``COLIBRI_W_BF16``); ``weights``
-        ``[T, k]`` float32 or uint16 bits of ``kind``. Returns 0: computed (``active``: the
+        ``[T, k]`` float32 or uint16 bits of ``kind``; ``rounded``: float32 weights rounded to
+        ``kind`` first (a router's ``.to(dtype)``). Returns 0: computed (``active``: the
         step's experts); 1: experts not held (``missing``), nothing written; 2: an expert has
         more than ``max_rows`` rows; 3: a sum is not finite (the caller's slower path names
         the cause). ValueError for an id at or past ``E`` or a wrong shape.
@@ -1022,6 +1023,10 @@ cdef class Held:
             rows[i] = a // k
             if wplain:
                 scale[i] = wf32[a // k, a % k]
+                if rounded and kind == COLIBRI_W_BF16:
+                    scale[i] = colibri_bf16_to_float(colibri_float_to_bf16(scale[i]))
+                elif rounded and kind == COLIBRI_W_F16:
+                    scale[i] = colibri_half_to_float(colibri_float_to_half(scale[i]))
             elif kind == COLIBRI_W_BF16:
                 scale[i] = colibri_bf16_to_float(wbits[a // k, a % k])
             else:

@@ -70,7 +70,9 @@ def test_held_steps_are_run_experts_bits_and_count_as_loads_do(tmp_path, kinds, 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_half_precision_in_and_out_round_once(tmp_path, dtype):
     """x, weights and the result as half-precision bits: the float32 step on the same values,
-    rounded once to the dtype; routing weights in float32 are taken as they are."""
+    rounded once to the dtype; routing weights in float32 are taken as they are, or rounded
+    to the dtype first (``rounded=True``: a router's ``.to(dtype)``), on the first step's
+    load and on the held experts' native step alike."""
     rng = np.random.default_rng(5)
     path = _file(tmp_path, rng, "q8_0", "q8_0")
     if dtype == "bfloat16":
@@ -80,9 +82,13 @@ def test_half_precision_in_and_out_round_once(tmp_path, dtype):
         to_float = lambda b: b.view(np.float16).astype(np.float32)  # noqa: E731
     with Pager(path, budget_bytes=1 << 24, page_size_kb=4) as pager:
         held = HeldExperts(pager, 0, num_experts=E)
+        rounding = HeldExperts(pager, 0, num_experts=E)  # its first step loads
         for x, ids, weights in _steps(rng, 2):
+            weights[0, 0] = np.uint32(0x3E9B8000).view(np.float32)  # bfloat16: a tie, to even
             xb, wb = to_bits(x), to_bits(weights)
+            got = rounding(xb, ids, weights, dtype=dtype, rounded=True)
             want = run_experts(pager, 0, to_float(xb), ids, to_float(wb), num_experts=E)
+            np.testing.assert_array_equal(got, to_bits(want))
             out = np.full(xb.shape, 7, np.uint16)
             got = held(xb, ids, wb, dtype=dtype, out=out)
             assert got is out
