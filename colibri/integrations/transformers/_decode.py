@@ -42,7 +42,7 @@ from torch import nn
 
 from colibri.integrations.transformers import _attention, _experts, _linears, _norms, _patch
 from colibri.integrations.transformers._families import _fingerprint
-from colibri.integrations.transformers._ops import HALF_NAMES, bits_of, values_of
+from colibri.integrations.transformers._ops import HALF_NAMES, values_of
 from colibri.layer import (
     AttentionStep,
     attention,
@@ -202,14 +202,17 @@ class _Layer:
         return self.calls(hidden, mask, cache, position_embeddings, kwargs, interface)
 
     def step(self, x: np.ndarray, dtype: torch.dtype, cache, position_embeddings,
-             reused: _Reused | None = None) -> np.ndarray | None:  # fmt: skip
+             reused: _Reused | None = None,
+             picked: tuple | None = None) -> np.ndarray | None:  # fmt: skip
         """The layer for one token's hidden state ``x [H]`` (float32, or the bits of a half
         ``dtype``) when colibri's attention runs with no mask and no extra arguments: two
         native calls around the cache update when every kernel is colibri's, then the
         routing and the held experts (the modules' forwards where those cannot run): ``[H]``
         like ``x``. None, having changed nothing, when not every kernel of the attention half
         is colibri's (:meth:`calls` then). ``reused``: where held experts leave the step's
-        hits for the caller to count (:class:`_Reused`), else counted now."""
+        hits for the caller to count (:class:`_Reused`), else counted now. ``picked``: the
+        experts function of a config, read once for a token's layers
+        (:func:`._experts.held`)."""
         given, rest, router, plain, planned = self.arguments(dtype)
         if given is None:
             return None
@@ -231,22 +234,20 @@ class _Layer:
             o_out, h_out, logits = post_attention(queries, keys, values, scale, o, x, norm_post,
                                                   router, name)  # fmt: skip
             out[0], h[0] = o_out, h_out
-        held = _experts.held(self.experts, dtype)
+        held = _experts.held(self.experts, dtype, picked)
         if held is not None and reused is not None and reused.store in (None, held.store):
             reused.store = held.store
         else:
             reused = None
         if held is not None and logits is not None and plain is not None:
-            # the routing the gate's forward runs, into numpy, its weights rounded by the
-            # .to(logits' dtype) it makes
+            # the routing the gate's forward runs, into numpy, its weights rounded (by the
+            # held experts) as the .to(logits' dtype) it makes
             context, kept = plain
-            ids = np.empty(context.top_k, np.int64)
-            weights = np.empty(context.top_k, np.float32)
-            context.route(_tensor(logits, dtype), out=(ids, weights))
-            if kept == "logits" and dtype != torch.float32:
-                weights = bits_of(torch.from_numpy(weights).to(dtype))
-            y = held(h, ids.reshape(1, -1), weights.reshape(1, -1), dtype=name,
-                     out=np.empty_like(h), residual=out, reused=reused)  # fmt: skip
+            ids = np.empty((1, context.top_k), np.int64)
+            weights = np.empty((1, context.top_k), np.float32)
+            context.route(_tensor(logits, dtype), out=(ids[0], weights[0]))
+            y = held(h, ids, weights, dtype=name, out=np.empty_like(h), residual=out,
+                     reused=reused, rounded=kept == "logits")  # fmt: skip
             if y is not None:
                 return y.reshape(H)
         t = _tensor(h, dtype)
@@ -635,6 +636,7 @@ class _Model:
         config = model.config
         interface = _interface(config)
         direct = interface is _attention.forward and _attention.plain(given)
+        picked = (config, _experts.picked_for(config))  # the experts' function, likewise
         x = None  # the hidden state's values between steps (hidden is stale while not None)
         for layer, state in self.steps:
             if (
@@ -649,7 +651,7 @@ class _Model:
                 if direct and ours:
                     if x is None:
                         x = values_of(hidden).reshape(size)
-                    y = state.step(x, dtype, cache, position_embeddings, reused)
+                    y = state.step(x, dtype, cache, position_embeddings, reused, picked)
                     if y is not None:
                         x = y
                         continue

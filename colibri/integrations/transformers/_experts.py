@@ -288,12 +288,13 @@ def attach(module: nn.Module, state: _Layer, implementation: str, forward: Calla
     return state.layer
 
 
-def held(module: nn.Module, dtype: torch.dtype) -> HeldExperts | None:
+def held(module: nn.Module, dtype: torch.dtype, picked: tuple | None = None) -> HeldExperts | None:
     """The held experts (:class:`colibri.layer.HeldExperts`) that ``module``'s forward would
     compute one ``dtype`` row with, for a caller that makes the call itself
     (:mod:`._decode`): its class's forward still transformers' dispatch, which still picks
     colibri's, no forward of its own, experts already held. None otherwise: call its
-    forward (which holds them at its first call)."""
+    forward (which holds them at its first call). ``picked``: ``(config, function)``, what
+    :func:`picked_for` gave for a config the caller read once for several layers (a token's)."""
     state = module.__dict__.get(_ATTR)
     if (
         state is None
@@ -304,12 +305,25 @@ def held(module: nn.Module, dtype: torch.dtype) -> HeldExperts | None:
         or type(module).forward is not state.dispatch
     ):
         return None
-    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
-
-    if ALL_EXPERTS_FUNCTIONS.get(implementation(module.config, "experts")) is not experts_forward:
+    config = module.config
+    function = picked[1] if picked is not None and picked[0] is config else picked_for(config)
+    if function is not experts_forward:
         return None
     state.paging.open_pager()  # a clear error once closed
     return state.held
+
+
+_FUNCTIONS: list = []  # transformers' ALL_EXPERTS_FUNCTIONS, imported once
+
+
+def picked_for(config: Any) -> Any:
+    """The experts function transformers dispatches to for ``config`` (its
+    ``_experts_implementation`` in ``ALL_EXPERTS_FUNCTIONS``; None when none)."""
+    if not _FUNCTIONS:
+        from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+        _FUNCTIONS.append(ALL_EXPERTS_FUNCTIONS)
+    return _FUNCTIONS[0].get(implementation(config, "experts"))
 
 
 def implementation(config: Any, kind: str) -> Any:

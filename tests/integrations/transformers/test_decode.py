@@ -400,6 +400,40 @@ def test_the_cache_grows_in_place_and_others_changes_are_taken(folder):
             assert torch.equal(x.keys, y.keys) and torch.equal(x.values, y.values)
 
 
+def test_the_experts_function_is_read_every_token(model):
+    """Which experts function transformers dispatches to is read once a token: another one
+    registered and set between two tokens (a logits processor's change) runs from the next
+    token on, in every layer; the text stays the model's."""
+    from transformers import LogitsProcessor, LogitsProcessorList
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+    from colibri.integrations.transformers import _experts
+
+    config, ids, calls = model.config, token_ids(seed=7, batch=1, length=5), []
+    before, setting = _generate(model, ids), _experts.implementation(config, "experts")
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return _experts.experts_forward(*args, **kwargs)
+
+    class Switch(LogitsProcessor):
+        def __call__(self, input_ids, scores):
+            if input_ids.shape[1] == ids.shape[1] + 2:  # after the second new token
+                config._experts_implementation = "counting"
+            return scores
+
+    ALL_EXPERTS_FUNCTIONS["counting"] = counting
+    try:
+        ours = _generate(model, ids, logits_processor=LogitsProcessorList([Switch()]))
+    finally:
+        config._experts_implementation = setting
+        del ALL_EXPERTS_FUNCTIONS["counting"]
+    layers = config.num_hidden_layers
+    assert len(calls) == 3 * layers  # the last three of the six tokens
+    assert torch.equal(ours.sequences, before.sequences)
+    assert all(torch.equal(a, b) for a, b in zip(ours.scores, before.scores, strict=True))
+
+
 def test_implementation_settings_are_the_configs_own():
     """The step reads ``config._attn_implementation`` / ``_experts_implementation`` from
     where transformers keeps them: the value the property gives after each change, and the
