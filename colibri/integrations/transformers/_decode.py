@@ -39,6 +39,7 @@ import types
 import numpy as np
 import torch
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from colibri.integrations.transformers import _attention, _experts, _linears, _norms, _patch
 from colibri.integrations.transformers._families import _fingerprint
@@ -83,6 +84,13 @@ def _hooked(module: nn.Module) -> bool:
     return bool(module._forward_hooks or module._forward_pre_hooks)
 
 
+def _handles() -> int | None:
+    """torch's count of hook handles made so far (``RemovableHandle.next_id``: every
+    ``register_*_hook`` makes one, so no hook was added since it last read the same); None
+    where torch keeps no such count."""
+    return getattr(RemovableHandle, "next_id", None)
+
+
 def _plain(hidden: torch.Tensor, cache, position_embeddings, size: int) -> bool:
     """What :meth:`_Layer.takes` asks of the call, the same for every layer of a token: one
     token's ``[1, 1, size]`` contiguous hidden state on the CPU in a dtype the kernels take,
@@ -106,7 +114,7 @@ class _Layer:
 
     __slots__ = ("attn", "code", "experts", "gate", "given", "hidden", "kv_heads", "heads",
                  "head_dim", "layer", "mlp", "modules", "norm_in", "norm_post", "q_norm", "k_norm",
-                 "sources")  # fmt: skip
+                 "sources", "unhooked")  # fmt: skip
 
     def __init__(self, layer: nn.Module) -> None:
         attn, mlp = layer.self_attn, layer.mlp
@@ -127,6 +135,12 @@ class _Layer:
         self.sources = (self.norm_in, self.q_norm, self.k_norm, self.norm_post, attn.q_proj,
                         attn.k_proj, attn.v_proj, attn.o_proj, self.gate)  # fmt: skip
         self.given: tuple = (None, None, None)  # key, arguments, the objects key's ids name
+        self.unhooked = None  # _handles() when self.modules were last seen without hooks
+
+    def __getstate__(self) -> tuple:
+        """A copy (copy, deepcopy, pickle) looks at its modules' hooks anew: they may have
+        come with them, no handle made."""
+        return None, {n: getattr(self, n) for n in self.__slots__} | {"unhooked": None}
 
     def takes(self, hidden: torch.Tensor, cache, position_embeddings) -> bool:
         """Whether this call is a step this class runs: one token of one sequence on the
@@ -136,7 +150,10 @@ class _Layer:
 
     def ready(self) -> bool:
         """What :meth:`takes` asks of this layer's modules: not training, no hooks, the
-        attention's and MoE block's forwards still the code the step stands for."""
+        attention's and MoE block's forwards still the code the step stands for. The
+        modules' hooks are looked at again only when torch made a hook handle since they
+        were last seen without (:func:`_handles`; a hook put in a module's hook dicts by
+        hand, past ``register_*_hook``, is not seen)."""
         attn, mlp = self.attn, self.mlp
         if (
             self.layer.training
@@ -147,9 +164,13 @@ class _Layer:
             or "forward" in mlp.__dict__
         ):
             return False
+        handles = _handles()
+        if handles is not None and handles == self.unhooked:
+            return True
         for m in self.modules:  # noqa: SIM110 (a loop, not a generator: a step's cost)
             if m._forward_hooks or m._forward_pre_hooks:
                 return False
+        self.unhooked = handles
         return True
 
     def kernels(self, dtype: torch.dtype) -> tuple | None:

@@ -247,6 +247,51 @@ def test_other_calls_run_the_layers_forward(model, steps, tokens):
     assert steps == []  # layer 0 hooked, layer 1 training
 
 
+def test_a_hook_added_between_tokens_runs_from_the_next_token(model, steps):
+    """A hook registered on a module the step skips between two tokens (a logits
+    processor's), then removed: that layer runs its forward, the hook fires, for the tokens
+    in between only; the text stays the model's."""
+    from transformers import LogitsProcessor, LogitsProcessorList
+
+    ids, fired, handles = token_ids(seed=9, batch=1, length=5), [], []
+    before = _generate(model, ids)
+    projection = model.model.layers[1].self_attn.q_proj
+
+    class Hooking(LogitsProcessor):
+        def __call__(self, input_ids, scores):
+            new = input_ids.shape[1] - ids.shape[1]
+            if new == 2:
+                handles.append(projection.register_forward_hook(lambda *a: fired.append(1)))
+            elif new == 4:
+                handles.pop().remove()
+            return scores
+
+    steps.clear()
+    ours = _generate(model, ids, logits_processor=LogitsProcessorList([Hooking()]))
+    assert len(fired) == 2  # the third and fourth of the five steps
+    assert [layer for layer, _ in steps].count(1) == 3
+    assert [layer for layer, _ in steps].count(0) == 5
+    assert torch.equal(ours.sequences, before.sequences)
+    assert all(torch.equal(a, b) for a, b in zip(ours.scores, before.scores, strict=True))
+
+
+def test_a_copied_layer_step_looks_at_its_modules_hooks_anew(model):
+    """A copy of a layer's step does not take its original's word that the modules have no
+    hooks: hooks that came with copied modules were put in place with no handle made."""
+    import copy
+
+    state = model.model.layers[0].__dict__[_decode._STATE]
+    assert state.ready()  # its modules seen without hooks
+    twin = copy.copy(state)
+    hooks = state.q_norm._forward_hooks
+    hooks[-1] = lambda *a: None  # as a copied or unpickled module's hooks arrive
+    try:
+        assert not twin.ready()
+    finally:
+        del hooks[-1]
+    assert twin.ready()
+
+
 def test_other_model_calls_run_the_models_forward(model, steps, tokens):
     """What the model's step leaves to the model's forward: a hook on a module it calls
     itself, a layer replaced, a tuple asked for, outputs recorded by its decorators. The
