@@ -215,7 +215,10 @@ def add_arguments(parser: argparse.ArgumentParser, *, model: bool = True) -> Non
 
 
 class _Streamer:
-    """A transformers streamer: prints the first sequence's new text and times the steps."""
+    """A transformers streamer: prints the first sequence's new text and times the steps.
+
+    The text is decoded a few tokens at a time (:meth:`text`), not the whole of it again for
+    each token (which grows with its length: 0.2 ms a token at 1,024 tokens, 0.9 at 4,096)."""
 
     def __init__(self, tokenizer, stream: bool, paging) -> None:
         self.tokenizer, self.stream, self.paging = tokenizer, stream, paging
@@ -223,7 +226,8 @@ class _Streamer:
         self.first = None  # perf_counter when the first new token came (prefill done)
         self.bytes_at_first = 0
         self.ids: list[int] = []
-        self.printed = 0
+        self.start = 0  # ids[start:read]: the last printed tokens, decoded again as context
+        self.read = 0  # ids before it are printed
 
     def put(self, value) -> None:
         self.calls += 1
@@ -234,13 +238,28 @@ class _Streamer:
             self.bytes_at_first = self.paging.stats.bytes_read
         self.ids.append(int(value.reshape(-1)[0]))
         if self.stream and self.tokenizer is not None:
-            text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
-            if not text.endswith("\ufffd"):  # wait for the rest of a multi-byte character
-                print(text[self.printed :], end="", flush=True)
-                self.printed = len(text)
+            text = self.text()
+            if text:
+                print(text, end="", flush=True)
+
+    def text(self, last: bool = False) -> str:
+        """The text of the tokens not printed yet: ``ids[start:]`` decoded less the text of
+        ``ids[start:read]`` (decoded as context: a tokenizer may drop a word's leading space
+        at the start of a text). Empty while it ends in a part of a character (unless
+        ``last``) or adds nothing. Each window starts where a whole text ended, so the
+        pieces add up to the whole text's decoding."""
+        decode = self.tokenizer.decode
+        before = decode(self.ids[self.start : self.read], skip_special_tokens=True)
+        text = decode(self.ids[self.start :], skip_special_tokens=True)
+        if len(text) <= len(before) or (text.endswith("\ufffd") and not last):
+            return ""
+        self.start, self.read = self.read, len(self.ids)
+        return text[len(before) :]
 
     def end(self) -> None:
         if self.stream:
+            if self.tokenizer is not None:
+                print(self.text(last=True), end="")
             print(flush=True)
 
 

@@ -93,3 +93,70 @@ def test_generate_as_a_program(checkpoint):
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
     assert result.stdout.splitlines()[1] == _reference(folder, model, 5)
+
+
+TEXT = ("Grüße aus Köln! 東京は晴れ、気温は25°C. naïve café — ¿qué tal? 🙂🚀 Ελληνικά, "
+        "русский текст, emoji 👩‍💻 and plain ASCII words.")  # fmt: skip
+
+
+def _tokenizer(kind: str):
+    """A byte-level BPE (characters split over tokens), a Metaspace one (sentencepiece's
+    leading spaces) or a character-level one, trained here on :data:`TEXT`."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    if kind == "characters":
+        vocab = {c: i for i, c in enumerate(["<unk>", *sorted(set(TEXT))])}
+        tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+        tok.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
+        tok.decoder = decoders.Fuse()
+    else:
+        tok = Tokenizer(models.BPE(unk_token=None if kind == "bytes" else "<unk>"))
+        if kind == "bytes":
+            tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+            tok.decoder = decoders.ByteLevel()
+            alphabet = pre_tokenizers.ByteLevel.alphabet()
+        else:
+            tok.pre_tokenizer = pre_tokenizers.Metaspace()
+            tok.decoder = decoders.Metaspace()
+            alphabet = []
+        trainer = trainers.BpeTrainer(vocab_size=300, initial_alphabet=alphabet,
+                                      special_tokens=["<unk>"])  # fmt: skip
+        tok.train_from_iterator([TEXT] * 4, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>",
+                                   clean_up_tokenization_spaces=False)  # fmt: skip
+
+
+@pytest.mark.parametrize("kind", ["bytes", "metaspace", "characters"])
+def test_streamed_text_is_the_whole_texts_decoding(kind, capsys):
+    """The streamer's pieces add up to the decoding of all the new tokens at once: of the
+    text's own tokens, and of random ones (characters cut between tokens, bytes that make no
+    character); decoding a few tokens at a time, not the text again for every token."""
+    import random
+    import types
+
+    from colibri.cli.generate import _Streamer
+
+    tokenizer = _tokenizer(kind)
+    decoded = []
+    decode = tokenizer.decode
+
+    def counting(ids, **kwargs):
+        decoded.append(len(ids))
+        return decode(ids, **kwargs)
+
+    tokenizer.decode = counting
+    paging = types.SimpleNamespace(stats=types.SimpleNamespace(bytes_read=0))
+    rng = random.Random(0)
+    own = tokenizer.encode(TEXT, add_special_tokens=False)
+    cases = [own] + [[rng.randrange(len(tokenizer)) for _ in range(rng.randrange(1, 60))]
+                     for _ in range(100)]  # fmt: skip
+    for i, ids in enumerate(cases):
+        streamer = _Streamer(tokenizer, True, paging)
+        decoded.clear()
+        for t in [0, *ids]:  # the prompt first, as transformers hands it
+            streamer.put(torch.tensor([t]))
+        streamer.end()
+        assert capsys.readouterr().out == decode(ids, skip_special_tokens=True) + "\n", (kind, ids)
+        if i == 0:  # the text's own tokens: every window a few tokens long
+            assert sum(decoded) <= 8 * len(ids) and max(decoded) <= 16, decoded
