@@ -14,10 +14,14 @@
  * against 117 at 512 keys; the AVX2 body scores eight keys side by side and adds their lanes
  * pairwise by horizontal adds) and for the build's base; each does the same float operations
  * in the same order (eight running sums a dot product, added pairwise; a value's sum over the
- * keys in their order; -ffp-contract=off: no fused multiply-add), so every path gives the same
- * bits. 16 query heads of 64 over 4 key/value heads, bfloat16, one thread of a Zen 4: 121 ->
- * 47-53 us at 320 keys, 33 -> 14-21 at 80, against one key at a time and libm's expf
- * (bench/bench_attention.py). Plain C99 plus target attributes, header-only.
+ * keys in their order; the exponentials' sum in eight running sums too; -ffp-contract=off: no
+ * fused multiply-add), so every path gives the same bits. The scores' scaling, their
+ * maximum and the division by the sum run eight at a time as well. 16 query heads of 64 over
+ * 4 key/value heads, bfloat16, one thread of a Zen 4: 121 -> 47-53 us at 320 keys, 33 ->
+ * 14-21 at 80, against one key at a time and libm's expf; then 36.5-41.7 -> 28.9-34.9 us at
+ * 256 keys, 135-199 -> 112-139 at 1024, with the exponentials summed in eight lanes and the
+ * per-key scalar loops vectorised (bench/bench_attention.py). Plain C99 plus target
+ * attributes, header-only.
  */
 #ifndef COLIBRI_ATTENTION_H
 #define COLIBRI_ATTENTION_H
@@ -133,17 +137,60 @@ static COLIBRI_ATTEND_INLINE float colibri_attend_exp1(float d)
     return d != d ? d : colibri_exp(d);
 }
 
-/* x[j] = exp(x[j] - m) for j < n (colibri_exp's bits, NaN kept); returns their sum in j's
- * order. */
+/* x[0..n) summed in eight running sums (lane j % 8, in j's order), added pairwise: one sum's
+ * adds would wait on each other. */
+static COLIBRI_ATTEND_INLINE float colibri_attend_sum(const float *x, int64_t n)
+{
+    float s[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    int64_t j;
+    for (j = 0; j < n; j++)
+        s[j % 8] += x[j];
+    return ((s[0] + s[1]) + (s[2] + s[3])) + ((s[4] + s[5]) + (s[6] + s[7]));
+}
+
+/* x[j] = exp(x[j] - m) for j < n (colibri_exp's bits, NaN kept); returns their
+ * colibri_attend_sum. */
 static COLIBRI_ATTEND_INLINE float colibri_attend_exp(float *x, float m, int64_t n)
 {
-    float sum = 0;
     int64_t j;
-    for (j = 0; j < n; j++) {
+    for (j = 0; j < n; j++)
         x[j] = colibri_attend_exp1(x[j] - m);
-        sum = sum + x[j];
+    return colibri_attend_sum(x, n);
+}
+
+/* dst[c] = dots[c] scale (+ mask[c]) for c < m. */
+static COLIBRI_ATTEND_INLINE void colibri_attend_score(const float *dots, float scale,
+                                                       const float *mask, int64_t m, float *dst)
+{
+    int64_t c;
+    for (c = 0; c < m; c++) {
+        float x = dots[c] * scale;
+        if (mask != NULL)
+            x = x + mask[c];
+        dst[c] = x;
     }
-    return sum;
+}
+
+/* The largest of x[0..n) that is not NaN (-inf when none); *nan: whether one is NaN. */
+static COLIBRI_ATTEND_INLINE float colibri_attend_max(const float *x, int64_t n, int *nan)
+{
+    float mx = -INFINITY;
+    int64_t j;
+    *nan = 0;
+    for (j = 0; j < n; j++) {
+        mx = x[j] > mx ? x[j] : mx;
+        *nan |= x[j] != x[j];
+    }
+    return mx;
+}
+
+/* out[at + c] = acc[c] / sum (0 where sum is 0) for c < n, stored as kind says. */
+static COLIBRI_ATTEND_INLINE void colibri_attend_out(void *out, int64_t at, const float *acc,
+                                                     float sum, int64_t n, int kind)
+{
+    int64_t c;
+    for (c = 0; c < n; c++)
+        colibri_rows_store(out, at + c, sum != 0 ? acc[c] / sum : 0.0f, kind);
 }
 
 #ifdef COLIBRI_ATTEND_X86
@@ -235,18 +282,71 @@ COLIBRI_ATTEND_AVX2 static COLIBRI_ATTEND_INLINE float colibri_attend_exp_avx2(f
                                                                                int64_t n)
 {
     const __m256 mm = _mm256_set1_ps(m);
-    float sum = 0;
+    __m256 sum = _mm256_setzero_ps();
+    float s[8];
     int64_t j = 0;
     for (; j + 8 <= n; j += 8) {
         const __m256 d = _mm256_sub_ps(_mm256_loadu_ps(x + j), mm);
-        _mm256_storeu_ps(
-            x + j, _mm256_blendv_ps(colibri_exp_avx2(d), d, _mm256_cmp_ps(d, d, _CMP_UNORD_Q)));
+        const __m256 e =
+            _mm256_blendv_ps(colibri_exp_avx2(d), d, _mm256_cmp_ps(d, d, _CMP_UNORD_Q));
+        _mm256_storeu_ps(x + j, e);
+        sum = _mm256_add_ps(sum, e);
     }
-    for (; j < n; j++)
+    _mm256_storeu_ps(s, sum);
+    for (; j < n; j++) {
         x[j] = colibri_attend_exp1(x[j] - m);
-    for (j = 0; j < n; j++)
-        sum = sum + x[j];
-    return sum;
+        s[j % 8] += x[j];
+    }
+    return ((s[0] + s[1]) + (s[2] + s[3])) + ((s[4] + s[5]) + (s[6] + s[7]));
+}
+
+/* colibri_attend_score, eight at a time. */
+COLIBRI_ATTEND_AVX2 static COLIBRI_ATTEND_INLINE void
+colibri_attend_score_avx2(const float *dots, float scale, const float *mask, int64_t m, float *dst)
+{
+    __m256 x;
+    if (m < 8) {
+        colibri_attend_score(dots, scale, mask, m, dst);
+        return;
+    }
+    x = _mm256_mul_ps(_mm256_loadu_ps(dots), _mm256_set1_ps(scale));
+    if (mask != NULL)
+        x = _mm256_add_ps(x, _mm256_loadu_ps(mask));
+    _mm256_storeu_ps(dst, x);
+}
+
+/* colibri_attend_max, eight at a time (the largest is the same in any order; max_ps keeps
+ * its second operand, the running maxima, where the first is NaN). */
+COLIBRI_ATTEND_AVX2 static COLIBRI_ATTEND_INLINE float colibri_attend_max_avx2(const float *x,
+                                                                               int64_t n, int *nan)
+{
+    __m256 mx = _mm256_set1_ps(-INFINITY), un = _mm256_setzero_ps();
+    float lanes[8], m;
+    int64_t j = 0;
+    int l;
+    for (; j + 8 <= n; j += 8) {
+        const __m256 v = _mm256_loadu_ps(x + j);
+        mx = _mm256_max_ps(v, mx);
+        un = _mm256_or_ps(un, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+    }
+    _mm256_storeu_ps(lanes, mx);
+    m = colibri_attend_max(x + j, n - j, nan);
+    *nan |= _mm256_movemask_ps(un) != 0;
+    for (l = 0; l < 8; l++)
+        m = lanes[l] > m ? lanes[l] : m;
+    return m;
+}
+
+/* colibri_attend_out, eight at a time (the same quotients, rounded as colibri_rows_store). */
+COLIBRI_ATTEND_AVX2 static COLIBRI_ATTEND_INLINE void
+colibri_attend_out_avx2(void *out, int64_t at, const float *acc, float sum, int64_t n, int kind)
+{
+    const __m256 s = _mm256_set1_ps(sum);
+    int64_t c = 0;
+    if (sum != 0)
+        for (; c + 8 <= n; c += 8)
+            colibri_rows_store8(out, at + c, _mm256_div_ps(_mm256_loadu_ps(acc + c), s), kind);
+    colibri_attend_out(out, at + c, acc + c, sum, n - c, kind);
 }
 #endif
 
@@ -260,72 +360,61 @@ static inline int64_t colibri_attend_scratch(const colibri_attend_t *a)
 /* The kernel for key/value head g; buf: colibri_attend_scratch(a) floats. Scores a block of
  * eight keys (converted once) against every query row, then adds a block of eight values to
  * every row's sums: per value the operations of one key at a time, in the keys' order. */
-#define COLIBRI_ATTEND_BODY(name, LOAD, DOTS, ADD, EXP, ATTR)                                   \
-    ATTR static void name(const colibri_attend_t *a, int64_t g, float *buf)                     \
-    {                                                                                           \
-        const int64_t G = a->Hq / a->Hkv, T = a->T, L = a->L, D = a->D, R = G * T;              \
-        float *s = buf;                                /* [R, L]: scores, then exponentials */  \
-        float *qf = s + R * L;                         /* [R, D] */                             \
-        float *acc = qf + R * D;                       /* [R, D] */                             \
-        float *rows = acc + R * D;                     /* [8, D]: key or value rows, float32 */ \
-        float *total = rows + COLIBRI_ATTEND_KEYS * D; /* [R] */                                \
-        float dots[COLIBRI_ATTEND_KEYS];                                                        \
-        int64_t r, j, c, m;                                                                     \
-        for (r = 0; r < R; r++) /* row r: head g G + r / T, query r % T */                      \
-            LOAD(a->q, ((g * G + r / T) * T + r % T) * D, D, a->kind, &qf[r * D]);              \
-        memset(rows, 0, (size_t)(COLIBRI_ATTEND_KEYS * D) * sizeof(float));                     \
-        for (j = 0; j < L; j += COLIBRI_ATTEND_KEYS) {                                          \
-            m = L - j < COLIBRI_ATTEND_KEYS ? L - j : COLIBRI_ATTEND_KEYS;                      \
-            for (c = 0; c < m; c++)                                                             \
-                LOAD(a->k, g * a->ldk + (j + c) * D, D, a->kind, &rows[c * D]);                 \
-            for (r = 0; r < R; r++) {                                                           \
-                DOTS(&qf[r * D], rows, D, dots);                                                \
-                for (c = 0; c < m; c++) {                                                       \
-                    float x = dots[c] * a->scale;                                               \
-                    if (a->mask != NULL)                                                        \
-                        x = x + a->mask[(r % T) * L + j + c];                                   \
-                    s[r * L + j + c] = x;                                                       \
-                }                                                                               \
-            }                                                                                   \
-        }                                                                                       \
-        for (r = 0; r < R; r++) {                                                               \
-            float mx = -INFINITY;                                                               \
-            float *sr = &s[r * L];                                                              \
-            int nan = 0;                                                                        \
-            for (j = 0; j < L; j++) {                                                           \
-                mx = sr[j] > mx ? sr[j] : mx;                                                   \
-                nan |= sr[j] != sr[j];                                                          \
-            }                                                                                   \
-            if (mx == -INFINITY && !nan) { /* every key masked: zeros */                        \
-                memset(sr, 0, (size_t)L * sizeof(float));                                       \
-                total[r] = 0.0f;                                                                \
-            } else { /* NaN scores (-inf - -inf too, when all are NaN or masked) stay */        \
-                total[r] = EXP(sr, mx, L);                                                      \
-            }                                                                                   \
-        }                                                                                       \
-        memset(acc, 0, (size_t)(R * D) * sizeof(float));                                        \
-        for (j = 0; j < L; j += COLIBRI_ATTEND_KEYS) {                                          \
-            m = L - j < COLIBRI_ATTEND_KEYS ? L - j : COLIBRI_ATTEND_KEYS;                      \
-            for (c = 0; c < m; c++)                                                             \
-                LOAD(a->v, g * a->ldv + (j + c) * D, D, a->kind, &rows[c * D]);                 \
-            for (r = 0; r < R; r++)                                                             \
-                ADD(&acc[r * D], &s[r * L + j], rows, m, D);                                    \
-        }                                                                                       \
-        for (r = 0; r < R; r++) {                                                               \
-            const float sum = total[r];                                                         \
-            const int64_t at = ((r % T) * a->Hq + g * G + r / T) * D;                           \
-            for (c = 0; c < D; c++)                                                             \
-                colibri_rows_store(a->out, at + c, sum != 0 ? acc[r * D + c] / sum : 0.0f,      \
-                                   a->kind);                                                    \
-        }                                                                                       \
+#define COLIBRI_ATTEND_BODY(name, LOAD, DOTS, SCORE, MAX, EXP, ADD, OUT, ATTR)                     \
+    ATTR static void name(const colibri_attend_t *a, int64_t g, float *buf)                        \
+    {                                                                                              \
+        const int64_t G = a->Hq / a->Hkv, T = a->T, L = a->L, D = a->D, R = G * T;                 \
+        float *s = buf;                                /* [R, L]: scores, then exponentials */     \
+        float *qf = s + R * L;                         /* [R, D] */                                \
+        float *acc = qf + R * D;                       /* [R, D] */                                \
+        float *rows = acc + R * D;                     /* [8, D]: key or value rows, float32 */    \
+        float *total = rows + COLIBRI_ATTEND_KEYS * D; /* [R] */                                   \
+        float dots[COLIBRI_ATTEND_KEYS];                                                           \
+        int64_t r, j, c, m;                                                                        \
+        for (r = 0; r < R; r++) /* row r: head g G + r / T, query r % T */                         \
+            LOAD(a->q, ((g * G + r / T) * T + r % T) * D, D, a->kind, &qf[r * D]);                 \
+        memset(rows, 0, (size_t)(COLIBRI_ATTEND_KEYS * D) * sizeof(float));                        \
+        for (j = 0; j < L; j += COLIBRI_ATTEND_KEYS) {                                             \
+            m = L - j < COLIBRI_ATTEND_KEYS ? L - j : COLIBRI_ATTEND_KEYS;                         \
+            for (c = 0; c < m; c++)                                                                \
+                LOAD(a->k, g * a->ldk + (j + c) * D, D, a->kind, &rows[c * D]);                    \
+            for (r = 0; r < R; r++) {                                                              \
+                DOTS(&qf[r * D], rows, D, dots);                                                   \
+                SCORE(dots, a->scale, a->mask != NULL ? a->mask + (r % T) * L + j : NULL, m,       \
+                      &s[r * L + j]);                                                              \
+            }                                                                                      \
+        }                                                                                          \
+        for (r = 0; r < R; r++) {                                                                  \
+            float *sr = &s[r * L];                                                                 \
+            int nan;                                                                               \
+            const float mx = MAX(sr, L, &nan);                                                     \
+            if (mx == -INFINITY && !nan) { /* every key masked: zeros */                           \
+                memset(sr, 0, (size_t)L * sizeof(float));                                          \
+                total[r] = 0.0f;                                                                   \
+            } else { /* NaN scores (-inf - -inf too, when all are NaN or masked) stay */           \
+                total[r] = EXP(sr, mx, L);                                                         \
+            }                                                                                      \
+        }                                                                                          \
+        memset(acc, 0, (size_t)(R * D) * sizeof(float));                                           \
+        for (j = 0; j < L; j += COLIBRI_ATTEND_KEYS) {                                             \
+            m = L - j < COLIBRI_ATTEND_KEYS ? L - j : COLIBRI_ATTEND_KEYS;                         \
+            for (c = 0; c < m; c++)                                                                \
+                LOAD(a->v, g * a->ldv + (j + c) * D, D, a->kind, &rows[c * D]);                    \
+            for (r = 0; r < R; r++)                                                                \
+                ADD(&acc[r * D], &s[r * L + j], rows, m, D);                                       \
+        }                                                                                          \
+        for (r = 0; r < R; r++)                                                                    \
+            OUT(a->out, ((r % T) * a->Hq + g * G + r / T) * D, &acc[r * D], total[r], D, a->kind); \
     }
 
 #ifdef COLIBRI_ATTEND_X86
 COLIBRI_ATTEND_BODY(colibri_attend_avx2, colibri_attend_load_avx2, colibri_attend_dots_avx2,
-                    colibri_attend_add_avx2, colibri_attend_exp_avx2, COLIBRI_ATTEND_AVX2)
+                    colibri_attend_score_avx2, colibri_attend_max_avx2, colibri_attend_exp_avx2,
+                    colibri_attend_add_avx2, colibri_attend_out_avx2, COLIBRI_ATTEND_AVX2)
 #endif
 COLIBRI_ATTEND_BODY(colibri_attend_base, colibri_attend_load, colibri_attend_dots,
-                    colibri_attend_add, colibri_attend_exp, )
+                    colibri_attend_score, colibri_attend_max, colibri_attend_exp,
+                    colibri_attend_add, colibri_attend_out, )
 
 /* A call's heads as pool chunks: head c on path with scratch buf + c * per. */
 typedef struct {

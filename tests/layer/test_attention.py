@@ -131,6 +131,22 @@ def test_a_query_of_nan_gives_nan_not_zeros(length):
     assert np.isfinite(out[0, [0, 2, 3]]).all()
 
 
+@pytest.mark.parametrize("at", [3, 17])  # in a block of eight scores, or in the tail
+def test_a_nan_score_among_masked_keys_gives_nan_on_every_path(at):
+    """A row whose keys are all masked but one with a NaN score: NaN, not the zeros of a
+    fully masked row, whichever scores the vector loops see."""
+    from colibri.layer import _attention, _ffn
+
+    q, k, v = (t.numpy() for t in _case(13, 4, 2, 1, 18, 32, torch.float32))
+    k[0, at, 7] = np.nan  # key/value head 0: query heads 0 and 1
+    mask = np.full((1, 18), -np.inf, np.float32)
+    for path in _ffn.runnable_paths():
+        out = np.empty((1, 4, 32), np.float32)
+        _attention.attention(q, k, v, 0.2, out, 0, mask, path)
+        assert np.isnan(out[0, :2]).all(), path
+        assert (out[0, 2:] == 0).all(), path
+
+
 def test_bad_input_is_named():
     q, k, v = (_numpy(t) for t in _case(7, 6, 4, 1, 5, 16, torch.bfloat16))
     with pytest.raises(ValueError, match="Hkv dividing Hq"):
