@@ -61,14 +61,16 @@ from colibri.layer._expert import (
 
 __all__ = ["KERNEL_MAX_ROWS", "ExpertStore", "Fallback", "HeldExperts", "run_experts"]
 
-#: Rows of one float16/bfloat16 expert up to which the fused kernel computes it; more rows go
-#: to the fallback GEMMs, which reuse each weight across rows. Where the CPU computes
-#: bfloat16 natively (AVX512_BF16, AMX: oneDNN's torch GEMMs) they win from 4 rows on, so 2;
-#: elsewhere torch's half-precision GEMMs read ~1 GB/s and the kernel wins at every count
-#: measured (an expert of 1024 x 1280 on a 2-core Zen 3: 6.1 ms at 64 rows, torch 24.8;
-#: block conversion + BLAS at parity), so the kernel's rows a call, 64
+#: Rows of one float16 or bfloat16 expert up to which the fused kernel computes it, by weight
+#: dtype; more rows go to the fallback GEMMs, which reuse each weight across rows. Where the
+#: CPU computes the type natively (:data:`NATIVE_HALF`: oneDNN's torch GEMMs) they win from 4
+#: rows on, so 2; elsewhere torch's GEMMs of that type read ~1 GB/s and the kernel wins at
+#: every count measured (an expert of 1024 x 1280 on a 2-core Zen 3: 6.1 ms at 64 rows, torch
+#: 24.8; block conversion + BLAS at parity), so the kernel's rows a call, 64
 #: (bench/bench_kernels.py measures the crossover).
-KERNEL_MAX_ROWS = 2 if NATIVE_HALF else _ffn.MAX_ROWS
+KERNEL_MAX_ROWS = {
+    half: 2 if half in NATIVE_HALF else _ffn.MAX_ROWS for half in ("float16", "bfloat16")
+}
 
 
 class ExpertStore(Protocol):
@@ -605,7 +607,7 @@ def _kernel_form(expert: ExpertWeights) -> tuple[tuple, object, int] | None:
     bits = _kernel_bits(expert) if dtype is not None else None
     if bits is None:
         return None
-    return bits, KERNEL_KINDS[expert.dtype], KERNEL_MAX_ROWS
+    return bits, KERNEL_KINDS[expert.dtype], KERNEL_MAX_ROWS[expert.dtype]
 
 
 def _run_chunk(batch, part, sums: _Sums, activation, kernel_act, fallback) -> None:

@@ -27,6 +27,7 @@ cdef extern from "colibri/cpu.h" nogil:
         COLIBRI_PATH_COUNT
     const char *const colibri_path_names[]
     int colibri_cpu_detect() noexcept
+    int colibri_cpu_has_avx512fp16() noexcept
     int colibri_cpu_halves512() noexcept
     int colibri_simd_env() noexcept
     int colibri_simd_path() noexcept
@@ -59,6 +60,11 @@ def simd_path():
 def detected_path():
     """The best SIMD path this CPU runs, whatever COLIBRI_SIMD says."""
     return PATHS[colibri_cpu_detect()]
+
+
+def has_avx512fp16():
+    """Whether this CPU has AVX512_FP16 (torch's GEMMs then compute float16 natively)."""
+    return bool(colibri_cpu_has_avx512fp16())
 
 
 def runnable_paths():

@@ -126,6 +126,21 @@ static inline int colibri_cpu_has_avx512vnni(void)
 #endif
 }
 
+/* Whether the CPU has AVX512_FP16 (float16 arithmetic: Sapphire Rapids on), with which
+ * torch's oneDNN GEMMs compute float16 natively; colibri's own kernels do not use it. */
+static inline int colibri_cpu_has_avx512fp16(void)
+{
+#if defined(COLIBRI_X86_GNU) || defined(COLIBRI_X86_MSVC)
+    unsigned r[4];
+    if (colibri_cpu_detect() < COLIBRI_PATH_AVX512)
+        return 0;
+    colibri_cpuid(7, 0, r);
+    return (r[3] >> 23) & 1;
+#else
+    return 0;
+#endif
+}
+
 /* The path COLIBRI_SIMD names (-1: unset or empty, -2: not a path name). */
 static inline int colibri_simd_env(void)
 {

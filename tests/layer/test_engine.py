@@ -76,15 +76,16 @@ def test_matches_a_float64_reference(dtype, T):
 
 
 def test_decode_size_experts_take_the_kernel_and_the_rest_the_fallback():
-    """An expert with at most KERNEL_MAX_ROWS rows and half-precision weights is computed by
-    the fused kernel (the fallback never sees it); every other expert reaches the fallback
-    with exactly its rows; float32 weights always go to the fallback."""
-    T = 3 * KERNEL_MAX_ROWS + 4  # experts 0-4: more than KERNEL_MAX_ROWS rows each
+    """An expert with at most KERNEL_MAX_ROWS rows (of its dtype) and half-precision weights
+    is computed by the fused kernel (the fallback never sees it); every other expert reaches
+    the fallback with exactly its rows; float32 weights always go to the fallback."""
+    most = KERNEL_MAX_ROWS["float16"]
+    T = 3 * most + 4  # experts 0-4: more than `most` rows each
     x, _, weights = _routing(T)
     t = np.arange(T)
-    ids = np.stack([t % 5, np.where(t < KERNEL_MAX_ROWS, 5, (t + 1) % 5)], 1)  # 5 is small
+    ids = np.stack([t % 5, np.where(t < most, 5, (t + 1) % 5)], 1)  # 5 is small
     counts = np.bincount(ids.ravel(), minlength=E)
-    assert 0 < counts[5] <= KERNEL_MAX_ROWS and (counts[:5] > KERNEL_MAX_ROWS).any()
+    assert 0 < counts[5] <= most and (counts[:5] > most).any()
     for dtype, small_in_fallback in (("float16", False), ("float32", True)):
         experts, mats = _experts(dtype)
         seen, out = {}, np.zeros_like(x)
@@ -97,7 +98,7 @@ def test_decode_size_experts_take_the_kernel_and_the_rest_the_fallback():
 
         fused = run_experts(experts, 0, x, ids, weights, num_experts=E, fallback=fallback)
         active = set(np.flatnonzero(counts))
-        want = active if small_in_fallback else {e for e in active if counts[e] > KERNEL_MAX_ROWS}
+        want = active if small_in_fallback else {e for e in active if counts[e] > most}
         assert set(seen) == want
         if small_in_fallback:
             assert fused is None  # every expert went to the fallback

@@ -382,6 +382,26 @@ def test_the_kernels_default_path_follows_the_cpu():
         assert r.stdout.strip() == want, (cap, info.get("vendor_id"), info.get("cpu family"))
 
 
+def test_native_halves_follow_the_cpu():
+    """The half types torch computes natively (NATIVE_HALF), and so the rows an expert of
+    each takes the fused kernel for (KERNEL_MAX_ROWS), as /proc/cpuinfo's flags tell them
+    against the kernels' own cpuid: bfloat16 with avx512_bf16, float16 with avx512_fp16
+    apart (a Zen 4 has the first only)."""
+    from colibri.layer import KERNEL_MAX_ROWS, NATIVE_HALF
+
+    info = _cpuinfo()
+    if "flags" not in info:
+        pytest.skip("no /proc/cpuinfo here")
+    flags = set(info["flags"].split())
+    avx512 = {"avx512f", "avx512bw", "avx512dq", "avx512vl"} <= flags
+    want = {"bfloat16"} if avx512 and "avx512_bf16" in flags else set()
+    want |= {"float16"} if avx512 and "avx512_fp16" in flags else set()
+    assert want == NATIVE_HALF
+    assert _ffn.has_avx512fp16() == ("float16" in want)
+    rows = {half: 2 if half in want else _ffn.MAX_ROWS for half in ("float16", "bfloat16")}
+    assert rows == KERNEL_MAX_ROWS
+
+
 def test_read_pass_reads_every_word():
     words = np.arange(1, 100_001, dtype=np.uint64)
     assert _ffn.read_pass(words, 2) == int(words.sum())

@@ -20,12 +20,12 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from colibri._dlpack import to_caller
 from colibri.integrations.transformers import _ops
 from colibri.integrations.transformers._checkpoint import CheckpointError, layer_index
+from colibri.integrations.transformers._linears import many
 from colibri.integrations.transformers._ops import HALF_NAMES, bits_of
 from colibri.integrations.transformers._predict import Predictor
 from colibri.layer import ExpertWeights, HeldExperts, run_experts
@@ -404,7 +404,8 @@ def computation(module: nn.Module) -> tuple[int, Callable, str | None] | None:
 def expert_rows(act_fn: Callable, w: ExpertWeights, x_e: torch.Tensor) -> torch.Tensor:
     """One expert on rows ``x_e [n, H]`` in torch: ``down(act_fn(gate x) * up x)``, ``[n, H]``
     in ``x_e``'s dtype, on zero-copy views of the pager's memory (a copy if the model runs in
-    another dtype than stored)."""
+    another dtype than stored); each linear in float32 where the CPU does not compute the
+    half type natively (:func:`._linears.many`), rounded once as torch's own."""
     with warnings.catch_warnings():  # torch warns: the pager's arrays are read-only
         warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
         gate, up, down = (_torch_view(m, w.dtype, x_e) for m in w)
@@ -417,7 +418,7 @@ def expert_rows(act_fn: Callable, w: ExpertWeights, x_e: torch.Tensor) -> torch.
     for size in _spans(x_e.shape[0]):
         rows = slice(start, start + size)
         part = x_e[rows]
-        h[rows] = F.linear(act_fn(F.linear(part, gate)) * F.linear(part, up), down)
+        h[rows] = many(act_fn(many(part, gate, None)) * many(part, up, None), down, None)
         start += size
     return h
 

@@ -209,20 +209,20 @@ def _run(state: _Linear, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     if x.device.type != "cpu" or _needs_grad(x, weight):
         return F.linear(x, weight, bias)
     if not few:
-        return _many(x, weight, bias)
+        return many(x, weight, bias)
     bits = state.current(weight, bias)
     if bits is None:
         return F.linear(x, weight, bias)
     return compute(x, weight, bias, state.num_threads, bits, state.bias32)
 
 
-def _many(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def many(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """``F.linear`` for more rows than the kernel takes (a prompt's): in float32, rounded
-    once to ``x``'s dtype, on a CPU without native bfloat16 (``NATIVE_HALF``), where torch's
-    half-precision GEMM is several times slower than converting the weight and running its
-    float32 GEMM; the same sums (float32 accumulation, the bias added, one rounding) up to
-    their order. torch's own ``F.linear`` otherwise."""
-    if NATIVE_HALF or x.dtype not in _HALVES or weight.dtype != x.dtype:
+    once to ``x``'s dtype, where the CPU does not compute that half type natively
+    (``NATIVE_HALF``) and torch's GEMM of it is several times slower than converting the
+    weight and running its float32 GEMM; the same sums (float32 accumulation, the bias added,
+    one rounding) up to their order. torch's own ``F.linear`` otherwise."""
+    if x.dtype not in _HALVES or weight.dtype != x.dtype or HALF_NAMES[x.dtype] in NATIVE_HALF:
         return F.linear(x, weight, bias)
     return F.linear(x.float(), weight.float(), None if bias is None else bias.float()).to(x.dtype)
 

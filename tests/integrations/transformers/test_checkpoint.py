@@ -614,19 +614,17 @@ def test_peak_rss_is_bounded(tmp_path):
 def test_fallback_rows_run_in_power_of_two_spans(saved, monkeypatch):
     """The experts' torch path multiplies row counts that are powers of two only (oneDNN
     keeps a kernel per shape it has run); the sums are the resident model's."""
-    from types import SimpleNamespace
-
     from colibri.integrations.transformers import _experts
 
     folder, ref, budget = saved("qwen3_moe")
     model = from_pretrained(folder, budget=budget, page_size_kb=4)  # float32: torch path only
     rows = []
 
-    def linear(x, w):
+    def linear(x, w, b):
         rows.append(x.shape[0])
-        return torch.nn.functional.linear(x, w)
+        return torch.nn.functional.linear(x, w, b)
 
-    monkeypatch.setattr(_experts, "F", SimpleNamespace(linear=linear))
+    monkeypatch.setattr(_experts, "many", linear)
     ids = token_ids(3, batch=3, length=9)
     torch.testing.assert_close(logits(model, ids), logits(ref, ids), rtol=0, atol=1e-5)
     assert rows and all(n & (n - 1) == 0 for n in rows), sorted(set(rows))
