@@ -112,33 +112,34 @@ static inline int colibri_cpu_detect(void)
 #endif
 }
 
-/* Whether the CPU has AVX512_VNNI (int8 dot products; on the avx512 path, quant.h uses them). */
-static inline int colibri_cpu_has_avx512vnni(void)
+/* Bit `bit` of cpuid leaf 7 (subleaf 0) register `reg` (0 eax, 1 ebx, 2 ecx, 3 edx) on a CPU
+ * of the AVX-512 path (its state enabled by the OS); 0 on any other. */
+static inline int colibri_cpu_avx512_feature(int reg, int bit)
 {
 #if defined(COLIBRI_X86_GNU) || defined(COLIBRI_X86_MSVC)
     unsigned r[4];
     if (colibri_cpu_detect() < COLIBRI_PATH_AVX512)
         return 0;
     colibri_cpuid(7, 0, r);
-    return (r[2] >> 11) & 1;
+    return (int)((r[reg] >> bit) & 1);
 #else
+    (void)reg;
+    (void)bit;
     return 0;
 #endif
+}
+
+/* Whether the CPU has AVX512_VNNI (int8 dot products; on the avx512 path, quant.h uses them). */
+static inline int colibri_cpu_has_avx512vnni(void)
+{
+    return colibri_cpu_avx512_feature(2, 11);
 }
 
 /* Whether the CPU has AVX512_FP16 (float16 arithmetic: Sapphire Rapids on), with which
  * torch's oneDNN GEMMs compute float16 natively; colibri's own kernels do not use it. */
 static inline int colibri_cpu_has_avx512fp16(void)
 {
-#if defined(COLIBRI_X86_GNU) || defined(COLIBRI_X86_MSVC)
-    unsigned r[4];
-    if (colibri_cpu_detect() < COLIBRI_PATH_AVX512)
-        return 0;
-    colibri_cpuid(7, 0, r);
-    return (r[3] >> 23) & 1;
-#else
-    return 0;
-#endif
+    return colibri_cpu_avx512_feature(3, 23);
 }
 
 /* The path COLIBRI_SIMD names (-1: unset or empty, -2: not a path name). */
