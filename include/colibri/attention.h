@@ -84,6 +84,12 @@ static COLIBRI_ATTEND_INLINE void colibri_attend_load(const void *src, int64_t a
     }
 }
 
+/* Eight running sums added pairwise: ((s0 + s1) + (s2 + s3)) + ((s4 + s5) + (s6 + s7)). */
+static COLIBRI_ATTEND_INLINE float colibri_attend_lanes(const float *s)
+{
+    return ((s[0] + s[1]) + (s[2] + s[3])) + ((s[4] + s[5]) + (s[6] + s[7]));
+}
+
 /* a . b in eight running sums, added pairwise. */
 static COLIBRI_ATTEND_INLINE float colibri_attend_dot(const float *a, const float *b, int64_t n)
 {
@@ -95,7 +101,7 @@ static COLIBRI_ATTEND_INLINE float colibri_attend_dot(const float *a, const floa
             s[l] += a[i + l] * b[i + l];
     for (; i < n; i++)
         s[0] += a[i] * b[i];
-    return ((s[0] + s[1]) + (s[2] + s[3])) + ((s[4] + s[5]) + (s[6] + s[7]));
+    return colibri_attend_lanes(s);
 }
 
 /* Keys and values are read COLIBRI_ATTEND_KEYS rows at a time (converted to float32 once). */
@@ -145,7 +151,7 @@ static COLIBRI_ATTEND_INLINE float colibri_attend_sum(const float *x, int64_t n)
     int64_t j;
     for (j = 0; j < n; j++)
         s[j % 8] += x[j];
-    return ((s[0] + s[1]) + (s[2] + s[3])) + ((s[4] + s[5]) + (s[6] + s[7]));
+    return colibri_attend_lanes(s);
 }
 
 /* x[j] = exp(x[j] - m) for j < n (colibri_exp's bits, NaN kept); returns their
@@ -297,7 +303,7 @@ COLIBRI_ATTEND_AVX2 static COLIBRI_ATTEND_INLINE float colibri_attend_exp_avx2(f
         x[j] = colibri_attend_exp1(x[j] - m);
         s[j % 8] += x[j];
     }
-    return ((s[0] + s[1]) + (s[2] + s[3])) + ((s[4] + s[5]) + (s[6] + s[7]));
+    return colibri_attend_lanes(s);
 }
 
 /* colibri_attend_score, eight at a time. */
