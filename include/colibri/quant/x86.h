@@ -560,10 +560,10 @@ COLIBRI_Q_AVX2 static COLIBRI_Q_INLINE void colibri_q_scales8(int type, const ui
 
 /* colibri_q_dot_rows for COLIBRI_Q4_0X8 (rows a multiple of 8, w a group's start), on AVX2:
  * per block of a group, 4 loads of 32 bytes give the eight rows' 32 nibbles (one int32 lane
- * a row) multiplied with the q8 values broadcast 4 at a time; the sums of 8 maddubs stay in
- * int16 (|sum| <= 8 x 2 x 15 x 128 < 2^15). Each row's block term lands in accumulator
- * i % 8 (its lane) in block order, and the accumulators are summed as colibri_q_lanes_sum
- * does: colibri_q_dot_scalar's bits. */
+ * a row), unpacked once for the nb q8 rows, each multiplied with the q8 values broadcast 4 at
+ * a time; the sums of 8 maddubs stay in int16 (|sum| <= 8 x 2 x 15 x 128 < 2^15). Each row's
+ * block term lands in accumulator i % 8 (its lane) in block order, and the accumulators are
+ * summed as colibri_q_lanes_sum does: colibri_q_dot_scalar's bits. */
 COLIBRI_Q_AVX2 static void colibri_q4_0x8_dot_avx2(const uint8_t *w, int64_t ldw, int32_t rows,
                                                    int32_t K, const float *d, const int8_t *q,
                                                    const int32_t *s, int32_t nb, float *y,
@@ -574,43 +574,46 @@ COLIBRI_Q_AVX2 static void colibri_q4_0x8_dot_avx2(const uint8_t *w, int64_t ldw
     int32_t o, i, j, l, v, r;
     for (o = 0; o + 8 <= rows; o += 8) {
         const uint8_t *g = w + (size_t)o * (size_t)ldw;
-        for (r = 0; r < nb; r++) {
-            const int8_t *x = q + (size_t)r * K;
-            __m256 acc[8], sum;
-            float out[8];
+        __m256 acc[COLIBRI_Q_ROW_BLOCK][8];
+        for (r = 0; r < nb; r++)
             for (l = 0; l < 8; l++)
-                acc[l] = _mm256_setzero_ps();
-            for (i = 0; i < G; i++) {
-                const uint8_t *b = g + (size_t)i * 144;
+                acc[r][l] = _mm256_setzero_ps();
+        for (i = 0; i < G; i++) {
+            const uint8_t *b = g + (size_t)i * 144;
+            const __m256 scale = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)b));
+            __m256i lo[4], hi[4];
+            for (j = 0; j < 144; j += 64) /* streamed when read once, not for more q8 rows */
+                COLIBRI_Q_FETCH(b + COLIBRI_Q_PREFETCH + j, stream && nb == 1);
+            for (v = 0; v < 4; v++) {
+                const __m256i wv = _mm256_loadu_si256((const __m256i *)(b + 16 + 32 * v));
+                lo[v] = _mm256_and_si256(wv, m);
+                hi[v] = _mm256_and_si256(_mm256_srli_epi16(wv, 4), m);
+            }
+            for (r = 0; r < nb; r++) {
+                const uint8_t *x = (const uint8_t *)(q + (size_t)r * K) + 32 * i;
                 __m256i t = _mm256_setzero_si256();
-                if (r == 0) /* streamed when read once, not for more q8 rows */
-                    for (j = 0; j < 144; j += 64)
-                        COLIBRI_Q_FETCH(b + COLIBRI_Q_PREFETCH + j, stream && nb == 1);
                 for (v = 0; v < 4; v++) {
-                    const __m256i wv = _mm256_loadu_si256((const __m256i *)(b + 16 + 32 * v));
-                    const __m256i lo = _mm256_and_si256(wv, m);
-                    const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(wv, 4), m);
-                    const __m256i xl =
-                        _mm256_set1_epi32(colibri_q_u32((const uint8_t *)x + 32 * i + 4 * v));
-                    const __m256i xh =
-                        _mm256_set1_epi32(colibri_q_u32((const uint8_t *)x + 32 * i + 16 + 4 * v));
-                    t = _mm256_add_epi16(t, _mm256_add_epi16(_mm256_maddubs_epi16(lo, xl),
-                                                             _mm256_maddubs_epi16(hi, xh)));
+                    const __m256i xl = _mm256_set1_epi32(colibri_q_u32(x + 4 * v));
+                    const __m256i xh = _mm256_set1_epi32(colibri_q_u32(x + 16 + 4 * v));
+                    t = _mm256_add_epi16(t, _mm256_add_epi16(_mm256_maddubs_epi16(lo[v], xl),
+                                                             _mm256_maddubs_epi16(hi[v], xh)));
                 }
                 /* sum (nibble - 8) q = sum nibble q - 8 sum q */
                 t = _mm256_sub_epi32(_mm256_madd_epi16(t, ones),
                                      _mm256_set1_epi32(s[(size_t)r * G + i] * 8));
-                acc[i % 8] = _mm256_add_ps(
-                    acc[i % 8],
-                    _mm256_mul_ps(
-                        _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)b)),
-                                      _mm256_set1_ps(d[(size_t)r * G + i])),
-                        _mm256_cvtepi32_ps(t)));
+                acc[r][i % 8] = _mm256_add_ps(
+                    acc[r][i % 8],
+                    _mm256_mul_ps(_mm256_mul_ps(scale, _mm256_set1_ps(d[(size_t)r * G + i])),
+                                  _mm256_cvtepi32_ps(t)));
             }
-            sum = _mm256_add_ps(
-                _mm256_add_ps(_mm256_add_ps(acc[0], acc[4]), _mm256_add_ps(acc[2], acc[6])),
-                _mm256_add_ps(_mm256_add_ps(acc[1], acc[5]), _mm256_add_ps(acc[3], acc[7])));
-            _mm256_storeu_ps(out, sum);
+        }
+        for (r = 0; r < nb; r++) {
+            const __m256 *a = acc[r];
+            float out[8];
+            _mm256_storeu_ps(
+                out,
+                _mm256_add_ps(_mm256_add_ps(_mm256_add_ps(a[0], a[4]), _mm256_add_ps(a[2], a[6])),
+                              _mm256_add_ps(_mm256_add_ps(a[1], a[5]), _mm256_add_ps(a[3], a[7]))));
             for (l = 0; l < 8; l++)
                 y[(o + l) * ldo + r * ldy] = out[l];
         }
