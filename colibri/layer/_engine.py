@@ -63,13 +63,17 @@ __all__ = ["KERNEL_MAX_ROWS", "ExpertStore", "Fallback", "HeldExperts", "run_exp
 
 #: Rows of one float16 or bfloat16 expert up to which the fused kernel computes it, by weight
 #: dtype; more rows go to the fallback GEMMs, which reuse each weight across rows. Where the
-#: CPU computes the type natively (:data:`NATIVE_HALF`: oneDNN's torch GEMMs) they win from 4
-#: rows on, so 2; elsewhere torch's GEMMs of that type read ~1 GB/s and the kernel wins at
-#: every count measured (an expert of 1024 x 1280 on a 2-core Zen 3: 6.1 ms at 64 rows, torch
-#: 24.8; block conversion + BLAS at parity), so the kernel's rows a call, 64
-#: (bench/bench_kernels.py measures the crossover).
+#: CPU computes bfloat16 natively (:data:`NATIVE_HALF`: oneDNN's AMX or AVX512_BF16 GEMMs)
+#: they win from 4 rows on, so 2; elsewhere, and for float16 everywhere, the kernel's rows a
+#: call, 64. torch's GEMMs of bfloat16 without native support, or of float16 on any CPU
+#: without native float16, read ~1 GB/s (an expert of 1024 x 1280 on a 2-core Zen 3: 6.1
+#: ms at 64 rows, torch 24.8); float16 with AVX512_FP16 (no AMX for it) takes over from the
+#: kernel at ~14 rows in a lone linear, yet a 256-token float16 prompt of the demo's shape
+#: ran 0.85-1.04 s with every expert on the kernel against 1.38-1.40 s from 2 rows on (2-core
+#: Sapphire Rapids; bench/bench_kernels.py measures the crossover).
 KERNEL_MAX_ROWS = {
-    half: 2 if half in NATIVE_HALF else _ffn.MAX_ROWS for half in ("float16", "bfloat16")
+    "float16": _ffn.MAX_ROWS,
+    "bfloat16": 2 if "bfloat16" in NATIVE_HALF else _ffn.MAX_ROWS,
 }
 
 

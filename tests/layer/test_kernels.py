@@ -384,9 +384,9 @@ def test_the_kernels_default_path_follows_the_cpu():
 
 def test_native_halves_follow_the_cpu():
     """The half types torch computes natively (NATIVE_HALF), and so the rows an expert of
-    each takes the fused kernel for (KERNEL_MAX_ROWS), as /proc/cpuinfo's flags tell them
-    against the kernels' own cpuid: bfloat16 with avx512_bf16, float16 with avx512_fp16
-    apart (a Zen 4 has the first only)."""
+    each takes the fused kernel for (KERNEL_MAX_ROWS: fewer only for native bfloat16), as
+    /proc/cpuinfo's flags tell them against the kernels' own cpuid: bfloat16 with
+    avx512_bf16, float16 with avx512_fp16 apart (a Zen 4 has the first only)."""
     from colibri.layer import KERNEL_MAX_ROWS, NATIVE_HALF
 
     info = _cpuinfo()
@@ -398,7 +398,7 @@ def test_native_halves_follow_the_cpu():
     want |= {"float16"} if avx512 and "avx512_fp16" in flags else set()
     assert want == NATIVE_HALF
     assert _ffn.has_avx512fp16() == ("float16" in want)
-    rows = {half: 2 if half in want else _ffn.MAX_ROWS for half in ("float16", "bfloat16")}
+    rows = {"float16": _ffn.MAX_ROWS, "bfloat16": 2 if "bfloat16" in want else _ffn.MAX_ROWS}
     assert rows == KERNEL_MAX_ROWS
 
 
