@@ -415,7 +415,9 @@ def main(argv=None) -> int:
                 warmup=args.warmup, prompt_tokens=args.prompt_tokens)  # fmt: skip
     repack, why_not = args.llama_repack != "off", "--llama-repack off"
     if "llama" in engines and args.llama_repack == "auto" and paths:
-        repack, why_not = repack_works(dict(base, gguf=next(iter(paths.values()))), args)
+        # a quantized file where there is one: the extra buffer types repack those, not f16
+        probe = next((p for t, p in paths.items() if t != "f16"), next(iter(paths.values())))
+        repack, why_not = repack_works(dict(base, gguf=probe), args)
     if "llama" in engines and not repack:
         print(f"# llama.cpp runs without its extra buffer types (AMX, repacking): {why_not}")
     base["repack"] = repack
