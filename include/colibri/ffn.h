@@ -191,7 +191,9 @@ colibri_dot_avx2(int kind, const uint16_t *w, int32_t K, const float *x, int64_t
  * threads: a [1024, 1024] f16 linear over 200 distinct weights 130 -> 102-108 us, [3072,
  * 1024] 350 -> 258-284 us (22-24 GB/s against a 23.9 GB/s read pass), bfloat16 on the
  * avx512_bf16 path alike; one thread unchanged. The AVX2 path (the default of AMD's Zen 3
- * and Zen 4) has none: not measured there. */
+ * and Zen 4) has none: on a Zen 4, one row, 2 threads, the same prefetch once a cache line
+ * slowed it (f16 [3072, 1024] 144-217 -> 198-251 us with T0, 165-217 -> 200-223 with NTA,
+ * builds alternating), its own prefetchers already near the read pass (30-36 GB/s, 33). */
 #ifndef COLIBRI_HALF_PREFETCH
 #define COLIBRI_HALF_PREFETCH 2048
 #endif
