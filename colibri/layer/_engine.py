@@ -298,7 +298,18 @@ class HeldExperts:
             None (``out`` untouched) when an expert of the step does not take the fused
             kernel at its row count: run :func:`run_experts` then.
         """
-        kind = VALUE_KINDS.get(dtype)
+        kind, native, code = VALUE_KINDS.get(dtype), self._native, None
+        if native is not None and out is not None and kind is not None and kernel_enabled():
+            # the steady state, every expert held: one native call, which checks the arrays
+            # (a failure named by the checks below)
+            try:
+                code = native.step(x, ids, weights, out, kind, self.num_threads, residual,
+                                   rounded)  # fmt: skip
+            except (ValueError, TypeError):
+                code = None
+            if code == 0:
+                self._reused(native.active, reused)
+                return out
         if kind is None:
             raise ValueError(
                 f"HeldExperts(): dtype must be one of {sorted(VALUE_KINDS)} ({dtype!r})"
@@ -331,8 +342,7 @@ class HeldExperts:
                 f"HeldExperts(): residual must be like x (got {residual.dtype} "
                 f"{list(residual.shape)})"
             )
-        native = self._native
-        if native is not None:  # the steady state: every expert held, one native call
+        if native is not None and code is None:  # as above, the arrays now checked
             ids64 = np.ascontiguousarray(ids, np.int64)
             if native.step(x, ids64, weights, out, kind, self.num_threads, residual,
                            rounded) == 0:  # fmt: skip

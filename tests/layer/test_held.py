@@ -318,3 +318,37 @@ def test_a_residual_is_added_as_torch_adds(tmp_path, dtype, native):
     held.release()
     if native:
         store.close()
+
+
+def test_the_native_steps_bad_arrays_are_named(tmp_path):
+    """With every expert held and ``out=`` given (a decoding step's call), the native step
+    runs first; what it refuses is named as on the checked path, and ids of another integer
+    type or layout give the same bits."""
+    rng = np.random.default_rng(12)
+    path = _file(tmp_path, rng, "q8_0", "q8_0")
+    with Pager(path, budget_bytes=1 << 24, page_size_kb=4) as pager:
+        held = HeldExperts(pager, 0, num_experts=E)
+        held.hold()
+        x = _bf16(rng.standard_normal((2, H)).astype(np.float32))
+        ids = np.array([[1, 4], [2, 5]])
+        weights = np.array([[0.75, 0.25], [0.5, 0.5]], np.float32)
+        out = np.empty_like(x)
+        want = held(x, ids, weights, dtype="bfloat16").copy()
+        for other in (ids.astype(np.int32), np.asfortranarray(ids)):
+            got = held(x, other, weights, dtype="bfloat16", out=out)
+            np.testing.assert_array_equal(got, want)
+        bad = {
+            r"x must be a C-contiguous \[T, H\] uint16": dict(x=x.astype(np.float32)),
+            r"x must be a C-contiguous": dict(x=np.asfortranarray(x)),
+            r"weights must be C-contiguous float32 or uint16": dict(weights=weights.astype(float)),
+            r"out must be like x": dict(out=np.empty((2, H), np.float32)),
+            r"residual must be like x": dict(residual=x[:1]),
+        }
+        for message, change in bad.items():
+            given = dict(x=x, ids=ids, weights=weights, out=out) | change
+            with pytest.raises(ValueError, match=message):
+                held(given.pop("x"), given.pop("ids"), given.pop("weights"), dtype="bfloat16",
+                     **given)  # fmt: skip
+        with pytest.raises(ValueError, match=r"expert id 6 at token 1, choice 0 is out of range"):
+            held(x, np.array([[0, 1], [6, 2]]), weights, dtype="bfloat16", out=out)
+        held.release()
