@@ -852,6 +852,12 @@ cdef class Held:
     cdef list keep
     #: After a step that returned 1: the experts not held; after 0: the step's experts.
     cdef readonly list missing, active
+    # a step's plan and rows, kept for the next (made anew while a step of another thread
+    # runs): a decoding step's dozen arrays cost more than its native work on small layers
+    cdef int64_t[::1] counts, bounds, starts, rows
+    cdef float[::1] scale
+    cdef float[:, ::1] xs, ys
+    cdef bint busy
 
     def __cinit__(self, int64_t num_experts, int64_t hidden, act, int max_rows, path=None):
         self.forms = <colibri_qffn_t *>calloc(max(num_experts, 1), sizeof(colibri_qffn_t))
@@ -872,6 +878,21 @@ cdef class Held:
         self.path = path_index(path)
         self.keep = [None] * num_experts
         self.missing, self.active = [], []
+        self.counts = np.zeros(num_experts + 1, np.int64)
+        self.bounds = np.empty(num_experts + 1, np.int64)
+        self.starts = np.empty(num_experts, np.int64)
+        self._scratch(1, 1)
+
+    cdef int _scratch(self, int64_t T, int64_t n) except -1:
+        """Room in the kept arrays for a step of ``T`` rows and ``n`` choices (the arrays
+        not made yet have shape 0)."""
+        if self.rows.shape[0] < n:
+            self.rows = np.empty(max(n, 1), np.int64)
+            self.scale = np.empty(max(n, 1), np.float32)
+        if self.ys.shape[0] < T:
+            self.xs = np.empty((max(T, 1), self.hidden), np.float32)
+            self.ys = np.empty((max(T, 1), self.hidden), np.float32)
+        return 0
 
     def __dealloc__(self):
         free(self.forms)
@@ -940,6 +961,16 @@ cdef class Held:
         more than ``max_rows`` rows; 3: a sum is not finite (the caller's slower path names
         the cause). ValueError for an id at or past ``E`` or a wrong shape.
         """
+        cdef bint own = not self.busy  # the kept arrays are free
+        self.busy = True
+        try:
+            return self._step(x, ids, weights, out, kind, num_threads, residual, rounded, own)
+        finally:
+            if own:
+                self.busy = False
+
+    cdef int _step(self, x, const int64_t[:, ::1] ids, weights, out, int kind, int num_threads,
+                   residual, bint rounded, bint own) except -1:
         cdef int64_t T = ids.shape[0], k = ids.shape[1], n = T * k, H = self.hidden
         cdef int64_t E = self.num_experts, a, e, total = 0, i, c
         cdef Py_ssize_t count = 0, j
@@ -953,6 +984,10 @@ cdef class Held:
         cdef const uint16_t[:, ::1] rbits
         cdef bint add = residual is not None
         cdef float y
+        cdef int64_t[::1] counts, bounds, starts, rows
+        cdef float[::1] scale
+        cdef float[:, ::1] xs, ys
+        cdef const float[:, ::1] xin
         if kind == 0:
             xf32, of32 = x, out
             if xf32.shape[0] != T or xf32.shape[1] != H or of32.shape[0] != T or of32.shape[1] != H:
@@ -981,8 +1016,24 @@ cdef class Held:
             wbits = weights
             if wbits.shape[0] != T or wbits.shape[1] != k or kind == 0:
                 raise ValueError(f"step(): weights must be [{T}, {k}] float32 or {kind}'s bits")
-        counts_arr = np.zeros(E + 1, np.int64)
-        cdef int64_t[::1] counts = counts_arr
+        if own:
+            self._scratch(T, n)
+            counts = self.counts
+            bounds = self.bounds
+            starts = self.starts
+            rows = self.rows
+            scale = self.scale
+            xs = self.xs[:T]
+            ys = self.ys[:T]
+            counts[:] = 0
+        else:
+            counts = np.zeros(E + 1, np.int64)
+            bounds = np.empty(E + 1, np.int64)
+            starts = np.empty(E, np.int64)
+            rows = np.empty(max(n, 1), np.int64)
+            scale = np.empty(max(n, 1), np.float32)
+            xs = np.empty((T, H), np.float32)
+            ys = np.empty((T, H), np.float32)
         for a in range(n):
             e = ids[a // k, a % k]
             if e >= E:
@@ -1001,19 +1052,12 @@ cdef class Held:
             if counts[e] > self.max_rows:
                 return 2
         count = len(active)
-        bounds_arr = np.empty(count + 1, np.int64)
-        cdef int64_t[::1] bounds = bounds_arr
-        cdef int64_t[::1] starts = np.empty(E, np.int64)
         for j in range(count):
             e = active[j]
             bounds[j] = total
             starts[e] = total
             total += counts[e]
         bounds[count] = total
-        rows_arr = np.empty(total, np.int64)
-        scale_arr = np.empty(total, np.float32)
-        cdef int64_t[::1] rows = rows_arr
-        cdef float[::1] scale = scale_arr
         for a in range(n):  # token order within an expert: the engine's stable plan
             e = ids[a // k, a % k]
             if e < 0:
@@ -1031,12 +1075,9 @@ cdef class Held:
                 scale[i] = colibri_bf16_to_float(wbits[a // k, a % k])
             else:
                 scale[i] = colibri_half_to_float(wbits[a // k, a % k])
-        xs_arr = np.empty((T, H), np.float32) if kind else x
-        ys_arr = np.zeros((T, H), np.float32)
-        cdef float[:, ::1] xs
-        cdef float[:, ::1] ys = ys_arr
+        ys[:, :] = 0
         if kind:
-            xs = xs_arr
+            xin = xs
             with nogil:
                 for i in range(T):
                     for c in range(H):
@@ -1044,7 +1085,9 @@ cdef class Held:
                             xs[i, c] = colibri_bf16_to_float(xbits[i, c])
                         else:
                             xs[i, c] = colibri_half_to_float(xbits[i, c])
-        self._run(active, counts, bounds, rows, scale, total, xs_arr, ys, num_threads)
+        else:
+            xin = xf32
+        self._run(active, counts, bounds, rows, scale, total, xin, ys, num_threads)
         cdef bint finite = True
         with nogil:
             for i in range(T * H):

@@ -352,3 +352,33 @@ def test_the_native_steps_bad_arrays_are_named(tmp_path):
         with pytest.raises(ValueError, match=r"expert id 6 at token 1, choice 0 is out of range"):
             held(x, np.array([[0, 1], [6, 2]]), weights, dtype="bfloat16", out=out)
         held.release()
+
+
+def test_steps_of_two_threads_on_one_layer_keep_their_own_rows(tmp_path):
+    """A layer's native step keeps its plan and rows for the next step; a step of another
+    thread running meanwhile (the kernel runs without the GIL) makes its own: each thread's
+    sums are the ones it would get alone."""
+    import threading
+
+    rng = np.random.default_rng(13)
+    path = _file(tmp_path, rng, "q8_0", "q8_0")
+    with Pager(path, budget_bytes=1 << 24, page_size_kb=4) as pager:
+        held = HeldExperts(pager, 0, num_experts=E, num_threads=1)
+        held.hold()
+        steps = [list(_steps(np.random.default_rng(s), 1 + s, count=40, k=2)) for s in (0, 1)]
+        want = [[held(x, ids, w).copy() for x, ids, w in run] for run in steps]
+        wrong = []
+
+        def run(t):
+            out = np.empty((1 + t, H), np.float32)
+            for i, (x, ids, w) in enumerate(steps[t]):
+                if not np.array_equal(held(x, ids, w, out=out), want[t][i]):
+                    wrong.append((t, i))
+
+        threads = [threading.Thread(target=run, args=(t,)) for t in (0, 1)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert wrong == []
+        held.release()
