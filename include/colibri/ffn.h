@@ -193,7 +193,10 @@ colibri_dot_avx2(int kind, const uint16_t *w, int32_t K, const float *x, int64_t
  * avx512_bf16 path alike; one thread unchanged. The AVX2 path (the default of AMD's Zen 3
  * and Zen 4) has none: on a Zen 4, one row, 2 threads, the same prefetch once a cache line
  * slowed it (f16 [3072, 1024] 144-217 -> 198-251 us with T0, 165-217 -> 200-223 with NTA,
- * builds alternating), its own prefetchers already near the read pass (30-36 GB/s, 33). */
+ * builds alternating), its own prefetchers already near the read pass (30-36 GB/s, 33); NTA
+ * for one row only, to keep the caller's lines in L3 as the quantized kernels' AVX2 path
+ * does, sped whole f16 tokens in one series of interleaved runs and slowed them in the next
+ * (bench/README.md, "Back on a Zen 4"). */
 #ifndef COLIBRI_HALF_PREFETCH
 #define COLIBRI_HALF_PREFETCH 2048
 #endif
