@@ -44,6 +44,7 @@ from torch.utils.hooks import RemovableHandle
 from colibri.integrations.transformers import _attention, _experts, _linears, _norms, _patch
 from colibri.integrations.transformers._families import _fingerprint
 from colibri.integrations.transformers._ops import HALF_NAMES, values_of
+from colibri.integrations.transformers._seen import Seen
 from colibri.layer import (
     AttentionStep,
     attention,
@@ -134,13 +135,14 @@ class _Layer:
         # the modules the kernels' arguments come from; (sources' key, arguments) of the last step
         self.sources = (self.norm_in, self.q_norm, self.k_norm, self.norm_post, attn.q_proj,
                         attn.k_proj, attn.v_proj, attn.o_proj, self.gate)  # fmt: skip
-        self.given: tuple = (None, None, None)  # key, arguments, the objects key's ids name
+        self.given: tuple = (None, None)  # Seen of the sources, their arguments
         self.unhooked = None  # _handles() when self.modules were last seen without hooks
 
     def __getstate__(self) -> tuple:
-        """A copy (copy, deepcopy, pickle) looks at its modules' hooks anew: they may have
-        come with them, no handle made."""
-        return None, {n: getattr(self, n) for n in self.__slots__} | {"unhooked": None}
+        """A copy (copy, deepcopy, pickle) looks at its modules' hooks anew (they may have
+        come with them, no handle made) and reads their arguments anew."""
+        fresh = {"unhooked": None, "given": (None, None)}
+        return None, {n: getattr(self, n) for n in self.__slots__} | fresh
 
     def takes(self, hidden: torch.Tensor, cache, position_embeddings) -> bool:
         """Whether this call is a step this class runs: one token of one sequence on the
@@ -190,11 +192,12 @@ class _Layer:
     def arguments(self, dtype: torch.dtype) -> tuple | None:
         """:meth:`kernels` and the router's (``(kernels, rest of the routing, router's
         linear, its routing for a caller that routes itself, the kernels' AttentionStep)``),
-        read again only when a
-        module they come from changed: its forward, the memory, dtype or strides of its
-        weight, its bias, its epsilon, its routing."""
-        key = _sources(self.sources, dtype)
-        if self.given[0] != key:
+        read again only when a module they come from changed: its forward, colibri's states
+        of it, its weight's parameter, memory, dtype or strides, its bias, its epsilon
+        (:class:`._seen.Seen`)."""
+        seen, arguments = self.given
+        if seen is None or not seen.same(dtype):
+            seen = Seen(self.sources, dtype, _SOURCES)  # before reading: a change is seen next
             given = self.kernels(dtype)
             rest = _patch.routed(self.gate)
             router = None if rest is None else _linears.direct(self.gate, router=True)
@@ -205,10 +208,9 @@ class _Layer:
                 planned = AttentionStep(norm_in, (q, k, v), q_norm, k_norm, o, norm_post, router,
                                         (self.heads, self.kv_heads, self.head_dim),
                                         _DTYPES[dtype])  # fmt: skip
-            # the key holds ids: the objects they name stay alive while it is compared
-            named = [m.__dict__.get(name) for m in self.sources for name in _SOURCES]
-            self.given = key, (given, rest, router, plain, planned), named
-        return self.given[1]
+            arguments = given, rest, router, plain, planned
+            self.given = seen, arguments
+        return arguments
 
     def forward(self, hidden, mask, cache, position_embeddings, kwargs) -> torch.Tensor:
         """``Qwen3MoeDecoderLayer.forward`` for ``hidden [1, 1, H]``: :meth:`step` when every
@@ -442,28 +444,6 @@ def _growable(cache, layer, dtype: torch.dtype, heads: tuple[int, int]) -> bool:
         return False
     return (values.shape == keys.shape and keys.dtype == values.dtype == dtype
             and keys.is_cpu and values.is_cpu)  # fmt: skip
-
-
-def _sources(modules: tuple, dtype: torch.dtype) -> list:
-    """What :meth:`_Layer.arguments` reads of ``modules``, as numbers: ``dtype``, then of each
-    module its own forward and colibri's states of it (ids), its weight's memory, dtype and
-    strides, its bias's memory and version, its epsilon (one loop: a step's cost)."""
-    forward, linear, norm, patch = _SOURCES
-    key: list = [dtype]
-    for module in modules:
-        get = module.__dict__.get
-        params = get("_parameters")
-        weight, bias = params.get("weight"), params.get("bias")
-        key.append((
-            id(get(forward)),
-            id(get(linear)),
-            id(get(norm)),
-            id(get(patch)),
-            None if weight is None else (weight.data_ptr(), weight.dtype, weight.stride()),
-            None if bias is None else (bias.data_ptr(), bias._version),
-            get("variance_epsilon", get("eps")),
-        ))  # fmt: skip
-    return key
 
 
 _ROTATION: tuple = (None, None, None)  # the last position embeddings, and their values
