@@ -115,7 +115,7 @@ class _Layer:
 
     __slots__ = ("attn", "code", "experts", "gate", "given", "hidden", "kv_heads", "heads",
                  "head_dim", "layer", "mlp", "modules", "norm_in", "norm_post", "q_norm", "k_norm",
-                 "sources", "unhooked")  # fmt: skip
+                 "sources", "tree", "unhooked")  # fmt: skip
 
     def __init__(self, layer: nn.Module) -> None:
         attn, mlp = layer.self_attn, layer.mlp
@@ -136,6 +136,11 @@ class _Layer:
         self.sources = (self.norm_in, self.q_norm, self.k_norm, self.norm_post, attn.q_proj,
                         attn.k_proj, attn.v_proj, attn.o_proj, self.gate)  # fmt: skip
         self.given: tuple = (None, None)  # Seen of the sources, their arguments
+        # where the step's modules hang: (parent, name, module), each still its parent's?
+        self.tree = tuple((parent, name, getattr(parent, name)) for parent, names in (
+            (layer, ("self_attn", "mlp", "input_layernorm", "post_attention_layernorm")),
+            (attn, ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm")),
+            (mlp, ("gate", "experts"))) for name in names)  # fmt: skip
         self.unhooked = None  # _handles() when self.modules were last seen without hooks
 
     def __getstate__(self) -> tuple:
@@ -151,11 +156,11 @@ class _Layer:
         return _plain(hidden, cache, position_embeddings, self.hidden) and self.ready()
 
     def ready(self) -> bool:
-        """What :meth:`takes` asks of this layer's modules: not training, no hooks, the
-        attention's and MoE block's forwards still the code the step stands for. The
-        modules' hooks are looked at again only when torch made a hook handle since they
-        were last seen without (:func:`_handles`; a hook put in a module's hook dicts by
-        hand, past ``register_*_hook``, is not seen)."""
+        """What :meth:`takes` asks of this layer's modules: still the layer's (none replaced
+        by another), not training, no hooks, the attention's and MoE block's forwards still
+        the code the step stands for. The modules' hooks are looked at again only when torch
+        made a hook handle since they were last seen without (:func:`_handles`; a hook put in
+        a module's hook dicts by hand, past ``register_*_hook``, is not seen)."""
         attn, mlp = self.attn, self.mlp
         if (
             self.layer.training
@@ -166,6 +171,9 @@ class _Layer:
             or "forward" in mlp.__dict__
         ):
             return False
+        for parent, name, module in self.tree:  # noqa: SIM110 (a loop: a step's cost)
+            if parent._modules.get(name) is not module:
+                return False
         handles = _handles()
         if handles is not None and handles == self.unhooked:
             return True

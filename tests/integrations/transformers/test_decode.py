@@ -227,6 +227,43 @@ def test_modules_changed_between_steps_are_read_again(model, steps, change):
     assert all(torch.equal(a, b) for a, b in zip(ours.scores, theirs.scores, strict=True))
 
 
+@pytest.mark.parametrize("replaced", ["q_proj", "input_layernorm", "self_attn", "gate"])
+def test_modules_replaced_between_steps_are_the_ones_run(model, replaced):
+    """A module of a layer replaced by another after loading (a new linear, a changed copy of
+    a norm, of the attention, of the router) is the one that runs: the tokens and logits of
+    the layers' own forward with the new module, not the old one's."""
+    import copy
+
+    ids = token_ids(seed=6, batch=1, length=5)
+    before = _generate(model, ids)
+    layer = model.model.layers[0]
+    attn = layer.self_attn
+    with torch.no_grad():
+        if replaced == "q_proj":
+            new = torch.nn.Linear(attn.q_proj.in_features, attn.q_proj.out_features,
+                                  bias=False).bfloat16()  # fmt: skip
+            new.weight.copy_(attn.q_proj.weight.flip(0))
+            attn.q_proj = new
+        elif replaced == "input_layernorm":
+            new = copy.deepcopy(layer.input_layernorm)
+            new.weight.mul_(3)
+            layer.input_layernorm = new
+        elif replaced == "self_attn":
+            new = copy.deepcopy(attn)
+            new.o_proj.weight.data = new.o_proj.weight.data.flip(1).contiguous()
+            layer.self_attn = new
+        else:
+            new = copy.deepcopy(layer.mlp.gate)
+            new.weight.data = new.weight.data.flip(0).contiguous()
+            layer.mlp.gate = new
+    ours = _generate(model, ids)
+    _own_forward(model)
+    theirs = _generate(model, ids)
+    assert not all(torch.equal(a, b) for a, b in zip(before.scores, theirs.scores, strict=True))
+    assert torch.equal(ours.sequences, theirs.sequences)
+    assert all(torch.equal(a, b) for a, b in zip(ours.scores, theirs.scores, strict=True))
+
+
 def test_other_calls_run_the_layers_forward(model, steps, tokens):
     ids = token_ids(seed=5, batch=2, length=7)
     _generate(model, ids, attention_mask=torch.ones_like(ids))  # a batch
