@@ -201,11 +201,11 @@ class _Layer:
         """:meth:`kernels` and the router's (``(kernels, rest of the routing, router's
         linear, its routing for a caller that routes itself, the kernels' AttentionStep)``),
         read again only when a module they come from changed: its forward, colibri's states
-        of it, its weight's parameter, memory, dtype or strides, its bias, its epsilon
-        (:class:`._seen.Seen`)."""
+        of it, its weight's parameter, memory, dtype or strides, its bias, its epsilon, the
+        router's plain attributes (its ``top_k``) (:class:`._seen.Seen`)."""
         seen, arguments = self.given
         if seen is None or not seen.same(dtype):
-            seen = Seen(self.sources, dtype, _SOURCES)  # before reading: a change is seen next
+            seen = Seen(self.sources, dtype, _SOURCES, (self.gate,))  # before reading them
             given = self.kernels(dtype)
             rest = _patch.routed(self.gate)
             router = None if rest is None else _linears.direct(self.gate, router=True)

@@ -16,6 +16,7 @@ from colibri._validate import check_threads
 from colibri.integrations.transformers import _ops
 from colibri.integrations.transformers._families import _KINDS, UnsupportedRouterError, _Kind
 from colibri.integrations.transformers._match import _classify, _family
+from colibri.integrations.transformers._seen import scalars
 
 
 @dataclass(frozen=True)
@@ -145,10 +146,62 @@ class _State:
     kind: _Kind
     routing: _Routing
     record: PatchedRouter
+    scalars: tuple  # the module's plain attributes its routing was configured from
+    configured: frozenset  # the options its kind's configure gave (others were added since)
+
+
+def _build(name: str, module: Any, kind: _Kind, config: tuple, num_threads: int | None,
+           added: dict | None = None) -> _State:  # fmt: skip
+    """The state of ``module`` routed by ``kind`` as ``kind.configure`` gave ``config``, with
+    the options ``added`` since (a partition's).
+
+    Raises
+    ------
+    UnsupportedRouterError
+        colibri refuses the configuration.
+    """
+    num_experts, top_k, configured, tensors = config
+    options = {**configured, **(added or {})}
+    try:
+        routing = _Routing(int(num_experts), int(top_k), options, tensors, num_threads, module)
+    except (TypeError, ValueError) as err:
+        raise UnsupportedRouterError(
+            f"{name or '<model>'} ({type(module).__name__}, family "
+            f"{_family(type(module))}): colibri refuses its configuration: {err}"
+        ) from err
+    shown = dict(options)
+    shown.update({option: f"<{option} tensor>" for option in tensors})
+    record = PatchedRouter(
+        name=name,
+        family=_family(type(module)),
+        router_class=type(module).__name__,
+        kind=kind.name,
+        num_experts=int(num_experts),
+        top_k=int(top_k),
+        options=shown,
+    )
+    return _State(kind, routing, record, scalars(module), frozenset(configured))
+
+
+def _state(module: Any) -> _State:
+    """``module``'s state, configured again (a new state, keeping the options added since)
+    when a plain attribute changed since it was made: a router's ``top_k`` set after
+    patching routes to that many."""
+    state = module.__dict__[_STATE]
+    if torch.compiler.is_compiling():  # a graph keeps the settings it was traced with
+        return state
+    if scalars(module) != state.scalars:
+        routing = state.routing
+        added = {k: v for k, v in routing.options.items() if k not in state.configured}
+        config = state.kind.configure(module)
+        state = _build(state.record.name, module, state.kind, config, routing.num_threads,
+                       added)  # fmt: skip
+        module.__dict__[_STATE] = state
+    return state
 
 
 def _patched_call(self, *args, **kwargs):
-    state = self.__dict__[_STATE]
+    state = _state(self)
     return state.kind.forward(self, state.routing, *args, **kwargs)
 
 
@@ -156,9 +209,9 @@ def routed(module: Any) -> Callable | None:
     """``f(logits)``: what ``module``'s patched forward returns once its logits' linear
     ``linear(module, hidden)`` (:mod:`._linears`) gave ``logits`` ``[T, E]``, for a caller
     that computed them itself; None when its forward is not colibri's or has other steps."""
-    state = module.__dict__.get(_STATE)
-    if state is None:
+    if _STATE not in module.__dict__:
         return None
+    state = _state(module)
     forward = module.__dict__.get(state.kind.method)
     rest = getattr(state.kind.forward, "routed", None)
     if rest is None or getattr(forward, "__func__", None) is not _patched_call:
@@ -171,9 +224,9 @@ def plain(module: Any) -> tuple | None:
     as its patched forward would: ``context.route(logits)`` gives ids and float32 weights,
     then rounded to the logits' dtype when ``weights`` is ``"logits"`` (else kept float32).
     None unless the forward is colibri's softmax routing with no tensor options."""
-    state = module.__dict__.get(_STATE)
-    if state is None:
+    if _STATE not in module.__dict__:
         return None
+    state = _state(module)
     forward = module.__dict__.get(state.kind.method)
     weights = getattr(getattr(state.kind.forward, "routed", None), "weights", None)
     if (
@@ -285,38 +338,16 @@ def patch(
                 )
 
     # Every context first (colibri validates the options), then install: all or nothing.
-    routings = []
-    for name, module, _, (num_experts, top_k, options, tensors) in plan:
-        try:
-            routing = _Routing(int(num_experts), int(top_k), options, tensors, num_threads, module)
-        except (TypeError, ValueError) as err:
-            raise UnsupportedRouterError(
-                f"{name or '<model>'} ({type(module).__name__}, family "
-                f"{_family(type(module))}): colibri refuses its configuration: {err}"
-            ) from err
-        routings.append(routing)
-
+    states = [_build(name, module, kind, config, num_threads)
+              for name, module, kind, config in plan]  # fmt: skip
     patched = []
-    for (name, module, kind, (num_experts, top_k, options, tensors)), routing in zip(
-        plan, routings, strict=True
-    ):
+    for (_, module, kind, _), state in zip(plan, states, strict=True):
         _remove(module)
-        shown = dict(options)
-        shown.update({option: f"<{option} tensor>" for option in tensors})
-        record = PatchedRouter(
-            name=name,
-            family=_family(type(module)),
-            router_class=type(module).__name__,
-            kind=kind.name,
-            num_experts=int(num_experts),
-            top_k=int(top_k),
-            options=shown,
-        )
         # Plain instance attributes: the state dict, hooks and the class stay untouched;
         # a bound method (not a closure) so that copy.deepcopy rebinds it to the copy.
-        module.__dict__[_STATE] = _State(kind, routing, record)
+        module.__dict__[_STATE] = state
         module.__dict__[kind.method] = types.MethodType(_patched_call, module)
-        patched.append(record)
+        patched.append(state.record)
     return patched
 
 

@@ -21,16 +21,21 @@ cdef class Seen:
     names : tuple of str
         Names in each module's ``__dict__`` whose objects the step depends on (compared by
         identity).
+    watched : tuple
+        Modules among ``modules`` whose plain attributes (:func:`scalars`) the step depends
+        on too (a router's ``top_k``), compared by value.
     """
 
     cdef readonly tuple modules
     cdef readonly object dtype
     cdef tuple names
     cdef list seen  # per module: (__dict__, objects of names, _parameters, weight, ...)
+    cdef tuple watched  # (module, its scalars) of the modules whose plain attributes count
 
-    def __init__(self, tuple modules, dtype, tuple names):
+    def __init__(self, tuple modules, dtype, tuple names, tuple watched=()):
         self.modules, self.dtype, self.names = modules, dtype, names
         self.seen = [_look(m.__dict__, names) for m in modules]
+        self.watched = tuple([(m, scalars(m)) for m in watched])
 
     def same(self, dtype) -> bool:
         """Whether ``dtype`` and every module are as seen."""
@@ -63,7 +68,30 @@ cdef class Seen:
                 return False
             if d.get("variance_epsilon", d.get("eps")) != s[10]:
                 return False
+        for m, plain in self.watched:
+            if scalars(m) != plain:
+                return False
         return True
+
+
+cpdef tuple scalars(module):
+    """``(name, value)`` of ``module``'s plain attributes (numbers, strings, None, as its
+    ``__dict__`` holds them; not ``training`` nor private ones): what a router's routing is
+    configured from (its ``top_k``, ``norm_topk_prob``, scaling factor, groups)."""
+    cdef dict d = module.__dict__
+    cdef list found = []
+    cdef str name
+    for key, value in d.items():
+        if not (value is None or type(value) is int or type(value) is float
+                or type(value) is bool or type(value) is str):
+            continue
+        if type(key) is not str:
+            continue
+        name = <str>key
+        if name == "training" or name.startswith("_"):
+            continue
+        found.append((name, value))
+    return tuple(found)
 
 
 cdef tuple _look(dict d, tuple names):

@@ -264,6 +264,40 @@ def test_modules_replaced_between_steps_are_the_ones_run(model, replaced):
     assert all(torch.equal(a, b) for a, b in zip(ours.scores, theirs.scores, strict=True))
 
 
+def test_a_routers_top_k_set_between_tokens_is_the_one_routed(model, steps):
+    """A router's ``top_k`` set between two decoding steps (here by a logits processor, so
+    that no prompt runs the router's forward in between) routes the next steps to that
+    many experts, as the layers' own forward does."""
+    from transformers import LogitsProcessor, LogitsProcessorList
+
+    class Fewer(LogitsProcessor):
+        def __init__(self) -> None:
+            self.calls = 0
+
+        def __call__(self, input_ids, scores):
+            self.calls += 1
+            if self.calls == 3:
+                for layer in model.model.layers:
+                    layer.mlp.gate.top_k = 1
+            return scores
+
+    def run():
+        for layer in model.model.layers:
+            layer.mlp.gate.top_k = top_k
+        return _generate(model, ids, logits_processor=LogitsProcessorList([Fewer()]))
+
+    ids = token_ids(seed=6, batch=1, length=5)
+    top_k = model.model.layers[0].mlp.gate.top_k
+    before = _generate(model, ids)
+    ours = run()
+    assert len(steps) == 2 * 5 * model.config.num_hidden_layers  # the steps ran
+    _own_forward(model)
+    theirs = run()
+    assert not all(torch.equal(a, b) for a, b in zip(before.scores, theirs.scores, strict=True))
+    assert torch.equal(ours.sequences, theirs.sequences)
+    assert all(torch.equal(a, b) for a, b in zip(ours.scores, theirs.scores, strict=True))
+
+
 def test_other_calls_run_the_layers_forward(model, steps, tokens):
     ids = token_ids(seed=5, batch=2, length=7)
     _generate(model, ids, attention_mask=torch.ones_like(ids))  # a batch

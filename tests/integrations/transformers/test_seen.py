@@ -109,3 +109,24 @@ def test_modules_without_parameters_or_weights():
     plain.eps = 0.25
     assert not seen.same(None)
     assert seen.modules == (plain, empty) and seen.dtype is None
+
+
+def test_watched_modules_plain_attributes_count():
+    """A watched module's plain attributes (a router's ``top_k``) are compared by value;
+    an unwatched module's, its ``training`` and private ones are not."""
+    from colibri.integrations.transformers._seen import scalars
+
+    linear, norm, layer_norm = modules = _modules()
+    linear.top_k, linear.name, linear._private = 2, "gate", 1
+    seen = Seen(modules, None, NAMES, (linear,))
+    assert ("top_k", 2) in scalars(linear) and ("name", "gate") in scalars(linear)
+    linear.eval()
+    linear._private = 5
+    norm.top_k = 9
+    assert seen.same(None)
+    linear.top_k = 1
+    assert not seen.same(None)
+    linear.top_k = 2
+    assert seen.same(None)
+    linear.name = None
+    assert not seen.same(None)

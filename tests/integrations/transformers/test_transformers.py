@@ -252,6 +252,34 @@ def test_changed_bias_or_scale_after_patch_is_followed(model_type):
     torch.testing.assert_close(logits, ref_logits, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize(
+    ("model_type", "attribute", "value"),
+    [("qwen3_moe", "top_k", 1), ("qwen3_moe", "norm_topk_prob", False),
+     ("deepseek_v3", "routed_scaling_factor", 0.5), ("deepseek_v3", "topk_group", 1)],
+)  # fmt: skip
+def test_changed_router_settings_after_patch_are_followed(model_type, attribute, value):
+    """A router's plain setting changed after ``patch`` (its ``top_k``, normalization,
+    scaling, groups) routes as transformers' own routing does with it; an option added to
+    the routing since (as a partition adds its own) is kept."""
+    model = build_model(model_type)
+    records = patch(model)
+    randomise_routers(model, [r.name for r in records], seed=7)
+    input_ids = torch.randint(3, 96, (1, 11), generator=torch.Generator().manual_seed(2))
+    _run(model, records, input_ids)  # routed once with the settings patched
+    router = model.get_submodule(records[0].name)
+    state = router.__dict__["_colibri_routing"]
+    state.routing.options["collect_stats"] = True  # added, as _load adds a partition
+    for record in records:
+        setattr(model.get_submodule(record.name), attribute, value)
+    calls, _, logits = _run(model, records, input_ids)
+    assert router.__dict__["_colibri_routing"] is not state  # configured again
+    assert router.__dict__["_colibri_routing"].routing.options["collect_stats"] is True
+    unpatch(model)
+    ref_calls, _, ref_logits = _run(model, records, input_ids)
+    _assert_same_routing(ref_calls, calls, ordered=False)
+    torch.testing.assert_close(logits, ref_logits, atol=1e-4, rtol=1e-4)
+
+
 def test_state_dict_is_untouched_by_patch():
     model = build_model("mixtral")
     keys = list(model.state_dict())
