@@ -167,6 +167,7 @@ class _Layer:
     num_experts: int
     activation: str | None  # the fused kernel's name for the module's act_fn, if it has one
     paging: Paging
+    act: Any = None  # the act_fn activation was read from (another one: read again)
     next: tuple | None = None  # (layer, router, block) of the next paged MoE block
     handle: int = 0  # names the module to the colibri::experts operator (compiled graphs)
     held: HeldExperts | None = None  # the layer's experts kept, when the budget holds all
@@ -266,8 +267,19 @@ def page(name: str, module: nn.Module, paging: Paging) -> int:
         activation=_kernel_activation(module.act_fn),
         paging=paging,
         handle=_ops.handle(module),
+        act=module.act_fn,
     )
     return attach(module, state, IMPLEMENTATION, experts_forward)
+
+
+def _fresh(module: nn.Module, state: _Layer) -> _Layer:
+    """``state`` with its activation read again when ``module``'s ``act_fn`` was replaced
+    since it was read (the experts held for the old one let go): a module given another
+    activation after loading computes with it, on the kernel only where it is the kernel's."""
+    act = getattr(module, "act_fn", None)
+    if act is not state.act:
+        state.act, state.activation, state.held = act, _kernel_activation(act), None
+    return state
 
 
 def attach(module: nn.Module, state: _Layer, implementation: str, forward: Callable) -> int:
@@ -296,6 +308,8 @@ def held(module: nn.Module, dtype: torch.dtype, picked: tuple | None = None) -> 
     forward (which holds them at its first call). ``picked``: ``(config, function)``, what
     :func:`picked_for` gave for a config the caller read once for several layers (a token's)."""
     state = module.__dict__.get(_ATTR)
+    if state is not None:
+        _fresh(module, state)
     if (
         state is None
         or state.held is None
@@ -493,6 +507,7 @@ def experts_forward(
     state = paged_state(self, IMPLEMENTATION)
     if torch.compiler.is_compiling():  # an opaque node of the graph
         return _ops.experts(state.handle, hidden_states, top_k_index, top_k_weights)
+    _fresh(self, state)
     if state.activation is not None and hidden_states.dtype in _KERNEL_DTYPES:
         y = _held_forward(state, hidden_states, top_k_index, top_k_weights)
         if y is not None:

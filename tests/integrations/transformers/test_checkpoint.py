@@ -662,3 +662,43 @@ def test_partition_keeps_each_token_in_one_group(saved, tmp_path):
         from_pretrained(
             folder, budget=budget, page_size_kb=4, partition=Partition([[0, 1, 2], [3, 4, 5]])
         )
+
+
+def _block_output(model, ids) -> torch.Tensor:
+    """The first MoE block's output on ``ids``, float32."""
+    out = []
+    block = model.model.layers[0].mlp
+    handle = block.register_forward_hook(
+        lambda m, args, y: out.append((y[0] if isinstance(y, tuple) else y).float())
+    )
+    try:
+        logits(model, ids)
+    finally:
+        handle.remove()
+    return out[0]
+
+
+@pytest.mark.parametrize("budget", ["1GiB", "128KiB"])  # every expert held; two a layer
+@pytest.mark.parametrize("act", ["relu", "another silu"])
+def test_an_activation_replaced_after_loading_is_the_one_computed(tmp_path, budget, act):
+    """A bfloat16 experts module's ``act_fn`` replaced after loading computes the experts,
+    held or paged, as the resident model with the same replacement does (the fused kernel
+    only where it is SiLU, another SiLU module included): an MoE block's output to
+    bfloat16 rounding, and the decoding steps' greedy tokens."""
+    ref = build_model("qwen3_moe").to(torch.bfloat16)
+    randomise_routers(ref, [r.name for r in patch(ref)])
+    unpatch(ref)
+    ref.save_pretrained(tmp_path, max_shard_size="20KB")
+    model = from_pretrained(tmp_path, budget=budget, page_size_kb=4, read_ahead="off")
+    ids = token_ids(1, batch=1, length=4)
+    greedy = dict(do_sample=False, max_new_tokens=8, pad_token_id=0)
+    model.generate(ids, **greedy)  # the kernel's activation in use (its experts held)
+    before = _block_output(ref, ids)
+    for m in (model, ref):
+        for layer in m.model.layers:
+            layer.mlp.experts.act_fn = torch.nn.ReLU() if act == "relu" else torch.nn.SiLU()
+    want, scale = _block_output(ref, ids), before.abs().max().item()
+    assert act != "relu" or (want - before).abs().max().item() > scale / 4
+    torch.testing.assert_close(_block_output(model, ids), want, rtol=2**-6, atol=2**-6 * scale)
+    assert torch.equal(model.generate(ids, **greedy), ref.generate(ids, **greedy))
+    model.colibri.close()
