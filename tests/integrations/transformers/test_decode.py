@@ -199,11 +199,14 @@ def test_a_step_is_the_layer_forward_on_any_inputs(model):
     assert torch.equal(caches[0].layers[1].values, caches[1].layers[1].values)
 
 
-@pytest.mark.parametrize("change", ["norm", "epsilon", "projection", "router"])
+@pytest.mark.parametrize(
+    "change", ["norm", "epsilon", "projection", "router", "projection in place",
+               "router in place", "norm in place"]
+)  # fmt: skip
 def test_modules_changed_between_steps_are_read_again(model, steps, change):
     """What a step reads of its modules, kept between steps, is read again when a module
-    changes: a weight's memory replaced (``.data``, a new parameter), a norm's epsilon; the
-    steps stay the layers' own forward."""
+    changes: a weight's memory replaced (``.data``, a new parameter), a norm's epsilon; a
+    weight changed in place is read in place; the steps stay the layers' own forward."""
     ids = token_ids(seed=6, batch=1, length=5)
     before = _generate(model, ids)
     g = torch.Generator().manual_seed(1)
@@ -216,6 +219,12 @@ def test_modules_changed_between_steps_are_read_again(model, steps, change):
             attn.k_norm.variance_epsilon = 0.5
         elif change == "projection":
             attn.q_proj.weight = torch.nn.Parameter(attn.q_proj.weight.flip(0).contiguous())
+        elif change == "projection in place":
+            attn.q_proj.weight.mul_(-1.5)
+        elif change == "router in place":
+            gate.weight.mul_(-1.5)
+        elif change == "norm in place":
+            norm.weight.add_(0.5)
         else:
             gate.weight.data = gate.weight.data.flip(0).contiguous()
     ours = _generate(model, ids)
