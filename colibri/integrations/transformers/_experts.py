@@ -276,7 +276,8 @@ def _fresh(module: nn.Module, state: _Layer) -> _Layer:
     """``state`` with its activation read again when ``module``'s ``act_fn`` was replaced
     since it was read (the experts held for the old one let go): a module given another
     activation after loading computes with it, on the kernel only where it is the kernel's."""
-    act = getattr(module, "act_fn", None)
+    children = module.__dict__.get("_modules", {})  # a module act_fn, without __getattr__
+    act = children["act_fn"] if "act_fn" in children else getattr(module, "act_fn", None)
     if act is not state.act:
         state.act, state.activation, state.held = act, _kernel_activation(act), None
     return state
