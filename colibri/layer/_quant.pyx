@@ -1032,7 +1032,8 @@ cdef class Held:
             starts = np.empty(E, np.int64)
             rows = np.empty(max(n, 1), np.int64)
             scale = np.empty(max(n, 1), np.float32)
-            xs = np.empty((T, H), np.float32)
+            if kind:  # float32 rows are read in place
+                xs = np.empty((T, H), np.float32)
             ys = np.empty((T, H), np.float32)
         for a in range(n):
             e = ids[a // k, a % k]
