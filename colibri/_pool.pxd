@@ -2,11 +2,13 @@
 # runs kernels on it calls share_pool() when it is imported.
 
 from cpython.pycapsule cimport PyCapsule_GetPointer
+from libc.stdint cimport int64_t
 
 
 cdef extern from "colibri/pool.h" nogil:
     void *colibri_pool_instance() noexcept
     void colibri_pool_share(void *pool) noexcept
+    void colibri_pool_warm(const void *const *at, const int64_t *bytes, int count) noexcept
 
 
 cdef inline int share_pool() except -1:

@@ -17,7 +17,8 @@ weights (:func:`fast_layout` the quantized layout it reads fastest),
 embedding, :func:`attention` a decoding step's attention over its key/value cache;
 :func:`pre_attention` and :func:`post_attention` a decoder layer's one-token step around
 its attention in two calls, :class:`AttentionStep` the same with the cache update between
-them in one call, its arguments read once;
+them in one call, its arguments read once; :func:`warm` has the idle helper thread bring
+the next call's weights toward the caches while the caller's own code runs;
 :func:`dispatch`,
 :func:`gather` and :func:`combine` are vLLM-style token-reordering steps, usable with any
 expert implementation.
@@ -44,13 +45,14 @@ from colibri.layer._expert import (
 from colibri.layer._ffn import detected_path, ffn_path, simd_path
 from colibri.layer._moe import InMemoryExperts, MoELayer
 from colibri.layer._quant import check_row_values, dequantize, nonfinite_block, quantize
-from colibri.layer._step import AttentionStep
+from colibri.layer._step import WARM_MAX, AttentionStep, warm
 
 __all__ = [
     "KERNEL_MAX_ROWS",
     "AttentionStep",
     "NATIVE_HALF",
     "QUANT_KERNEL_MAX_ROWS",
+    "WARM_MAX",
     "DispatchPlan",
     "ExpertStore",
     "ExpertWeights",
@@ -79,4 +81,5 @@ __all__ = [
     "rope",
     "run_experts",
     "simd_path",
+    "warm",
 ]

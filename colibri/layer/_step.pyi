@@ -34,6 +34,10 @@ def leave(
     kind: int,
 ) -> None: ...
 
+WARM_MAX: int
+
+def warm(*arrays: object) -> None: ...
+
 class AttentionStep:
     H: int
     Hq: int
@@ -66,3 +70,4 @@ class AttentionStep:
         h: np.ndarray,
         logits: np.ndarray | None = None,
     ) -> None: ...
+    def warm(self) -> None: ...

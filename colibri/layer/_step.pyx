@@ -16,11 +16,12 @@ input quantized to q8 once and shared by the projections of one input); ``bias``
 ``[out]`` or None; ``threads`` colibri's threads (< 1: its default).
 """
 
+from cpython.buffer cimport PyBUF_SIMPLE, PyBuffer_Release, PyObject_GetBuffer
 from libc.stdint cimport int8_t, int32_t, int64_t, uint8_t, uint16_t
 from libc.stdlib cimport free, malloc
 
 from colibri._openmp cimport colibri_max_threads
-from colibri._pool cimport share_pool
+from colibri._pool cimport colibri_pool_warm, share_pool
 from colibri.layer._attention cimport head_stride
 from colibri.layer._half cimport (
     COLIBRI_W_BF16,
@@ -367,6 +368,51 @@ def leave(const value_t[:, ::1] q, const value_t[:, :, :] keys,
         free(b.x)
 
 
+WARM_MAX = 8  # arrays a warm takes (include/colibri/pool.h: COLIBRI_POOL_WARM_RANGES)
+
+
+def warm(*arrays):
+    """Have colibri's idle helper thread bring ``arrays`` toward the CPU caches, and return
+    at once.
+
+    For a caller with other work (an interpreter's) before a kernel call that will read
+    ``arrays`` (a layer's weights): the helper that spins between colibri's kernel calls
+    prefetches them meanwhile, in order, and stops where the next kernel call begins (which
+    never waits for it). A hint only: nothing is read into Python, nothing happens when no
+    helper is awake and free (one thread, a busy machine), and memory freed meanwhile is
+    harmless (a prefetch never faults).
+
+    Parameters
+    ----------
+    *arrays : buffer
+        At most 8 C-contiguous arrays (numpy, or any object with the buffer protocol).
+
+    Raises
+    ------
+    ValueError
+        More than 8 arrays, or one not contiguous.
+    TypeError
+        One without the buffer protocol.
+    """
+    cdef Py_buffer view
+    cdef const void *at[8]
+    cdef int64_t nbytes[8]
+    cdef int j
+    if len(arrays) > WARM_MAX:
+        raise ValueError(f"warm(): at most {WARM_MAX} arrays (got {len(arrays)})")
+    for j, a in enumerate(arrays):
+        try:
+            PyObject_GetBuffer(a, &view, PyBUF_SIMPLE)
+        except (BufferError, ValueError) as e:
+            raise ValueError(f"warm(): array {j} must be C-contiguous ({e})") from None
+        except TypeError:
+            raise TypeError(f"warm(): array {j} must be an array or another object with the "
+                            f"buffer protocol (got {type(a).__name__})") from None
+        at[j], nbytes[j] = view.buf, view.len
+        PyBuffer_Release(&view)
+    colibri_pool_warm(at, nbytes, len(arrays))
+
+
 cdef class AttentionStep:
     """A decoder layer's attention half for one token, its arguments read once: :func:`enter`,
     the token's key and value appended to the caller's cache buffers, then :func:`leave`, in
@@ -450,6 +496,21 @@ cdef class AttentionStep:
             raise ValueError(f"{where}: norm_post [{self.sizes[3]}] must be [H] like norm "
                              f"[{self.H}]")
         return 0
+
+    def warm(self):
+        """:func:`warm` of this step's weights (its projections' and router's), in the order
+        its call reads them: for a caller with other work before the call."""
+        cdef const void *at[5]
+        cdef int64_t nbytes[5]
+        cdef int j, n = 5 if self.routed else 4
+        cdef proj_t *p
+        for j in range(n):
+            p = &self.p[j]
+            if p.qtype >= 0:
+                at[j], nbytes[j] = p.blocks, p.ldw * p.out_dim
+            else:
+                at[j], nbytes[j] = p.bits, 2 * p.ldw * p.out_dim
+        colibri_pool_warm(at, nbytes, n)
 
     def __call__(self, x, cos, sin, keys, values, Py_ssize_t row, float scale, x_out, h,
                  logits=None):

@@ -9,6 +9,9 @@
  * that wakes late finds no work, or a later call's: claims carry the call's generation,
  * so a stale helper can never run a chunk of the wrong call.
  *
+ * Between calls a spinning helper can be handed a warm (colibri_pool_warm): prefetching the
+ * next call's weights while the caller runs its own code, given up when that call begins.
+ *
  * POSIX threads; elsewhere (or without GCC/Clang atomics) colibri_pool_run falls back to
  * an OpenMP loop. One call at a time uses the helpers; a concurrent caller runs its chunks
  * alone (still no stall). Helpers: COLIBRI_POOL_MAX - 1 at most, made on first use.
@@ -36,6 +39,10 @@ typedef void (*colibri_chunk_fn)(void *arg, int32_t chunk);
 #endif
 
 #define COLIBRI_POOL_MAX 64
+/* A warm (colibri_pool_warm) covers at most this many ranges, in chunks of this many bytes:
+ * a helper looks for a new call between chunks (~1-2 us apart). */
+#define COLIBRI_POOL_WARM_RANGES 8
+#define COLIBRI_POOL_WARM_CHUNK (32 << 10)
 /* How long a helper spins for new work before it sleeps, in nanoseconds. A model's decoding
  * step calls colibri's kernels every 0.1-0.5 ms with the host framework's operations in
  * between; a helper asleep by then is woken through the OS (tens of microseconds, in a VM
@@ -72,6 +79,11 @@ typedef struct {
     /* claims: generation << 32 | next chunk; finished chunks of the current call */
     volatile uint64_t claim;
     volatile int32_t done;
+    /* the current call is a warm (colibri_pool_warm) of these ranges, not fn's chunks */
+    int warm;
+    const char *at[COLIBRI_POOL_WARM_RANGES];
+    int64_t ends[COLIBRI_POOL_WARM_RANGES];  /* chunk after each range's last */
+    int64_t sizes[COLIBRI_POOL_WARM_RANGES]; /* bytes */
 } colibri_pool_t;
 
 static colibri_pool_t colibri_pool_own = {PTHREAD_MUTEX_INITIALIZER,
@@ -87,7 +99,11 @@ static colibri_pool_t colibri_pool_own = {PTHREAD_MUTEX_INITIALIZER,
                                           0,
                                           0,
                                           0,
-                                          0};
+                                          0,
+                                          0,
+                                          {0},
+                                          {0},
+                                          {0}};
 /* The pool this module's calls use: its own until colibri_pool_share(). */
 static colibri_pool_t *colibri_pool_used = &colibri_pool_own;
 
@@ -130,6 +146,37 @@ static inline void colibri_pool_work(colibri_pool_t *p, uint32_t gen, colibri_ch
     }
 }
 
+/* Prefetch the chunks of warm `gen` until none is left or a call began. The ranges are
+ * read without the lock (relaxed atomics): a later warm may rewrite them under a stale
+ * helper, which then prefetches at most one chunk of other addresses, harmless (a prefetch
+ * never faults). */
+static inline void colibri_pool_warm_work(colibri_pool_t *p, uint32_t gen, int32_t chunks)
+{
+    for (;;) {
+        uint64_t c = __atomic_load_n(&p->claim, __ATOMIC_ACQUIRE);
+        int32_t chunk = (int32_t)(uint32_t)c, j = 0;
+        int64_t first = 0, n, i;
+        const char *at;
+        if ((uint32_t)(c >> 32) != gen || chunk >= chunks)
+            return;
+        if (!__atomic_compare_exchange_n(&p->claim, &c, c + 1, 0, __ATOMIC_ACQ_REL,
+                                         __ATOMIC_ACQUIRE))
+            continue;
+        while (j + 1 < COLIBRI_POOL_WARM_RANGES
+               && (n = __atomic_load_n(&p->ends[j], __ATOMIC_RELAXED)) <= chunk) {
+            first = n;
+            j++;
+        }
+        first = (int64_t)(chunk - first) * COLIBRI_POOL_WARM_CHUNK; /* offset in range j */
+        at = __atomic_load_n(&p->at[j], __ATOMIC_RELAXED) + first;
+        n = __atomic_load_n(&p->sizes[j], __ATOMIC_RELAXED) - first;
+        if (n > COLIBRI_POOL_WARM_CHUNK)
+            n = COLIBRI_POOL_WARM_CHUNK;
+        for (i = 0; i < n; i += 64)
+            __builtin_prefetch(at + i, 0, 3);
+    }
+}
+
 static void *colibri_pool_helper(void *self)
 {
     colibri_pool_t *p = (colibri_pool_t *)self;
@@ -142,6 +189,7 @@ static void *colibri_pool_helper(void *self)
         void *arg;
         int32_t chunks;
         uint32_t gen;
+        int warm;
         while (p->gen == seen) {
             /* spin first: the next call of a decoding step finds it awake */
             pthread_mutex_unlock(&p->lock);
@@ -157,10 +205,14 @@ static void *colibri_pool_helper(void *self)
         fn = p->fn;
         arg = p->arg;
         chunks = p->chunks;
+        warm = p->warm;
         if (index >= p->want) /* this call asked for fewer helpers */
             continue;
         pthread_mutex_unlock(&p->lock);
-        colibri_pool_work(p, gen, fn, arg, chunks);
+        if (warm)
+            colibri_pool_warm_work(p, gen, chunks);
+        else
+            colibri_pool_work(p, gen, fn, arg, chunks);
         pthread_mutex_lock(&p->lock);
     }
     return NULL;
@@ -268,6 +320,7 @@ static inline void colibri_pool_run(colibri_chunk_fn fn, void *arg, int32_t chun
         p->arg = arg;
         p->chunks = chunks;
         p->want = threads - 1;
+        p->warm = 0;
         p->done = 0;
         __atomic_store_n(&p->claim, (uint64_t)gen << 32, __ATOMIC_RELEASE);
         __atomic_store_n(&p->gen, gen, __ATOMIC_RELEASE); /* spinning helpers look here */
@@ -290,6 +343,56 @@ static inline void colibri_pool_run(colibri_chunk_fn fn, void *arg, int32_t chun
 #endif
     for (c = 0; c < chunks; c++)
         fn(arg, c);
+#endif
+}
+
+/* Hand a spinning helper the prefetch of `count` ranges of memory (the next call's weights)
+ * and return at once: the helper brings them toward the caches while the caller runs its
+ * own code (the interpreter between two kernels), and leaves them for the next call, which
+ * never waits for it. Nothing happens when no helper is awake and free: a warm never wakes
+ * one or waits for a lock. Prefetches never fault: memory freed meanwhile is harmless. */
+static inline void colibri_pool_warm(const void *const *at, const int64_t *bytes, int count)
+{
+#ifdef COLIBRI_POOL_THREADS
+    colibri_pool_t *p = colibri_pool_used;
+    int64_t chunks = 0;
+    int j, kept = 0;
+    if (pthread_mutex_trylock(&p->busy) != 0) /* a call (another thread's) has the helpers */
+        return;
+    if (pthread_mutex_trylock(&p->lock) != 0) {
+        pthread_mutex_unlock(&p->busy);
+        return;
+    }
+    if (p->helpers > 0 && p->pid == getpid() && !p->sleeping) {
+        for (j = 0; j < count && kept < COLIBRI_POOL_WARM_RANGES; j++) {
+            if (bytes[j] <= 0 || at[j] == NULL)
+                continue;
+            chunks += (bytes[j] + COLIBRI_POOL_WARM_CHUNK - 1) / COLIBRI_POOL_WARM_CHUNK;
+            __atomic_store_n(&p->at[kept], (const char *)at[j], __ATOMIC_RELAXED);
+            __atomic_store_n(&p->sizes[kept], bytes[j], __ATOMIC_RELAXED);
+            __atomic_store_n(&p->ends[kept++], chunks, __ATOMIC_RELAXED);
+        }
+        for (j = kept; j < COLIBRI_POOL_WARM_RANGES; j++) {
+            __atomic_store_n(&p->sizes[j], 0, __ATOMIC_RELAXED);
+            __atomic_store_n(&p->ends[j], chunks, __ATOMIC_RELAXED);
+        }
+    }
+    if (chunks > 0 && chunks <= INT32_MAX) {
+        uint32_t gen = p->gen + 1;
+        p->fn = NULL;
+        p->arg = NULL;
+        p->warm = 1;
+        p->chunks = (int32_t)chunks;
+        p->want = 1; /* one helper: the others (more cores) stay free for the next call */
+        __atomic_store_n(&p->claim, (uint64_t)gen << 32, __ATOMIC_RELEASE);
+        __atomic_store_n(&p->gen, gen, __ATOMIC_RELEASE); /* spinning helpers look here */
+    }
+    pthread_mutex_unlock(&p->lock);
+    pthread_mutex_unlock(&p->busy);
+#else
+    (void)at;
+    (void)bytes;
+    (void)count;
 #endif
 }
 

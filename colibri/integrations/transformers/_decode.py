@@ -53,6 +53,7 @@ from colibri.layer import (
     quant_linear,
     rms_norm,
     rope,
+    warm,
 )
 
 __all__ = ["install"]
@@ -579,10 +580,11 @@ class _Model:
     """A decoder model's one-token step: what its forward computes (embedding, rotary
     embedding, the layers, final norm), each layer's step called directly."""
 
-    __slots__ = ("code", "layers", "model", "module", "steps")
+    __slots__ = ("code", "head", "layers", "model", "module", "steps")
 
     def __init__(self, model: nn.Module) -> None:
         self.model, self.code = model, type(model).forward
+        self.head: tuple = ()  # (top model, name): its LM head, whose weights are warmed
         self.layers = tuple(model.layers)  # the ModuleList's modules, to see them replaced
         self.steps = tuple((layer, layer.__dict__[_STATE]) for layer in self.layers)
         self.module = sys.modules[type(model).__module__]  # its mask functions, output class
@@ -623,6 +625,7 @@ class _Model:
         as a module call); None, having changed nothing, when the causal mask is not None
         (the layers' steps need none: the model's forward runs)."""
         model = self.model
+        _warm(self.steps, 0)  # while the embedding, mask and rotary embedding run
         if use_cache is None:  # merge_with_config_defaults' default
             use_cache = getattr(model.config, "use_cache", None)
         hidden = model.embed_tokens(input_ids)
@@ -647,7 +650,7 @@ class _Model:
         direct = interface is _attention.forward and _attention.plain(given)
         picked = (config, _experts.picked_for(config))  # the experts' function, likewise
         x = None  # the hidden state's values between steps (hidden is stale while not None)
-        for layer, state in self.steps:
+        for i, (layer, state) in enumerate(self.steps):
             if (
                 plain
                 and getattr(layer.__dict__.get("forward"), "__func__", None) is _forward
@@ -662,6 +665,7 @@ class _Model:
                         x = values_of(hidden).reshape(size)
                     y = state.step(x, dtype, cache, position_embeddings, reused, picked)
                     if y is not None:
+                        _warm(self.steps, i + 1)
                         x = y
                         continue
                 if x is not None:
@@ -678,6 +682,8 @@ class _Model:
                                past_key_values=cache, use_cache=use_cache,
                                position_embeddings=position_embeddings, **kwargs)  # fmt: skip
                 plain = _plain(hidden, cache, position_embeddings, size)
+        if self.head:  # the LM head's weights, while the count and the norm run
+            _warm(self.steps, len(self.steps), self.head[0]._modules.get(self.head[1]))
         reused.tell()
         norm = None if x is None else _norms.direct(model.norm, dtype, size)
         if norm is not None:  # the final norm's kernel on the values (the module has no hooks)
@@ -691,6 +697,21 @@ class _Model:
 
 
 _KWARGS = frozenset({*_OUTPUTS, "return_dict"})
+
+
+def _warm(steps: tuple, i: int, head: nn.Module | None = None) -> None:
+    """Have colibri's idle helper bring layer ``i``'s attention weights toward the caches
+    (its step as last read: a hint, stale or missing ones harmless) while the interpreter
+    runs the code before its step; past the last layer, ``head``'s (the LM head's) when
+    colibri's kernel computes it (:func:`colibri.layer.warm`)."""
+    if i < len(steps):
+        arguments = steps[i][1].given[1]
+        if arguments is not None and arguments[4] is not None:
+            arguments[4].warm()
+    elif head is not None:
+        given = _linears.direct(head)
+        if given is not None:
+            warm(given[0])
 
 
 def _model_forward(self: nn.Module, input_ids=None, attention_mask=None, position_ids=None,
@@ -752,4 +773,9 @@ def install(model: nn.Module) -> list[str]:
             module.__dict__[_STATE] = state(module)
             module.__dict__["forward"] = types.MethodType(forward, module)
             taken.append(name)
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    name = next((n for n, m in model._modules.items() if m is head and m is not None), None)
+    for module in model.modules():  # the LM head looked up a token: replaced, the new one
+        if name is not None and isinstance(module.__dict__.get(_STATE), _Model):
+            module.__dict__[_STATE].head = (model, name)
     return taken

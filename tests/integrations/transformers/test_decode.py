@@ -34,8 +34,9 @@ def model(folder, request):
 def native(monkeypatch):
     """The native steps run: attention halves (``pre_attention`` calls, or ``AttentionStep``
     calls: ``planned``), those that computed the router's logits, steps that called the held
-    experts themselves, routes the steps ran themselves (``plain``)."""
-    ran = {"enter": 0, "routed": 0, "held": 0, "plain": 0, "planned": 0}
+    experts themselves, routes the steps ran themselves (``plain``), AttentionSteps warmed
+    (``warm``)."""
+    ran = {"enter": 0, "routed": 0, "held": 0, "plain": 0, "planned": 0, "warm": 0}
     enter, leave, held = _decode.pre_attention, _decode.post_attention, _decode._experts.held
     plain, planned = _decode._patch.plain, _decode.AttentionStep
 
@@ -43,6 +44,10 @@ def native(monkeypatch):
         def __init__(self, *args):
             self.step = planned(*args)
             self.E = self.step.E
+
+        def warm(self):
+            self.step.warm()
+            ran["warm"] += 1
 
         def __call__(self, *args):
             self.step(*args)
@@ -146,7 +151,10 @@ def test_steps_equal_the_layers_own_forward(model, steps, native, tokens):
     # every step's experts held after the prompt's (a budget that holds them all), every
     # attention half one call with the cache update
     counts = ("enter", "routed", "held", "plain", "planned")
-    assert native == dict.fromkeys(counts, 5 * layers * on_colibri)
+    # each layer's weights warmed before its step, from the second step on (the first
+    # makes each layer's AttentionStep)
+    assert native == {**dict.fromkeys(counts, 5 * layers * on_colibri),
+                      "warm": 4 * layers * on_colibri}  # fmt: skip
     _own_forward(model)
     theirs = _generate(model, ids)
     assert torch.equal(ours.sequences, theirs.sequences)
