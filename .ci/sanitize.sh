@@ -42,6 +42,7 @@ LD_PRELOAD="$libasan" pytest -q -p no:cacheprovider \
   tests/routing/test_routing.py tests/dlpack/test_dlpack.py tests/layer/test_dispatch.py tests/pager/test_pager.py \
   tests/test_fuzz.py tests/test_threads.py tests/layer/test_held.py tests/layer/test_quant.py \
   tests/layer/test_attention.py tests/layer/test_norm.py tests/layer/test_rope.py tests/layer/test_step.py \
+  tests/layer/test_warm.py \
   --deselect tests/pager/test_pager.py::test_streaming_8x_the_budget_keeps_peak_rss_bounded \
   --deselect tests/pager/test_pager.py::test_populate_commits_the_read_pool_at_once \
   -k "not test_a_budget_without_limit_is_capped_at_the_experts_in_the_files" \
