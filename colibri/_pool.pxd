@@ -6,6 +6,8 @@ from libc.stdint cimport int64_t
 
 
 cdef extern from "colibri/pool.h" nogil:
+    enum:
+        COLIBRI_POOL_WARM_RANGES  # the most ranges a warm takes
     void *colibri_pool_instance() noexcept
     void colibri_pool_share(void *pool) noexcept
     void colibri_pool_warm(const void *const *at, const int64_t *bytes, int count) noexcept

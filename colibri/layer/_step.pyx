@@ -21,7 +21,7 @@ from libc.stdint cimport int8_t, int32_t, int64_t, uint8_t, uint16_t
 from libc.stdlib cimport free, malloc
 
 from colibri._openmp cimport colibri_max_threads
-from colibri._pool cimport colibri_pool_warm, share_pool
+from colibri._pool cimport COLIBRI_POOL_WARM_RANGES, colibri_pool_warm, share_pool
 from colibri.layer._attention cimport head_stride
 from colibri.layer._half cimport (
     COLIBRI_W_BF16,
@@ -368,7 +368,7 @@ def leave(const value_t[:, ::1] q, const value_t[:, :, :] keys,
         free(b.x)
 
 
-WARM_MAX = 8  # arrays a warm takes (include/colibri/pool.h: COLIBRI_POOL_WARM_RANGES)
+WARM_MAX = COLIBRI_POOL_WARM_RANGES  # the most arrays a warm takes
 
 
 def warm(*arrays):
@@ -395,10 +395,10 @@ def warm(*arrays):
         One without the buffer protocol.
     """
     cdef Py_buffer view
-    cdef const void *at[8]
-    cdef int64_t nbytes[8]
+    cdef const void *at[COLIBRI_POOL_WARM_RANGES]
+    cdef int64_t nbytes[COLIBRI_POOL_WARM_RANGES]
     cdef int j
-    if len(arrays) > WARM_MAX:
+    if len(arrays) > COLIBRI_POOL_WARM_RANGES:
         raise ValueError(f"warm(): at most {WARM_MAX} arrays (got {len(arrays)})")
     for j, a in enumerate(arrays):
         try:
