@@ -130,18 +130,26 @@ static inline void colibri_pool_spin(uint32_t *gen, uint32_t seen)
     }
 }
 
-/* Claim and run chunks of call `gen` until none is left (or a later call began). */
-static inline void colibri_pool_work(colibri_pool_t *p, uint32_t gen, colibri_chunk_fn fn,
-                                     void *arg, int32_t chunks)
+/* The next chunk of call `gen`, claimed; -1 when none is left (or a later call began). */
+static inline int32_t colibri_pool_claim(colibri_pool_t *p, uint32_t gen, int32_t chunks)
 {
     for (;;) {
         uint64_t c = __atomic_load_n(&p->claim, __ATOMIC_ACQUIRE);
         if ((uint32_t)(c >> 32) != gen || (int32_t)(uint32_t)c >= chunks)
-            return;
-        if (!__atomic_compare_exchange_n(&p->claim, &c, c + 1, 0, __ATOMIC_ACQ_REL,
-                                         __ATOMIC_ACQUIRE))
-            continue;
-        fn(arg, (int32_t)(uint32_t)c);
+            return -1;
+        if (__atomic_compare_exchange_n(&p->claim, &c, c + 1, 0, __ATOMIC_ACQ_REL,
+                                        __ATOMIC_ACQUIRE))
+            return (int32_t)(uint32_t)c;
+    }
+}
+
+/* Claim and run chunks of call `gen` until none is left (or a later call began). */
+static inline void colibri_pool_work(colibri_pool_t *p, uint32_t gen, colibri_chunk_fn fn,
+                                     void *arg, int32_t chunks)
+{
+    int32_t c;
+    while ((c = colibri_pool_claim(p, gen, chunks)) >= 0) {
+        fn(arg, c);
         __atomic_fetch_add(&p->done, 1, __ATOMIC_RELEASE);
     }
 }
@@ -152,16 +160,11 @@ static inline void colibri_pool_work(colibri_pool_t *p, uint32_t gen, colibri_ch
  * never faults). */
 static inline void colibri_pool_warm_work(colibri_pool_t *p, uint32_t gen, int32_t chunks)
 {
-    for (;;) {
-        uint64_t c = __atomic_load_n(&p->claim, __ATOMIC_ACQUIRE);
-        int32_t chunk = (int32_t)(uint32_t)c, j = 0;
+    int32_t chunk;
+    while ((chunk = colibri_pool_claim(p, gen, chunks)) >= 0) {
+        int32_t j = 0;
         int64_t first = 0, n, i;
         const char *at;
-        if ((uint32_t)(c >> 32) != gen || chunk >= chunks)
-            return;
-        if (!__atomic_compare_exchange_n(&p->claim, &c, c + 1, 0, __ATOMIC_ACQ_REL,
-                                         __ATOMIC_ACQUIRE))
-            continue;
         while (j + 1 < COLIBRI_POOL_WARM_RANGES
                && (n = __atomic_load_n(&p->ends[j], __ATOMIC_RELAXED)) <= chunk) {
             first = n;
